@@ -1,0 +1,82 @@
+//! Writes the hook macro input and the coverage listing.
+
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+use crate::Library;
+use crate::route::Routed;
+use crate::table::{Class, format_version};
+
+/// The `hook_macros::hooks!` input: one `extern "C"` block whose items carry their routing in a
+/// `#[vgpu(...)]` attribute.
+pub fn hooks_input(routed: &[Routed]) -> String {
+    let mut out = String::from("hook_macros::hooks! {\nextern \"C\" {\n");
+    for function in routed {
+        let mut attr = format!(
+            "library = {}, class = {}",
+            function.library.key(),
+            function.class.key().replace('-', "_")
+        );
+        if let Some(handler) = &function.handler {
+            let _ = write!(attr, ", handler = crate::{handler}, args({})", function.args.join(", "));
+        }
+        let params: Vec<String> = function
+            .prototype
+            .params
+            .iter()
+            .map(|p| format!("{}: {}", p.name, p.ty))
+            .collect();
+        let _ = writeln!(
+            out,
+            "#[vgpu({attr})]\nfn {}({}) -> {};",
+            function.prototype.name,
+            params.join(", "),
+            function.prototype.ret
+        );
+    }
+    out.push_str("}\n}\n");
+    out
+}
+
+/// A sorted, human-readable listing of every function with its class and handler.
+pub fn coverage(routed: &[Routed], cuda_version: u32) -> String {
+    let mut out = format!("# vgpu API coverage, CUDA {} headers\n", format_version(cuda_version));
+    for library in Library::ALL {
+        let mut counts: BTreeMap<Class, usize> = BTreeMap::new();
+        let mut total = 0;
+        for function in routed.iter().filter(|f| f.library == library) {
+            *counts.entry(function.class).or_default() += 1;
+            total += 1;
+        }
+        let classes: Vec<String> = counts.iter().map(|(class, n)| format!("{} {n}", class.key())).collect();
+        let _ = writeln!(
+            out,
+            "# {}: {total} functions ({})",
+            library.header(),
+            classes.join(", ")
+        );
+    }
+    let width = routed.iter().map(|f| f.prototype.name.len()).max().unwrap_or(0);
+    let mut lines: Vec<String> = routed
+        .iter()
+        .map(|function| {
+            let handler = match &function.handler {
+                Some(handler) => format!("  {handler}({})", function.args.join(", ")),
+                None => String::new(),
+            };
+            format!(
+                "{:width$}  {:16}{handler}",
+                function.prototype.name,
+                function.class.key()
+            )
+            .trim_end()
+            .to_string()
+        })
+        .collect();
+    lines.sort();
+    for line in lines {
+        out.push_str(&line);
+        out.push('\n');
+    }
+    out
+}

@@ -1,0 +1,61 @@
+//! Joins a header's prototypes with the table: every function gets a class, and special ones a
+//! handler with the arguments it asked for.
+
+use crate::prototypes::{Header, Prototype};
+use crate::table::{Class, Table};
+use crate::{Error, Library, Result};
+
+/// One function of a header with what the hook does with it.
+#[derive(Clone, Debug)]
+pub struct Routed {
+    pub library: Library,
+    pub prototype: Prototype,
+    pub class: Class,
+    pub handler: Option<String>,
+    pub args: Vec<String>,
+}
+
+/// Routes every function of `header`; functions the table does not name are passthrough.
+pub fn join(header: &Header, table: &Table, library: Library, version: u32) -> Result<Vec<Routed>> {
+    let mut routed = Vec::with_capacity(header.functions.len());
+    for prototype in &header.functions {
+        let Some((index, entry)) = table.entry_for(&prototype.name) else {
+            routed.push(Routed {
+                library,
+                prototype: prototype.clone(),
+                class: Class::Passthrough,
+                handler: None,
+                args: vec![],
+            });
+            continue;
+        };
+        let label = entry.label(index);
+        if !entry.applies_to(version) {
+            return Err(Error(format!(
+                "{label}: {} is declared in {} although the entry excludes CUDA {}",
+                prototype.name,
+                library.header(),
+                crate::table::format_version(version)
+            )));
+        }
+        for arg in &entry.args {
+            if !prototype.params.iter().any(|param| &param.name == arg) {
+                let names: Vec<&str> = prototype.params.iter().map(|p| p.name.as_str()).collect();
+                return Err(Error(format!(
+                    "{label}: {} in {} has no parameter `{arg}` (it has: {})",
+                    prototype.name,
+                    library.header(),
+                    names.join(", ")
+                )));
+            }
+        }
+        routed.push(Routed {
+            library,
+            prototype: prototype.clone(),
+            class: entry.class,
+            handler: entry.handler.clone(),
+            args: entry.args.clone(),
+        });
+    }
+    Ok(routed)
+}

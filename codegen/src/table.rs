@@ -1,0 +1,211 @@
+//! `cuda-api.toml`: the single source of truth for which entry points are special.
+
+use std::collections::HashSet;
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::route::Routed;
+use crate::{Error, Result};
+
+/// What the hook does with a function.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Class {
+    /// Forwarded to the real function unchanged (the default for anything not in the table).
+    Passthrough,
+    /// Charges or releases device memory.
+    MemoryAccounted,
+    /// Gated by the compute limiter.
+    LaunchThrottled,
+    /// Hand-written behaviour (proc-address lookups, initialisation, memory queries).
+    Overridden,
+}
+
+impl Class {
+    pub fn key(self) -> &'static str {
+        match self {
+            Class::Passthrough => "passthrough",
+            Class::MemoryAccounted => "memory-accounted",
+            Class::LaunchThrottled => "launch-throttled",
+            Class::Overridden => "overridden",
+        }
+    }
+}
+
+/// One `[[entry]]` of the table.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Entry {
+    pub class: Class,
+    /// Path below the hook crate's root, e.g. `memory::alloc`. Required unless passthrough.
+    #[serde(default)]
+    pub handler: Option<String>,
+    /// The parameters the handler receives, by their header names, after the call itself.
+    #[serde(default)]
+    pub args: Vec<String>,
+    pub functions: Vec<String>,
+    /// First CUDA version (as in `CUDA_VERSION`, e.g. 12030) whose headers have these functions.
+    #[serde(default)]
+    pub since: Option<u32>,
+    /// First CUDA version whose headers no longer have them.
+    #[serde(default)]
+    pub until: Option<u32>,
+    /// Why the entry is here, for the reader.
+    #[serde(default)]
+    pub why: Option<String>,
+}
+
+impl Entry {
+    /// A short name for error messages.
+    pub fn label(&self, index: usize) -> String {
+        format!(
+            "cuda-api.toml entry #{} ({} {})",
+            index + 1,
+            self.class.key(),
+            self.functions.first().map(String::as_str).unwrap_or("<no functions>")
+        )
+    }
+
+    /// Whether the header of `version` must declare this entry's functions.
+    pub fn applies_to(&self, version: u32) -> bool {
+        self.since.is_none_or(|since| version >= since) && self.until.is_none_or(|until| version < until)
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Table {
+    #[serde(rename = "entry")]
+    pub entries: Vec<Entry>,
+}
+
+impl Table {
+    pub fn load(path: &Path) -> Result<Table> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error(format!("cannot read {}: {e}", path.display())))?;
+        Table::parse(&text).map_err(|Error(message)| Error(format!("{}: {message}", path.display())))
+    }
+
+    pub fn parse(text: &str) -> Result<Table> {
+        let table: Table = toml::from_str(text).map_err(|e| Error(e.to_string()))?;
+        let mut seen = HashSet::new();
+        for (index, entry) in table.entries.iter().enumerate() {
+            let label = entry.label(index);
+            if entry.functions.is_empty() {
+                return Err(Error(format!("{label} lists no functions")));
+            }
+            match (entry.class, &entry.handler) {
+                (Class::Passthrough, Some(_)) => {
+                    return Err(Error(format!("{label}: a passthrough entry takes no handler")));
+                }
+                (Class::Passthrough, None) => {}
+                (_, None) => return Err(Error(format!("{label}: class {} needs a handler", entry.class.key()))),
+                (_, Some(handler)) if !is_handler_path(handler) => {
+                    return Err(Error(format!(
+                        "{label}: handler `{handler}` is not a path like module::function"
+                    )));
+                }
+                _ => {}
+            }
+            for name in &entry.functions {
+                if !seen.insert(name.clone()) {
+                    return Err(Error(format!("{label}: {name} is listed in more than one entry")));
+                }
+            }
+        }
+        Ok(table)
+    }
+
+    /// Every function the table names must have been found in its header, unless the entry says
+    /// the header version lies outside the versions it applies to.
+    pub fn check_all_used(&self, routed: &[Routed], version: u32) -> Result<()> {
+        let found: HashSet<&str> = routed.iter().map(|r| r.prototype.name.as_str()).collect();
+        for (index, entry) in self.entries.iter().enumerate() {
+            for name in &entry.functions {
+                if !found.contains(name.as_str()) && entry.applies_to(version) {
+                    return Err(Error(format!(
+                        "{}: {name} is not declared in the CUDA {} headers (add `since`/`until` if it belongs to other versions)",
+                        entry.label(index),
+                        format_version(version)
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The entry that names `function`, with its index.
+    pub fn entry_for(&self, function: &str) -> Option<(usize, &Entry)> {
+        self.entries
+            .iter()
+            .enumerate()
+            .find(|(_, entry)| entry.functions.iter().any(|name| name == function))
+    }
+}
+
+fn is_handler_path(handler: &str) -> bool {
+    let parts: Vec<&str> = handler.split("::").collect();
+    parts.len() >= 2
+        && parts.iter().all(|part| {
+            part.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+                && part.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        })
+}
+
+/// `13000` as `13.0`.
+pub fn format_version(version: u32) -> String {
+    format!("{}.{}", version / 1000, (version % 1000) / 10)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rejects_missing_handler() {
+        let err = Table::parse("[[entry]]\nclass = \"memory-accounted\"\nfunctions = [\"cuMemAlloc_v2\"]\n")
+            .err()
+            .map(|e| e.0);
+        assert_eq!(
+            err.as_deref(),
+            Some("cuda-api.toml entry #1 (memory-accounted cuMemAlloc_v2): class memory-accounted needs a handler")
+        );
+    }
+
+    #[test]
+    fn rejects_duplicate_function() {
+        let text = "[[entry]]\nclass = \"overridden\"\nhandler = \"a::b\"\nfunctions = [\"cuInit\"]\n\
+                    [[entry]]\nclass = \"overridden\"\nhandler = \"a::c\"\nfunctions = [\"cuInit\"]\n";
+        let err = Table::parse(text).err().map(|e| e.0).unwrap_or_default();
+        assert!(
+            err.contains("entry #2") && err.contains("cuInit is listed in more than one entry"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn rejects_bad_handler_path_and_unknown_keys() {
+        let bad_path = "[[entry]]\nclass = \"overridden\"\nhandler = \"no_module\"\nfunctions = [\"cuInit\"]\n";
+        assert!(Table::parse(bad_path).is_err());
+        let unknown = "[[entry]]\nclass = \"overridden\"\nhandler = \"a::b\"\nfunctions = [\"cuInit\"]\nextra = 1\n";
+        assert!(Table::parse(unknown).is_err());
+    }
+
+    #[test]
+    fn version_ranges() {
+        let entry = Entry {
+            class: Class::Passthrough,
+            handler: None,
+            args: vec![],
+            functions: vec!["x".into()],
+            since: Some(12030),
+            until: Some(13000),
+            why: None,
+        };
+        assert!(!entry.applies_to(12020));
+        assert!(entry.applies_to(12030));
+        assert!(entry.applies_to(12090));
+        assert!(!entry.applies_to(13000));
+        assert_eq!(format_version(12090), "12.9");
+    }
+}

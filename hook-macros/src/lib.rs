@@ -1,0 +1,201 @@
+//! `hooks!`: expands the function list that `vgpu-codegen` writes into
+//!
+//! - one exported `extern "C"` wrapper per function, whose body runs under `catch_unwind`, resolves
+//!   the real function lazily through its slot, and either forwards the call (passthrough) or hands
+//!   a closure that makes the call to the handler the table names;
+//! - `EXPORTS`: every function's name, wrapper address and real-function slot, sorted by name (the
+//!   table that `dlsym` and `cuGetProcAddress` answer from);
+//! - `real::<name>()`: typed access to each real function for the runtime's own calls.
+//!
+//! Input: `extern "C" { #[vgpu(library = cuda, class = memory_accounted,
+//! handler = crate::memory::alloc, args(dptr, bytesize))] fn cuMemAlloc_v2(..) -> CUresult; .. }`.
+
+use proc_macro::TokenStream;
+use proc_macro2::{Span, TokenStream as TokenStream2};
+use quote::{format_ident, quote};
+use syn::parse::{Parse, ParseStream};
+use syn::{ForeignItem, ForeignItemFn, Ident, ItemForeignMod, Path};
+
+struct Function {
+    item: ForeignItemFn,
+    library: Ident,
+    handler: Option<(Path, Vec<Ident>)>,
+}
+
+struct Input {
+    functions: Vec<Function>,
+}
+
+impl Parse for Input {
+    fn parse(input: ParseStream) -> syn::Result<Self> {
+        let block: ItemForeignMod = input.parse()?;
+        let mut functions = Vec::new();
+        for item in block.items {
+            let ForeignItem::Fn(mut item) = item else {
+                return Err(syn::Error::new(Span::call_site(), "hooks!: only functions are allowed"));
+            };
+            let mut library = None;
+            let mut class = None;
+            let mut handler_path = None;
+            let mut handler_args = Vec::new();
+            let attrs = std::mem::take(&mut item.attrs);
+            for attr in attrs {
+                if !attr.path().is_ident("vgpu") {
+                    item.attrs.push(attr);
+                    continue;
+                }
+                attr.parse_nested_meta(|meta| {
+                    if meta.path.is_ident("library") {
+                        library = Some(meta.value()?.parse::<Ident>()?);
+                    } else if meta.path.is_ident("class") {
+                        class = Some(meta.value()?.parse::<Ident>()?);
+                    } else if meta.path.is_ident("handler") {
+                        handler_path = Some(meta.value()?.parse::<Path>()?);
+                    } else if meta.path.is_ident("args") {
+                        meta.parse_nested_meta(|arg| {
+                            handler_args.push(arg.path.require_ident()?.clone());
+                            Ok(())
+                        })?;
+                    } else {
+                        return Err(meta.error("unknown vgpu attribute"));
+                    }
+                    Ok(())
+                })?;
+            }
+            let name = &item.sig.ident;
+            let library = library.ok_or_else(|| syn::Error::new_spanned(name, "missing library"))?;
+            if library != "cuda" && library != "nvml" {
+                return Err(syn::Error::new_spanned(library, "library must be cuda or nvml"));
+            }
+            let class = class.ok_or_else(|| syn::Error::new_spanned(name, "missing class"))?;
+            let handler = match (class.to_string().as_str(), handler_path) {
+                ("passthrough", None) => None,
+                ("passthrough", Some(path)) => {
+                    return Err(syn::Error::new_spanned(path, "a passthrough function takes no handler"));
+                }
+                (_, Some(path)) => Some((path, handler_args)),
+                (_, None) => return Err(syn::Error::new_spanned(class, "this class needs a handler")),
+            };
+            functions.push(Function { item, library, handler });
+        }
+        Ok(Input { functions })
+    }
+}
+
+/// Expands the function list; see the crate documentation.
+#[proc_macro]
+pub fn hooks(input: TokenStream) -> TokenStream {
+    let mut input = syn::parse_macro_input!(input as Input);
+    input.functions.sort_by_key(|f| f.item.sig.ident.to_string());
+    match expand(&input) {
+        Ok(tokens) => tokens.into(),
+        Err(error) => error.to_compile_error().into(),
+    }
+}
+
+fn expand(input: &Input) -> syn::Result<TokenStream2> {
+    let mut wrappers = Vec::new();
+    let mut exports = Vec::new();
+    let mut accessors = Vec::new();
+    for (index, function) in input.functions.iter().enumerate() {
+        let sig = &function.item.sig;
+        let name = &sig.ident;
+        let name_text = name.to_string();
+        let c_name = syn::LitCStr::new(
+            &std::ffi::CString::new(name_text.clone())
+                .map_err(|_| syn::Error::new_spanned(name, "function name contains a NUL byte"))?,
+            Span::call_site(),
+        );
+        let ret = match &sig.output {
+            syn::ReturnType::Type(_, ty) => ty.as_ref().clone(),
+            syn::ReturnType::Default => return Err(syn::Error::new_spanned(sig, "every entry point returns a status")),
+        };
+        let mut param_names = Vec::new();
+        let mut param_types = Vec::new();
+        for input in &sig.inputs {
+            let syn::FnArg::Typed(typed) = input else {
+                return Err(syn::Error::new_spanned(input, "unexpected receiver"));
+            };
+            let syn::Pat::Ident(ident) = typed.pat.as_ref() else {
+                return Err(syn::Error::new_spanned(&typed.pat, "parameters must be plain names"));
+            };
+            param_names.push(ident.ident.clone());
+            param_types.push(typed.ty.as_ref().clone());
+        }
+        let library = &function.library;
+        let library_variant = if library == "cuda" { quote!(Cuda) } else { quote!(Nvml) };
+        let (not_found, panicked) = if matches!(ret, syn::Type::Ptr(_)) {
+            // nvmlErrorString returns a string, not a status: failures are a null pointer.
+            (quote!(::core::ptr::null()), quote!(::core::ptr::null()))
+        } else if library == "cuda" {
+            (
+                quote!(crate::sys::cuda::CUDA_ERROR_NOT_FOUND),
+                quote!(crate::sys::cuda::CUDA_ERROR_UNKNOWN),
+            )
+        } else {
+            (
+                quote!(crate::sys::nvml::NVML_ERROR_FUNCTION_NOT_FOUND),
+                quote!(crate::sys::nvml::NVML_ERROR_UNKNOWN),
+            )
+        };
+        let call = match &function.handler {
+            None => quote!(unsafe { real(#(#param_names),*) }),
+            Some((path, args)) => quote! {
+                #path(#name_text, move || unsafe { real(#(#param_names),*) }, #(#args),*)
+            },
+        };
+        wrappers.push(quote! {
+            #[allow(non_snake_case, clippy::too_many_arguments, clippy::missing_safety_doc)]
+            #[cfg_attr(not(test), unsafe(no_mangle))]
+            pub unsafe extern "C" fn #name(#(#param_names: #param_types),*) -> #ret {
+                crate::real::guard(#name_text, #panicked, move || {
+                    let Some(address) = EXPORTS[#index].real_address() else {
+                        return #not_found;
+                    };
+                    // SAFETY: the slot holds the address the real library exports under this
+                    // name, whose prototype the header gives as this signature.
+                    let real = unsafe {
+                        ::core::mem::transmute::<*mut ::core::ffi::c_void, unsafe extern "C" fn(#(#param_types),*) -> #ret>(address)
+                    };
+                    #call
+                })
+            }
+        });
+        exports.push(quote! {
+            crate::real::Export::new(#c_name, crate::real::Library::#library_variant, #name as *const ::core::ffi::c_void)
+        });
+        accessors.push(quote! {
+            #[allow(non_snake_case, dead_code)]
+            #[inline]
+            pub fn #name() -> Option<unsafe extern "C" fn(#(#param_types),*) -> #ret> {
+                let address = super::EXPORTS[#index].real_address()?;
+                // SAFETY: as in the wrapper: the real library's function of this name and prototype.
+                Some(unsafe {
+                    ::core::mem::transmute::<*mut ::core::ffi::c_void, unsafe extern "C" fn(#(#param_types),*) -> #ret>(address)
+                })
+            }
+        });
+    }
+    let count = input.functions.len();
+    let cuda_count = input.functions.iter().filter(|f| f.library == "cuda").count();
+    let nvml_count = count - cuda_count;
+    let real_module = format_ident!("real");
+    Ok(quote! {
+        /// Number of CUDA driver entry points exported.
+        pub const CUDA_FUNCTION_COUNT: usize = #cuda_count;
+        /// Number of NVML entry points exported.
+        pub const NVML_FUNCTION_COUNT: usize = #nvml_count;
+
+        /// Every exported entry point, sorted by name.
+        pub static EXPORTS: [crate::real::Export; #count] = [#(#exports),*];
+
+        #(#wrappers)*
+
+        /// The real functions, resolved on first use, for the runtime's own calls.
+        pub mod #real_module {
+            #[allow(unused_imports)]
+            use super::*;
+            #(#accessors)*
+        }
+    })
+}

@@ -1,0 +1,41 @@
+//! Generates the hook from the CUDA and NVML headers and `cuda-api.toml`.
+
+use std::path::PathBuf;
+
+fn main() {
+    let manifest_dir = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_default());
+    let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").unwrap_or_default());
+    let root = vgpu_codegen::headers::workspace_root(&manifest_dir);
+    let table = root.join("cuda-api.toml");
+    println!("cargo:rerun-if-changed={}", table.display());
+    println!("cargo:rerun-if-env-changed=CUDA_INCLUDE_DIR");
+    println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    let include_dir = match vgpu_codegen::headers::locate(&root) {
+        Ok(dir) => dir,
+        Err(e) => fail(&e.to_string()),
+    };
+    for header in ["cuda.h", "nvml.h", "cudaTypedefs.h"] {
+        println!("cargo:rerun-if-changed={}", include_dir.join(header).display());
+    }
+    let generated = match vgpu_codegen::generate(&include_dir, &table) {
+        Ok(generated) => generated,
+        Err(e) => fail(&e.to_string()),
+    };
+    let files = [
+        ("cuda_types.rs", generated.cuda_types.as_str()),
+        ("nvml_types.rs", generated.nvml_types.as_str()),
+        ("hooks.rs", generated.hooks_input.as_str()),
+        ("coverage.txt", generated.coverage.as_str()),
+    ];
+    for (name, text) in files {
+        if let Err(e) = std::fs::write(out_dir.join(name), text) {
+            fail(&format!("cannot write {name}: {e}"));
+        }
+    }
+    println!("cargo:rustc-env=VGPU_CUDA_HEADER_VERSION={}", generated.cuda_version);
+}
+
+fn fail(message: &str) -> ! {
+    eprintln!("error: {message}");
+    std::process::exit(1);
+}

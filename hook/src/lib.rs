@@ -1,0 +1,16 @@
+//! libvgpu.so: preloaded in front of a CUDA application, it exports every CUDA driver and NVML
+//! entry point (wrappers generated from the headers by `vgpu-codegen` and `hook-macros`) plus
+//! `dlsym`, and routes the calls that matter to the runtime below.
+//!
+//! Nothing runs at load time: every piece initialises on first use.
+
+pub mod config;
+mod hooks;
+mod init;
+mod interpose;
+mod log;
+mod memory;
+mod nvml;
+mod real;
+mod sys;
+mod throttle;

@@ -1,0 +1,184 @@
+//! The real libraries and the lazily resolved real-function slots.
+//!
+//! Our own code always reaches the driver through these resolved pointers, never through our
+//! exported symbols, so nothing we do re-enters the hooks.
+
+use std::ffi::{CStr, c_void};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicPtr, Ordering};
+
+use crate::interpose::dlsym::real_dlsym;
+
+/// Which real library a function lives in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Library {
+    Cuda,
+    Nvml,
+}
+
+impl Library {
+    fn soname(self) -> &'static CStr {
+        match self {
+            Library::Cuda => c"libcuda.so.1",
+            Library::Nvml => c"libnvidia-ml.so.1",
+        }
+    }
+
+    fn handle_slot(self) -> &'static AtomicPtr<c_void> {
+        static CUDA: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+        static NVML: AtomicPtr<c_void> = AtomicPtr::new(std::ptr::null_mut());
+        match self {
+            Library::Cuda => &CUDA,
+            Library::Nvml => &NVML,
+        }
+    }
+
+    /// The `dlopen` handle of the real library, opened on first use. No lock: two threads racing
+    /// both get the same handle from the loader, which only counts a second reference.
+    pub fn handle(self) -> Option<*mut c_void> {
+        let slot = self.handle_slot();
+        let known = slot.load(Ordering::Acquire);
+        if !known.is_null() {
+            return Some(known);
+        }
+        let opened = open_library(self.soname());
+        if opened.is_null() {
+            crate::log::ensure();
+            // SAFETY: dlerror returns null or a valid C string owned by libc.
+            let why = unsafe { dlerror_text() };
+            tracing::error!("cannot load {}: {why}", self.soname().to_string_lossy());
+            return None;
+        }
+        slot.store(opened, Ordering::Release);
+        Some(opened)
+    }
+}
+
+fn open_library(soname: &CStr) -> *mut c_void {
+    // SAFETY: soname is a NUL-terminated string; dlopen has no other preconditions.
+    unsafe { libc::dlopen(soname.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) }
+}
+
+/// # Safety
+/// Must not race with another dlerror caller on this thread (it returns a thread-local buffer).
+unsafe fn dlerror_text() -> String {
+    // SAFETY: per the function's contract; the pointer is null or a C string valid until the next
+    // dl* call on this thread, copied out at once.
+    unsafe {
+        let text = libc::dlerror();
+        if text.is_null() {
+            String::from("unknown error")
+        } else {
+            CStr::from_ptr(text).to_string_lossy().into_owned()
+        }
+    }
+}
+
+/// Marks a slot whose function the real library does not have.
+const MISSING: usize = 1;
+
+/// One exported entry point: its name, our wrapper, and the real function once resolved.
+pub struct Export {
+    pub name: &'static CStr,
+    pub library: Library,
+    pub wrapper: *const c_void,
+    slot: AtomicPtr<c_void>,
+}
+
+// SAFETY: `wrapper` is the address of a function, immutable and valid for the whole program; the
+// slot is atomic.
+unsafe impl Sync for Export {}
+
+impl Export {
+    pub const fn new(name: &'static CStr, library: Library, wrapper: *const c_void) -> Export {
+        Export {
+            name,
+            library,
+            wrapper,
+            slot: AtomicPtr::new(std::ptr::null_mut()),
+        }
+    }
+
+    /// The real function's address, resolved on first use; `None` when the real library lacks it.
+    #[inline(always)]
+    pub fn real_address(&self) -> Option<*mut c_void> {
+        let address = self.slot.load(Ordering::Relaxed);
+        if address as usize > MISSING {
+            Some(address)
+        } else {
+            self.resolve()
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn resolve(&self) -> Option<*mut c_void> {
+        if self.slot.load(Ordering::Relaxed) as usize == MISSING {
+            return None;
+        }
+        let found = self
+            .library
+            .handle()
+            .map(|handle| real_dlsym(handle, self.name))
+            .unwrap_or(std::ptr::null_mut());
+        if found.is_null() {
+            // Only the thread that marks the slot missing logs, so the line appears once.
+            if self
+                .slot
+                .compare_exchange(
+                    std::ptr::null_mut(),
+                    MISSING as *mut c_void,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+            {
+                crate::log::ensure();
+                tracing::error!(
+                    "{} is missing from {}; calls to it return not-found",
+                    self.name.to_string_lossy(),
+                    self.library.soname().to_string_lossy()
+                );
+            }
+            return None;
+        }
+        self.slot.store(found, Ordering::Relaxed);
+        Some(found)
+    }
+}
+
+/// Runs a wrapper's body so that no panic crosses the C boundary: a panic becomes `on_panic`
+/// (the library's "unknown error") and one error line.
+#[inline(always)]
+pub fn guard<R>(name: &'static str, on_panic: R, body: impl FnOnce() -> R) -> R {
+    match catch_unwind(AssertUnwindSafe(|| {
+        #[cfg(feature = "fault-injection")]
+        fault_injection::maybe_panic(name);
+        body()
+    })) {
+        Ok(result) => result,
+        Err(payload) => {
+            crate::log::ensure();
+            let what = payload
+                .downcast_ref::<&str>()
+                .map(|text| text.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            tracing::error!("internal error in {name} ({what}); returning an error code to the caller");
+            on_panic
+        }
+    }
+}
+
+#[cfg(feature = "fault-injection")]
+mod fault_injection {
+    use std::sync::OnceLock;
+
+    /// Panics inside the guard of the function named by `VGPU_FAULT_PANIC`.
+    pub fn maybe_panic(name: &str) {
+        static TARGET: OnceLock<Option<String>> = OnceLock::new();
+        if TARGET.get_or_init(|| std::env::var("VGPU_FAULT_PANIC").ok()).as_deref() == Some(name) {
+            panic!("fault injected into {name}");
+        }
+    }
+}
