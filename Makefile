@@ -1,0 +1,37 @@
+# Common tasks. `make demo` builds and runs the demo, `make test` runs every check CI runs.
+CARGO ?= cargo
+FAULT_DIR := target/fault-injection
+
+.PHONY: headers build release demo test lint fault-build bench-callgrind fuzz clean
+
+headers:
+	scripts/fetch-headers.sh
+
+build: headers
+	$(CARGO) build --workspace
+
+release: headers
+	$(CARGO) build --release -p vgpu-hook
+
+fault-build: headers
+	$(CARGO) build -p vgpu-hook --features fault-injection --target-dir $(FAULT_DIR)
+
+demo: headers
+	scripts/demo.sh
+
+lint: headers
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+test: build fault-build lint
+	$(CARGO) test --workspace
+	# fuzzing needs nightly: `make fuzz` (see fuzz/README.md)
+
+bench-callgrind: build
+	scripts/bench-callgrind.sh
+
+clean:
+	$(CARGO) clean
+
+fuzz:
+	cargo +nightly fuzz run config_parser -- -max_total_time=60

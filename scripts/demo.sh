@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Builds libvgpu.so and runs the demo program twice, without and with the hook and a 1 GiB limit.
+# Uses the real GPU when a driver is present (nvidia-smi works), the project's fake driver otherwise.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+scripts/fetch-headers.sh >/dev/null
+cargo build --quiet --release -p vgpu-hook
+hook="$root/target/release/libvgpu.so"
+work="$root/target/demo"
+mkdir -p "$work"
+include="${CUDA_INCLUDE_DIR:-$root/.cuda-headers/13.0/include}"
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "== real GPU: $(nvidia-smi -L | head -1)"
+  driver_dir=""
+  link_dir="${CUDA_HOME:-/usr/local/cuda}/lib64/stubs"
+else
+  echo "== no GPU driver here: using the fake driver (simulated 16 GiB device)"
+  cargo build --quiet --release -p vgpu-fake-driver
+  driver_dir="$work/fake-driver"
+  mkdir -p "$driver_dir"
+  for name in libcuda.so.1 libcuda.so libnvidia-ml.so.1 libnvidia-ml.so; do
+    ln -sf "$root/target/release/libvgpu_fake_driver.so" "$driver_dir/$name"
+  done
+  link_dir="$driver_dir"
+fi
+cc -O1 -o "$work/demo" tests/programs/demo.c -I"$include" -L"$link_dir" -lcuda
+run() { LD_LIBRARY_PATH="$driver_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$@"; }
+echo
+echo "== without libvgpu.so"
+run "$work/demo"
+echo
+echo "== with LD_PRELOAD=libvgpu.so CUDA_DEVICE_MEMORY_LIMIT=1g"
+LD_PRELOAD="$hook" CUDA_DEVICE_MEMORY_LIMIT=1g run "$work/demo"

@@ -1,0 +1,170 @@
+//! Support for the integration tests: where the built libraries are, compiling the C test
+//! programs, and running them with the hook preloaded against the fake driver.
+//!
+//! The libraries are cdylibs, which cargo cannot hand to a test as a dependency, so the tests
+//! expect them built first (`make test` does: `cargo build --workspace`, and the fault-injection
+//! build into `target/fault-injection`). A missing one is a test failure naming the command.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+/// The workspace root.
+pub fn workspace_root() -> PathBuf {
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    manifest.ancestors().nth(2).map(Path::to_path_buf).unwrap_or(manifest)
+}
+
+/// The cargo target folder.
+pub fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace_root().join("target"))
+}
+
+/// The profile folder the tests were built in (`debug` or `release`).
+pub fn profile_dir() -> PathBuf {
+    target_dir().join(if cfg!(debug_assertions) { "debug" } else { "release" })
+}
+
+fn require(path: PathBuf, how: &str) -> PathBuf {
+    assert!(path.is_file(), "{} is missing: build it first with `{how}` (or run `make test`)", path.display());
+    path
+}
+
+/// The hook, `libvgpu.so`.
+pub fn hook_library() -> PathBuf {
+    require(profile_dir().join("libvgpu.so"), "cargo build --workspace")
+}
+
+/// The hook built with the test-only `fault-injection` feature.
+pub fn fault_injection_hook_library() -> PathBuf {
+    let profile = if cfg!(debug_assertions) { "debug" } else { "release" };
+    require(
+        target_dir().join("fault-injection").join(profile).join("libvgpu.so"),
+        "cargo build -p vgpu-hook --features fault-injection --target-dir target/fault-injection",
+    )
+}
+
+/// A folder holding `libcuda.so.1` and `libnvidia-ml.so.1` (and the unversioned link names), all
+/// links to the fake driver, for `LD_LIBRARY_PATH` and for linking test programs.
+pub fn fake_driver_dir() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let fake = require(profile_dir().join("libvgpu_fake_driver.so"), "cargo build --workspace");
+        let dir = profile_dir().join("fake-driver");
+        std::fs::create_dir_all(&dir).expect("create the fake driver folder");
+        for name in ["libcuda.so.1", "libcuda.so", "libnvidia-ml.so.1", "libnvidia-ml.so"] {
+            let link = dir.join(name);
+            let _ = std::fs::remove_file(&link);
+            std::os::unix::fs::symlink(&fake, &link).expect("link the fake driver");
+        }
+        dir
+    })
+    .clone()
+}
+
+/// The include folder with cuda.h and nvml.h.
+pub fn include_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("CUDA_INCLUDE_DIR") {
+        return PathBuf::from(dir);
+    }
+    workspace_root().join(".cuda-headers").join("13.0").join("include")
+}
+
+/// Compiles `tests/programs/<name>.c` (once per test process) and returns the executable, or the
+/// shared object when `shared` is set.
+pub fn c_program(name: &str, shared: bool) -> PathBuf {
+    let source = workspace_root().join("tests").join("programs").join(format!("{name}.c"));
+    let out_dir = profile_dir().join("c-programs");
+    std::fs::create_dir_all(&out_dir).expect("create the C programs folder");
+    let output = out_dir.join(if shared { format!("lib{name}.so") } else { name.to_string() });
+    // Each test binary compiles into a temporary name and renames, so parallel tests never run a
+    // half-written file.
+    let temporary = out_dir.join(format!(".{name}.{}", std::process::id()));
+    let mut command = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()));
+    command.arg("-O1").arg("-Wall").arg("-Werror").arg("-o").arg(&temporary).arg(&source);
+    command.arg(format!("-I{}", include_dir().display()));
+    if shared {
+        command.args(["-shared", "-fPIC"]);
+    } else {
+        command.arg(format!("-L{}", fake_driver_dir().display())).args(["-lcuda", "-lnvidia-ml", "-ldl"]);
+    }
+    let result = command.output().expect("run the C compiler");
+    assert!(result.status.success(), "compiling {}: {}", source.display(), String::from_utf8_lossy(&result.stderr));
+    std::fs::rename(&temporary, &output).expect("move the compiled program in place");
+    output
+}
+
+/// A program run: the preloads, extra environment, and input.
+pub struct Run {
+    command: Command,
+    stdin: Option<Vec<u8>>,
+}
+
+impl Run {
+    /// Runs `program` against the fake driver, without the hook.
+    pub fn new(program: &Path) -> Run {
+        let mut command = Command::new(program);
+        command.env("LD_LIBRARY_PATH", fake_driver_dir());
+        for variable in ["LD_PRELOAD", "CUDA_DEVICE_MEMORY_LIMIT", "CUDA_DEVICE_SM_LIMIT", "LIBCUDA_LOG_LEVEL"] {
+            command.env_remove(variable);
+        }
+        Run { command, stdin: None }
+    }
+
+    /// Preloads these libraries, in this order.
+    pub fn preload(mut self, libraries: &[&Path]) -> Run {
+        let list: Vec<String> = libraries.iter().map(|l| l.display().to_string()).collect();
+        self.command.env("LD_PRELOAD", list.join(":"));
+        self
+    }
+
+    /// Preloads the hook alone.
+    pub fn hooked(self) -> Run {
+        let hook = hook_library();
+        self.preload(&[&hook])
+    }
+
+    pub fn env(mut self, key: &str, value: impl AsRef<std::ffi::OsStr>) -> Run {
+        self.command.env(key, value);
+        self
+    }
+
+    pub fn args<I: IntoIterator<Item = S>, S: AsRef<std::ffi::OsStr>>(mut self, args: I) -> Run {
+        self.command.args(args);
+        self
+    }
+
+    pub fn stdin(mut self, input: impl Into<Vec<u8>>) -> Run {
+        self.stdin = Some(input.into());
+        self
+    }
+
+    /// Runs to completion and returns stdout, stderr and the status.
+    pub fn output(mut self) -> Output {
+        use std::io::Write;
+        use std::process::Stdio;
+        self.command.stdout(Stdio::piped()).stderr(Stdio::piped());
+        self.command.stdin(if self.stdin.is_some() { Stdio::piped() } else { Stdio::null() });
+        let mut child = self.command.spawn().expect("start the test program");
+        if let Some(input) = self.stdin.take() {
+            let mut pipe = child.stdin.take().expect("stdin pipe");
+            std::thread::spawn(move || {
+                let _ = pipe.write_all(&input);
+            });
+        }
+        child.wait_with_output().expect("wait for the test program")
+    }
+
+    /// Runs, requires success, and returns stdout as lines.
+    pub fn lines(self) -> Vec<String> {
+        let output = self.output();
+        assert!(
+            output.status.success(),
+            "program failed ({}): {}{}",
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8_lossy(&output.stdout).lines().map(str::to_string).collect()
+    }
+}

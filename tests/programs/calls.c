@@ -1,0 +1,73 @@
+// Small driver/NVML calls chosen by argument, each printing "<call> <status>", for the tests of
+// missing symbols, injected panics, configuration errors, logging and fork.
+#define _GNU_SOURCE
+#include <cuda.h>
+#include <dlfcn.h>
+#include <nvml.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+typedef CUresult (*nvsci_fn)(void *, CUdevice, int);
+typedef nvmlReturn_t (*nvlink_fn)(nvmlDevice_t, unsigned int, nvmlPciInfo_t *);
+
+int main(int argc, char **argv) {
+    for (int i = 1; i < argc; i++) {
+        const char *what = argv[i];
+        if (strcmp(what, "init") == 0) {
+            printf("init %d\n", (int)cuInit(0));
+        } else if (strcmp(what, "count") == 0) {
+            int count = -1;
+            CUresult status = cuDeviceGetCount(&count);
+            printf("count %d %d\n", (int)status, count);
+        } else if (strcmp(what, "version") == 0) {
+            int version = -1;
+            CUresult status = cuDriverGetVersion(&version);
+            printf("version %d %d\n", (int)status, version);
+        } else if (strcmp(what, "missing-cuda") == 0) {
+            void *lib = dlopen("libcuda.so.1", RTLD_NOW);
+            nvsci_fn fn = (nvsci_fn)dlsym(lib, "cuDeviceGetNvSciSyncAttributes");
+            printf("missing-cuda %d\n", fn ? (int)fn(NULL, 0, 0) : -1);
+        } else if (strcmp(what, "missing-nvml") == 0) {
+            void *lib = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+            nvlink_fn fn = (nvlink_fn)dlsym(lib, "nvmlDeviceGetNvLinkRemotePciInfo_v2");
+            nvmlPciInfo_t info;
+            printf("missing-nvml %d\n", fn ? (int)fn(NULL, 0, &info) : -1);
+        } else if (strcmp(what, "nvml") == 0) {
+            nvmlReturn_t status = nvmlInit_v2();
+            unsigned int count = 0;
+            if (status == NVML_SUCCESS) status = nvmlDeviceGetCount_v2(&count);
+            printf("nvml %d %u\n", (int)status, count);
+        } else if (strcmp(what, "exporttable") == 0) {
+            const void *table = NULL;
+            CUuuid id;
+            memset(&id, 0, sizeof id);
+            CUresult status = cuGetExportTable(&table, &id);
+            Dl_info info;
+            const char *file = "-";
+            if (table && dladdr(table, &info) && info.dli_fname)
+                file = strrchr(info.dli_fname, '/') ? strrchr(info.dli_fname, '/') + 1 : info.dli_fname;
+            printf("exporttable %d %s\n", (int)status, file);
+        } else if (strcmp(what, "fork") == 0) {
+            fflush(stdout);
+            pid_t child = fork();
+            if (child == 0) {
+                int count = -1;
+                CUresult status = cuInit(0);
+                if (status == CUDA_SUCCESS) status = cuDeviceGetCount(&count);
+                printf("child %d %d %d\n", (int)getpid(), (int)status, count);
+                fflush(stdout);
+                _exit(0);
+            }
+            int wstatus = 0;
+            waitpid(child, &wstatus, 0);
+            printf("fork %d\n", WIFEXITED(wstatus) ? WEXITSTATUS(wstatus) : -1);
+        } else {
+            printf("unknown %s\n", what);
+            return 2;
+        }
+        fflush(stdout);
+    }
+    return 0;
+}
