@@ -10,7 +10,8 @@ declare -A wheels=(
 )
 for version in 13.0 12.9; do
   include="$dest/$version/include"
-  if [ -f "$include/cuda.h" ] && [ -f "$include/nvml.h" ] && [ -f "$include/cudaTypedefs.h" ]; then
+  if [ -f "$include/cuda.h" ] && [ -f "$include/nvml.h" ] && [ -f "$include/cudaTypedefs.h" ] \
+     && [ -f "$include/cudaGL.h" ]; then
     continue
   fi
   download=$(mktemp -d)
@@ -22,7 +23,7 @@ for version in 13.0 12.9; do
   python3 - "$download" "$include" <<'PY'
 import pathlib, sys, zipfile
 src, dst = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-wanted = {"cuda.h", "cudaTypedefs.h", "nvml.h"}
+wanted = {"cuda.h", "cudaTypedefs.h", "nvml.h", "cudaGL.h", "cudaEGL.h", "cudaVDPAU.h"}
 for wheel in src.glob("*.whl"):
     with zipfile.ZipFile(wheel) as archive:
         for name in archive.namelist():

@@ -3,7 +3,6 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
-use crate::Library;
 use crate::route::Routed;
 use crate::table::{Class, format_version};
 
@@ -41,20 +40,22 @@ pub fn hooks_input(routed: &[Routed]) -> String {
 /// A sorted, human-readable listing of every function with its class and handler.
 pub fn coverage(routed: &[Routed], cuda_version: u32) -> String {
     let mut out = format!("# vgpu API coverage, CUDA {} headers\n", format_version(cuda_version));
-    for library in Library::ALL {
+    // One summary line per header, in the order the functions come (cuda.h, interop, nvml.h).
+    let mut headers: Vec<&str> = Vec::new();
+    for function in routed {
+        if !headers.contains(&function.prototype.header) {
+            headers.push(function.prototype.header);
+        }
+    }
+    for header in headers {
         let mut counts: BTreeMap<Class, usize> = BTreeMap::new();
         let mut total = 0;
-        for function in routed.iter().filter(|f| f.library == library) {
+        for function in routed.iter().filter(|f| f.prototype.header == header) {
             *counts.entry(function.class).or_default() += 1;
             total += 1;
         }
         let classes: Vec<String> = counts.iter().map(|(class, n)| format!("{} {n}", class.key())).collect();
-        let _ = writeln!(
-            out,
-            "# {}: {total} functions ({})",
-            library.header(),
-            classes.join(", ")
-        );
+        let _ = writeln!(out, "# {header}: {total} functions ({})", classes.join(", "));
     }
     let width = routed.iter().map(|f| f.prototype.name.len()).max().unwrap_or(0);
     let mut lines: Vec<String> = routed

@@ -1,7 +1,8 @@
 //! Reads every function prototype of `cuda.h` or `nvml.h`: bindgen turns the header into Rust, syn
 //! reads the declarations back, and the type definitions are kept apart for the hook to include.
 
-use std::path::Path;
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
 
 use quote::ToTokens;
 
@@ -14,10 +15,15 @@ pub struct Param {
     pub ty: String,
 }
 
+/// Where the CUDA interop entry points come from (see `codegen/shim/interop.h`).
+pub const INTEROP_HEADERS: &str = "cudaGL.h, cudaEGL.h, cudaVDPAU.h, cudaProfiler.h";
+
 /// One C function of a header.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Prototype {
     pub name: String,
+    /// The header that declares it: `cuda.h`, `nvml.h`, or [`INTEROP_HEADERS`].
+    pub header: &'static str,
     pub params: Vec<Param>,
     pub ret: String,
 }
@@ -31,11 +37,16 @@ pub struct Header {
     pub types: String,
 }
 
-fn bindgen_for(library: Library, include_dir: &Path) -> bindgen::Builder {
-    let header = include_dir.join(library.header());
+/// Our stand-ins for the window-system headers the interop headers include.
+fn shim_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("shim")
+}
+
+fn bindgen_for(library: Library, header: &Path, include_dir: &Path) -> bindgen::Builder {
     let builder = bindgen::Builder::default()
         .header(header.display().to_string())
         .clang_arg(format!("-I{}", include_dir.display()))
+        .clang_arg(format!("-I{}", shim_dir().display()))
         .layout_tests(false)
         .derive_default(true)
         .derive_debug(false)
@@ -59,7 +70,8 @@ fn bindgen_for(library: Library, include_dir: &Path) -> bindgen::Builder {
     }
 }
 
-/// Runs bindgen over the library's header and splits the result into prototypes and types.
+/// Reads the library's header. For CUDA, also the interop headers (GL, EGL, VDPAU, profiler) when
+/// the include folder has them: libcuda.so.1 exports their entry points as well.
 pub fn read_header(library: Library, include_dir: &Path) -> Result<Header> {
     let header = include_dir.join(library.header());
     if !header.is_file() {
@@ -69,7 +81,22 @@ pub fn read_header(library: Library, include_dir: &Path) -> Result<Header> {
             include_dir.display()
         )));
     }
-    let bindings = bindgen_for(library, include_dir)
+    let mut main = read_one(library, &header, include_dir, library.header())?;
+    if library == Library::Cuda && include_dir.join("cudaGL.h").is_file() {
+        let with_interop = read_one(library, &shim_dir().join("interop.h"), include_dir, INTEROP_HEADERS)?;
+        let known: HashSet<String> = main.functions.iter().map(|f| f.name.clone()).collect();
+        main.functions
+            .extend(with_interop.functions.into_iter().filter(|f| !known.contains(&f.name)));
+        main.functions.sort_by(|a, b| a.name.cmp(&b.name));
+        // The interop pass saw cuda.h too, so its types are a superset.
+        main.types = with_interop.types;
+    }
+    Ok(main)
+}
+
+/// Runs bindgen over one header and splits the result into prototypes and types.
+fn read_one(library: Library, header: &Path, include_dir: &Path, origin: &'static str) -> Result<Header> {
+    let bindings = bindgen_for(library, header, include_dir)
         .generate()
         .map_err(|e| Error(format!("bindgen failed on {}: {e}", header.display())))?;
     let file = syn::parse_file(&bindings.to_string())
@@ -82,12 +109,12 @@ pub fn read_header(library: Library, include_dir: &Path) -> Result<Header> {
             syn::Item::ForeignMod(foreign) => {
                 for foreign_item in foreign.items {
                     if let syn::ForeignItem::Fn(function) = foreign_item {
-                        functions.push(prototype_of(&function.sig, &header)?);
+                        functions.push(prototype_of(&function.sig, header, origin)?);
                     }
                 }
             }
             syn::Item::Const(constant) if constant.ident == "CUDA_VERSION" => {
-                version = Some(const_value(&constant, &header)?);
+                version = Some(const_value(&constant, header)?);
                 kept.push(syn::Item::Const(constant));
             }
             other => kept.push(other),
@@ -125,7 +152,7 @@ fn const_value(constant: &syn::ItemConst, header: &Path) -> Result<u32> {
     Err(Error(format!("CUDA_VERSION in {} is not an integer", header.display())))
 }
 
-fn prototype_of(sig: &syn::Signature, header: &Path) -> Result<Prototype> {
+fn prototype_of(sig: &syn::Signature, header: &Path, origin: &'static str) -> Result<Prototype> {
     let name = sig.ident.to_string();
     if sig.variadic.is_some() {
         return Err(Error(format!(
@@ -156,5 +183,10 @@ fn prototype_of(sig: &syn::Signature, header: &Path) -> Result<Prototype> {
         }
         syn::ReturnType::Type(_, ty) => ty.to_token_stream().to_string(),
     };
-    Ok(Prototype { name, params, ret })
+    Ok(Prototype {
+        name,
+        header: origin,
+        params,
+        ret,
+    })
 }

@@ -30,10 +30,11 @@ pub fn split_name(name: &str) -> (&str, u32, bool) {
     };
     if let Some(position) = rest.rfind("_v") {
         let digits = &rest[position + 2..];
-        if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
-            if let Ok(number) = digits.parse() {
-                return (&rest[..position], number, per_thread);
-            }
+        if !digits.is_empty()
+            && digits.bytes().all(|b| b.is_ascii_digit())
+            && let Ok(number) = digits.parse()
+        {
+            return (&rest[..position], number, per_thread);
         }
     }
     (rest, 1, per_thread)
@@ -112,10 +113,8 @@ impl VariantSet {
                 .map(|(_, name)| name.as_str())
                 .next_back()
         }
-        if per_thread {
-            if let Some(name) = newest_at(&self.per_thread, version) {
-                return Some(name);
-            }
+        if per_thread && let Some(name) = newest_at(&self.per_thread, version) {
+            return Some(name);
         }
         newest_at(&self.legacy_stream, version)
     }

@@ -31,11 +31,18 @@ fn coverage_listing_per_header_version() {
 fn every_special_entry_has_its_class_in_both_versions() {
     let root = root();
     for version in headers::SNAPSHOT_VERSIONS {
-        let generated =
-            vgpu_codegen::generate(&headers::fetched_include_dir(&root, version), &root.join("cuda-api.toml"))
-                .unwrap_or_else(|e| panic!("CUDA {version}: {e}"));
+        let generated = vgpu_codegen::generate(
+            &headers::fetched_include_dir(&root, version),
+            &root.join("cuda-api.toml"),
+        )
+        .unwrap_or_else(|e| panic!("CUDA {version}: {e}"));
         let class_of = |name: &str| {
-            generated.routed.iter().find(|f| f.prototype.name == name).map(|f| f.class.key()).unwrap_or("absent")
+            generated
+                .routed
+                .iter()
+                .find(|f| f.prototype.name == name)
+                .map(|f| f.class.key())
+                .unwrap_or("absent")
         };
         assert_eq!(class_of("cuMemAlloc_v2"), "memory-accounted");
         assert_eq!(class_of("cuLaunchKernel_ptsz"), "launch-throttled");
@@ -64,13 +71,19 @@ fn table_errors_name_the_entry_and_the_header() {
     for (table, expected) in cases {
         let path = scratch.join("cuda-api.toml");
         std::fs::write(&path, table).expect("write table");
-        let error = vgpu_codegen::generate(&include_dir, &path).err().map(|e| e.to_string()).unwrap_or_default();
+        let error = vgpu_codegen::generate(&include_dir, &path)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
         assert!(error.contains(expected), "got: {error}");
     }
     // A version range that excludes the header makes an absent name acceptable.
     let path = scratch.join("cuda-api.toml");
-    std::fs::write(&path, "[[entry]]\nclass = \"overridden\"\nhandler = \"x::y\"\nfunctions = [\"cuMemAllocTheFuture\"]\nsince = 14000\n")
-        .expect("write table");
+    std::fs::write(
+        &path,
+        "[[entry]]\nclass = \"overridden\"\nhandler = \"x::y\"\nfunctions = [\"cuMemAllocTheFuture\"]\nsince = 14000\n",
+    )
+    .expect("write table");
     assert!(vgpu_codegen::generate(&include_dir, &path).is_ok());
     let _ = std::fs::remove_dir_all(&scratch);
 }

@@ -138,27 +138,41 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
                 quote!(crate::sys::nvml::NVML_ERROR_UNKNOWN),
             )
         };
-        let call = match &function.handler {
-            None => quote!(unsafe { real(#(#param_names),*) }),
+        let real_type = quote!(unsafe extern "C" fn(#(#param_types),*) -> #ret);
+        // The passthrough fast path is a load, a compare and a tail call: the real function is C
+        // and cannot unwind, and the only Rust code that could panic (resolution) runs guarded.
+        // Handlers are our code, so their whole call runs under the guard.
+        let body = match &function.handler {
+            None => quote! {
+                let address = match EXPORTS[#index].resolved() {
+                    Some(address) => address,
+                    None => match crate::real::resolve_guarded(&EXPORTS[#index]) {
+                        Ok(address) => address,
+                        Err(crate::real::Unresolved::Missing) => return #not_found,
+                        Err(crate::real::Unresolved::Panicked) => return #panicked,
+                    },
+                };
+                // SAFETY: the slot holds the address the real library exports under this name,
+                // whose prototype the header gives as this signature.
+                let real = unsafe { ::core::mem::transmute::<*mut ::core::ffi::c_void, #real_type>(address) };
+                unsafe { real(#(#param_names),*) }
+            },
             Some((path, args)) => quote! {
-                #path(#name_text, move || unsafe { real(#(#param_names),*) }, #(#args),*)
+                crate::real::guard(#name_text, #panicked, move || {
+                    let Some(address) = EXPORTS[#index].real_address() else {
+                        return #not_found;
+                    };
+                    // SAFETY: as for passthrough functions: the real function of this name.
+                    let real = unsafe { ::core::mem::transmute::<*mut ::core::ffi::c_void, #real_type>(address) };
+                    #path(#name_text, move || unsafe { real(#(#param_names),*) }, #(#args),*)
+                })
             },
         };
         wrappers.push(quote! {
             #[allow(non_snake_case, clippy::too_many_arguments, clippy::missing_safety_doc)]
             #[cfg_attr(not(test), unsafe(no_mangle))]
             pub unsafe extern "C" fn #name(#(#param_names: #param_types),*) -> #ret {
-                crate::real::guard(#name_text, #panicked, move || {
-                    let Some(address) = EXPORTS[#index].real_address() else {
-                        return #not_found;
-                    };
-                    // SAFETY: the slot holds the address the real library exports under this
-                    // name, whose prototype the header gives as this signature.
-                    let real = unsafe {
-                        ::core::mem::transmute::<*mut ::core::ffi::c_void, unsafe extern "C" fn(#(#param_types),*) -> #ret>(address)
-                    };
-                    #call
-                })
+                #body
             }
         });
         exports.push(quote! {

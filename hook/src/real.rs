@@ -102,12 +102,14 @@ impl Export {
     /// The real function's address, resolved on first use; `None` when the real library lacks it.
     #[inline(always)]
     pub fn real_address(&self) -> Option<*mut c_void> {
+        self.resolved().or_else(|| self.resolve())
+    }
+
+    /// The real function's address if already resolved (the per-call fast path).
+    #[inline(always)]
+    pub fn resolved(&self) -> Option<*mut c_void> {
         let address = self.slot.load(Ordering::Relaxed);
-        if address as usize > MISSING {
-            Some(address)
-        } else {
-            self.resolve()
-        }
+        (address as usize > MISSING).then_some(address)
     }
 
     #[cold]
@@ -147,6 +149,42 @@ impl Export {
     }
 }
 
+/// Why a passthrough function could not be resolved.
+pub enum Unresolved {
+    /// The real library lacks it (or could not be loaded).
+    Missing,
+    /// Our code panicked while resolving it.
+    Panicked,
+}
+
+/// Resolves a passthrough function's slot on its first call, under the panic guard.
+#[cold]
+#[inline(never)]
+pub fn resolve_guarded(export: &Export) -> Result<*mut c_void, Unresolved> {
+    match catch_unwind(AssertUnwindSafe(|| {
+        #[cfg(feature = "fault-injection")]
+        fault_injection::maybe_panic(export.name.to_str().unwrap_or_default());
+        export.real_address()
+    })) {
+        Ok(Some(address)) => Ok(address),
+        Ok(None) => Err(Unresolved::Missing),
+        Err(payload) => {
+            log_panic(export.name.to_str().unwrap_or_default(), payload.as_ref());
+            Err(Unresolved::Panicked)
+        }
+    }
+}
+
+fn log_panic(name: &str, payload: &(dyn std::any::Any + Send)) {
+    crate::log::ensure();
+    let what = payload
+        .downcast_ref::<&str>()
+        .map(|text| text.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_default();
+    tracing::error!("internal error in {name} ({what}); returning an error code to the caller");
+}
+
 /// Runs a wrapper's body so that no panic crosses the C boundary: a panic becomes `on_panic`
 /// (the library's "unknown error") and one error line.
 #[inline(always)]
@@ -158,13 +196,7 @@ pub fn guard<R>(name: &'static str, on_panic: R, body: impl FnOnce() -> R) -> R 
     })) {
         Ok(result) => result,
         Err(payload) => {
-            crate::log::ensure();
-            let what = payload
-                .downcast_ref::<&str>()
-                .map(|text| text.to_string())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
-            tracing::error!("internal error in {name} ({what}); returning an error code to the caller");
+            log_panic(name, payload.as_ref());
             on_panic
         }
     }

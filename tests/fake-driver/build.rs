@@ -28,6 +28,9 @@ type Result<T> = std::result::Result<T, Box<dyn Error>>;
 fn main() -> Result<()> {
     let manifest_dir = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?);
     let out_dir = PathBuf::from(std::env::var("OUT_DIR")?);
+    // Like the real libcuda: references to its own functions bind inside the library, so a
+    // preloaded interposer cannot redirect them (cuGetProcAddress answers with the fake's own).
+    println!("cargo:rustc-cdylib-link-arg=-Wl,-Bsymbolic");
     println!("cargo:rerun-if-env-changed=CUDA_INCLUDE_DIR");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
 
@@ -56,7 +59,9 @@ fn main() -> Result<()> {
 /// Walks `dir` and records, for every `#[unsafe(no_mangle)]` function, the Rust path of the module
 /// that defines it (`crate::memory`).
 fn collect_hand_written(src: &Path, dir: &Path, found: &mut BTreeMap<String, String>) -> Result<()> {
-    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)?.map(|e| e.map(|e| e.path())).collect::<std::io::Result<_>>()?;
+    let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<std::io::Result<_>>()?;
     entries.sort();
     for path in entries {
         if path.is_dir() {
@@ -160,7 +165,11 @@ fn exports_source(
             Library::Cuda => ("cuda_stubs", "cuda", "CUresult", "CUDA_ERROR_NOT_SUPPORTED"),
             Library::Nvml => ("nvml_stubs", "nvml", "nvmlReturn_t", "NVML_ERROR_NOT_SUPPORTED"),
         };
-        let _ = writeln!(out, "/// Stubs of the {} functions without a hand-written implementation.", library.header());
+        let _ = writeln!(
+            out,
+            "/// Stubs of the {} functions without a hand-written implementation.",
+            library.header()
+        );
         let _ = writeln!(out, "pub mod {module} {{\n    use crate::{types}::*;");
         let mut checks = String::new();
         for function in functions {
@@ -180,7 +189,11 @@ fn exports_source(
                 continue;
             }
             if function.ret != ok {
-                return Err(format!("{name} returns {}, so it needs a hand-written implementation", function.ret).into());
+                return Err(format!(
+                    "{name} returns {}, so it needs a hand-written implementation",
+                    function.ret
+                )
+                .into());
             }
             let args: Vec<String> = params.iter().map(|ty| format!("_: {ty}")).collect();
             let _ = writeln!(

@@ -103,6 +103,7 @@ pub unsafe fn find_export(symbol: *const c_char) -> Option<&'static crate::real:
 
 /// Called by the trampoline with the symbol name: our wrapper, or null after making sure the real
 /// `dlsym` is known so the trampoline can jump to it.
+#[cfg_attr(test, allow(dead_code))]
 extern "C" fn lookup(symbol: *const c_char) -> *mut c_void {
     // SAFETY: dlsym's contract makes `symbol` a NUL-terminated string (or null, handled).
     if let Some(export) = unsafe { find_export(symbol) } {

@@ -18,15 +18,20 @@ static UNMAPPED: AtomicU64 = AtomicU64::new(0);
 /// Answers mapped to one of our wrappers.
 static MAPPED: AtomicU64 = AtomicU64::new(0);
 
-/// Real address → index into `EXPORTS`, sorted by address, built on first use.
+/// Real address → index into `EXPORTS`, sorted by address, built on first use. Our own wrappers'
+/// addresses are in it too: a driver whose internal references are interposed by our exports
+/// (one linked without -Bsymbolic) answers with our wrapper already.
 fn reverse_map() -> &'static [(usize, usize)] {
     static MAP: OnceLock<Vec<(usize, usize)>> = OnceLock::new();
     MAP.get_or_init(|| {
-        let mut map: Vec<(usize, usize)> = EXPORTS
+        let cuda = EXPORTS
             .iter()
             .enumerate()
-            .filter(|(_, export)| export.library == Library::Cuda)
+            .filter(|(_, export)| export.library == Library::Cuda);
+        let mut map: Vec<(usize, usize)> = cuda
+            .clone()
             .filter_map(|(index, export)| export.real_address().map(|address| (address as usize, index)))
+            .chain(cuda.map(|(index, export)| (export.wrapper as usize, index)))
             .collect();
         map.sort_unstable();
         map
@@ -82,16 +87,39 @@ unsafe fn map_answer(symbol: *const c_char, pfn: *mut *mut c_void, version: c_in
         }
         None => {
             let unmapped = UNMAPPED.fetch_add(1, Ordering::Relaxed) + 1;
-            tracing::debug!(
-                "cuGetProcAddress({}, {version}, {flags:#x}) -> {answer:p} not an export of libcuda, unchanged (mapped {}, unchanged {unmapped})",
-                String::from_utf8_lossy(requested),
-                MAPPED.load(Ordering::Relaxed)
-            );
+            if tracing::enabled!(tracing::Level::DEBUG) {
+                tracing::debug!(
+                    "cuGetProcAddress({}, {version}, {flags:#x}) -> {answer:p} ({}) unchanged (mapped {}, unchanged {unmapped})",
+                    String::from_utf8_lossy(requested),
+                    symbol_at(answer),
+                    MAPPED.load(Ordering::Relaxed)
+                );
+            }
             answer
         }
     };
     // SAFETY: per the contract.
     unsafe { *pfn = mapped };
+}
+
+/// What the loader knows about an address: `file:symbol`, for the debug log of unmapped answers
+/// (an exported symbol of libcuda here would mean our header is older than the driver).
+fn symbol_at(address: *mut c_void) -> String {
+    // SAFETY: dladdr only reads loader tables; Dl_info is plain data and zero is a valid state.
+    let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; any address may be asked about.
+    if unsafe { libc::dladdr(address, &mut info) } == 0 {
+        return "unknown".into();
+    }
+    let text = |pointer: *const c_char| {
+        if pointer.is_null() {
+            "-".to_string()
+        } else {
+            // SAFETY: dladdr filled it with a NUL-terminated string owned by the loader.
+            unsafe { CStr::from_ptr(pointer) }.to_string_lossy().into_owned()
+        }
+    };
+    format!("{}:{}", text(info.dli_fname), text(info.dli_sname))
 }
 
 /// `cuGetProcAddress` (CUDA 11.3 form).

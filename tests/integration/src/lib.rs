@@ -17,7 +17,9 @@ pub fn workspace_root() -> PathBuf {
 
 /// The cargo target folder.
 pub fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace_root().join("target"))
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target"))
 }
 
 /// The profile folder the tests were built in (`debug` or `release`).
@@ -26,7 +28,11 @@ pub fn profile_dir() -> PathBuf {
 }
 
 fn require(path: PathBuf, how: &str) -> PathBuf {
-    assert!(path.is_file(), "{} is missing: build it first with `{how}` (or run `make test`)", path.display());
+    assert!(
+        path.is_file(),
+        "{} is missing: build it first with `{how}` (or run `make test`)",
+        path.display()
+    );
     path
 }
 
@@ -73,23 +79,43 @@ pub fn include_dir() -> PathBuf {
 /// Compiles `tests/programs/<name>.c` (once per test process) and returns the executable, or the
 /// shared object when `shared` is set.
 pub fn c_program(name: &str, shared: bool) -> PathBuf {
-    let source = workspace_root().join("tests").join("programs").join(format!("{name}.c"));
+    let source = workspace_root()
+        .join("tests")
+        .join("programs")
+        .join(format!("{name}.c"));
     let out_dir = profile_dir().join("c-programs");
     std::fs::create_dir_all(&out_dir).expect("create the C programs folder");
-    let output = out_dir.join(if shared { format!("lib{name}.so") } else { name.to_string() });
+    let output = out_dir.join(if shared {
+        format!("lib{name}.so")
+    } else {
+        name.to_string()
+    });
     // Each test binary compiles into a temporary name and renames, so parallel tests never run a
     // half-written file.
     let temporary = out_dir.join(format!(".{name}.{}", std::process::id()));
     let mut command = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()));
-    command.arg("-O1").arg("-Wall").arg("-Werror").arg("-o").arg(&temporary).arg(&source);
+    command
+        .arg("-O1")
+        .arg("-Wall")
+        .arg("-Werror")
+        .arg("-o")
+        .arg(&temporary)
+        .arg(&source);
     command.arg(format!("-I{}", include_dir().display()));
     if shared {
         command.args(["-shared", "-fPIC"]);
     } else {
-        command.arg(format!("-L{}", fake_driver_dir().display())).args(["-lcuda", "-lnvidia-ml", "-ldl"]);
+        command
+            .arg(format!("-L{}", fake_driver_dir().display()))
+            .args(["-lcuda", "-lnvidia-ml", "-ldl"]);
     }
     let result = command.output().expect("run the C compiler");
-    assert!(result.status.success(), "compiling {}: {}", source.display(), String::from_utf8_lossy(&result.stderr));
+    assert!(
+        result.status.success(),
+        "compiling {}: {}",
+        source.display(),
+        String::from_utf8_lossy(&result.stderr)
+    );
     std::fs::rename(&temporary, &output).expect("move the compiled program in place");
     output
 }
@@ -105,7 +131,12 @@ impl Run {
     pub fn new(program: &Path) -> Run {
         let mut command = Command::new(program);
         command.env("LD_LIBRARY_PATH", fake_driver_dir());
-        for variable in ["LD_PRELOAD", "CUDA_DEVICE_MEMORY_LIMIT", "CUDA_DEVICE_SM_LIMIT", "LIBCUDA_LOG_LEVEL"] {
+        for variable in [
+            "LD_PRELOAD",
+            "CUDA_DEVICE_MEMORY_LIMIT",
+            "CUDA_DEVICE_SM_LIMIT",
+            "LIBCUDA_LOG_LEVEL",
+        ] {
             command.env_remove(variable);
         }
         Run { command, stdin: None }
@@ -144,7 +175,11 @@ impl Run {
         use std::io::Write;
         use std::process::Stdio;
         self.command.stdout(Stdio::piped()).stderr(Stdio::piped());
-        self.command.stdin(if self.stdin.is_some() { Stdio::piped() } else { Stdio::null() });
+        self.command.stdin(if self.stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        });
         let mut child = self.command.spawn().expect("start the test program");
         if let Some(input) = self.stdin.take() {
             let mut pipe = child.stdin.take().expect("stdin pipe");
@@ -165,6 +200,9 @@ impl Run {
             String::from_utf8_lossy(&output.stdout),
             String::from_utf8_lossy(&output.stderr)
         );
-        String::from_utf8_lossy(&output.stdout).lines().map(str::to_string).collect()
+        String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .map(str::to_string)
+            .collect()
     }
 }

@@ -1,0 +1,1 @@
+/* Empty: interop.h defines the EGL types cudaEGL.h needs. */

@@ -1,0 +1,1 @@
+/* Empty: interop.h defines the GL types cudaGL.h needs. */

@@ -1,0 +1,925 @@
+//! The shared region: one memory-mapped file that every process of a container maps, holding each
+//! process's device memory by kind and the limits, in HAMi-core's version 1.2 layout so that HAMi's
+//! monitor reads it unchanged, followed by vgpu's extension (a robust process-shared mutex, running
+//! totals per device, per-slot process identity). `docs/region-layout.md` documents the bytes.
+//!
+//! # Use
+//!
+//! ```no_run
+//! use vgpu_region::{InitParams, MemoryKind, Region};
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let init = InitParams { device_uuids: vec!["GPU-0f2d...".into()], ..InitParams::default() };
+//! let region = Region::open("/tmp/cudevshr.cache".as_ref(), &init)?; // log region.open_kind() if notable
+//! let slot = region.attach(std::process::id() as i32)?;
+//! let device = region.device_index("GPU-0f2d...")?;
+//! region.try_charge(&slot, device, MemoryKind::Data, 1 << 20, Some(4 << 30))?; // before calling the driver
+//! region.uncharge(&slot, device, MemoryKind::Data, 1 << 20)?; // after the free
+//! # Ok(()) }
+//! ```
+//!
+//! # Guarantees
+//!
+//! - **Atomic limits across processes.** [`Region::try_charge`] checks and charges under one
+//!   process-shared mutex, with checked arithmetic: two processes racing for the last bytes cannot
+//!   both win, and sizes near `u64::MAX` are refused rather than wrapped.
+//! - **Killed processes do not block others.** The mutex is robust: when its owner dies (even by
+//!   SIGKILL mid-update) the next locker gets it at once, recomputes every running total from the
+//!   slots and reaps dead slots. Every lock attempt gives up after [`LOCK_TIMEOUT`] with
+//!   [`RegionError::LockTimeout`] instead of hanging (a stopped owner, or one in another pid
+//!   namespace).
+//! - **Dead processes' memory comes back.** Slots of dead processes (see [`process`] for how death
+//!   is detected, and its pid-namespace caveat) are reaped at every attach, at most every
+//!   [`REAP_INTERVAL`] during charges, and always before a charge is refused.
+//! - **Readers never spin without bound** ([`snapshot::SEQLOCK_READ_ATTEMPTS`]).
+//! - **Bad files are detected.** A file of the wrong size, magic, version or with inconsistent
+//!   counts is rebuilt when no live process uses it ([`OpenKind::Rebuilt`]) and refused with
+//!   [`RegionError::InUseWithBadLayout`] otherwise. Nothing here panics, exits, logs, changes the
+//!   umask or installs signal handlers.
+//!
+//! # Fork and exec
+//!
+//! A [`Slot`] belongs to the process that attached it. After `fork` the child must call
+//! [`Region::attach`] with its own pid (the mapping, the fd and its file lock are inherited and
+//! stay valid) and never use the parent's `Slot`: its charges would land in the parent's slot.
+//! Compare `Slot::pid()` with `getpid()`, or use `pthread_atfork`, to notice. After `exec` the new
+//! image opens the region again; attaching with the same pid resets the old image's slot (its
+//! device memory died with the old address space).
+
+mod error;
+mod layout;
+pub mod process;
+pub mod snapshot;
+mod sys;
+
+use std::fs::{File, OpenOptions, Permissions};
+use std::io;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering, fence};
+use std::time::{Duration, Instant, SystemTime};
+
+pub use error::{ChargeError, InitError, LayoutError, Refused, RegionError};
+pub use layout::{
+    DeviceMemory, DeviceUtil, EXTENSION_MAGIC, EXTENSION_OFFSET, EXTENSION_SIZE, EXTENSION_VERSION, Extension,
+    HAMI_INITIALIZED_FLAG, HAMI_MAJOR_VERSION, HAMI_MINOR_VERSION, HAMI_REGION_SIZE, MAX_DEVICES, MAX_SLOTS,
+    OpaqueStorage, ProcSlot, REGION_FILE_SIZE, RegionFile, SLOT_EXTENSIONS_OFFSET, SLOT_FREE, SLOT_LIVE, SharedRegion,
+    SlotExtension, UUID_BYTES, layout_listing,
+};
+pub use process::process_start_time;
+pub use snapshot::{ExtensionSnapshot, MemoryUsage, ProcessSnapshot, Snapshot, read_snapshot};
+
+/// How long any lock on the region is waited for before giving up.
+pub const LOCK_TIMEOUT: Duration = Duration::from_secs(1);
+/// Dead slots are reaped during charges at most this often (and always before a refusal).
+pub const REAP_INTERVAL: Duration = Duration::from_millis(100);
+
+/// HAMi-core's creator defaults for the fields its monitor owns.
+const INITIAL_UTILIZATION_SWITCH: i32 = 1;
+const INITIAL_RECENT_KERNEL: i32 = 2;
+
+/// The kind of device memory a charge is recorded as (HAMi's per-slot split).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemoryKind {
+    /// CUDA contexts (`context_size`).
+    Context,
+    /// Loaded modules (`module_size`).
+    Module,
+    /// Everything allocated by the application (`data_size`).
+    Data,
+}
+
+/// What the creator of a region writes into it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InitParams {
+    /// The creator's devices in CUDA ordinal order; they get region indices 0, 1, ...
+    pub device_uuids: Vec<String>,
+    /// Memory limit in bytes per region device index (0 = none), for HAMi's monitor. Entries past
+    /// `device_uuids` apply to devices other processes register later.
+    pub limits: [u64; MAX_DEVICES],
+    /// Compute limit in percent per region device index (0 = none).
+    pub sm_limits: [u64; MAX_DEVICES],
+    /// `CUDA_TASK_PRIORITY`.
+    pub priority: i32,
+}
+
+impl Default for InitParams {
+    /// No devices, no limits, HAMi-core's default priority 1.
+    fn default() -> Self {
+        Self {
+            device_uuids: Vec::new(),
+            limits: [0; MAX_DEVICES],
+            sm_limits: [0; MAX_DEVICES],
+            priority: 1,
+        }
+    }
+}
+
+impl InitParams {
+    fn validate(&self) -> Result<(), InitError> {
+        if self.device_uuids.len() > MAX_DEVICES {
+            return Err(InitError::TooManyDevices {
+                count: self.device_uuids.len(),
+            });
+        }
+        for (index, uuid) in self.device_uuids.iter().enumerate() {
+            if !uuid_is_valid(uuid) {
+                return Err(InitError::BadUuid { uuid: uuid.clone() });
+            }
+            if self.device_uuids[..index].contains(uuid) {
+                return Err(InitError::DuplicateUuid { uuid: uuid.clone() });
+            }
+        }
+        Ok(())
+    }
+}
+
+fn uuid_is_valid(uuid: &str) -> bool {
+    !uuid.is_empty() && uuid.len() < UUID_BYTES && !uuid.contains('\0')
+}
+
+/// What [`Region::open`] found at the path. The caller decides what to log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OpenKind {
+    /// The file was new or empty, and was initialised.
+    Created,
+    /// A valid region nobody was using: stale slots dropped, header rewritten from the
+    /// [`InitParams`].
+    Reinitialised,
+    /// An invalid file nobody was using, rebuilt; the problem found.
+    Rebuilt(LayoutError),
+    /// A valid region in use by other processes, joined as it is.
+    Joined,
+    /// A region in use by other processes whose running totals disagreed with its slots (the
+    /// problem found); the totals were recomputed from the slots.
+    Repaired(LayoutError),
+}
+
+/// A process's claim on one slot, from [`Region::attach`]. Only valid in the process that attached
+/// it, until it is detached or reaped.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Slot {
+    index: usize,
+    pid: i32,
+    generation: u64,
+}
+
+impl Slot {
+    /// Index in `procs`.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// The pid the slot was attached for.
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+}
+
+/// An open, mapped region. Dropping it unmaps the file and closes it (releasing this process's
+/// file lock) but does not detach slots.
+pub struct Region {
+    mapping: NonNull<RegionFile>,
+    // Holds the LOCK_SH that marks this process as a user of the file.
+    _file: File,
+    path: PathBuf,
+    open_kind: OpenKind,
+}
+
+// SAFETY: the mapping is shared memory made of atomics and of C objects (mutex, semaphores) built
+// for concurrent use; every compound update happens under the process-shared mutex. Nothing in
+// Region is tied to the thread that created it.
+unsafe impl Send for Region {}
+// SAFETY: as above; `&Region` only gives out atomic access and lock-protected updates.
+unsafe impl Sync for Region {}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // SAFETY: the mapping was made by map_shared with REGION_FILE_SIZE bytes, and no reference
+        // into it outlives `self` (they all borrow it).
+        unsafe { sys::unmap(self.mapping.cast(), REGION_FILE_SIZE) };
+    }
+}
+
+/// Proof that the caller holds the region's mutex; unlocks on drop.
+struct LockGuard<'a> {
+    region: &'a Region,
+}
+
+impl Drop for LockGuard<'_> {
+    fn drop(&mut self) {
+        sys::unlock(&self.region.file().ext.lock);
+    }
+}
+
+impl Region {
+    /// Opens the region file at `path`, creating it (mode 0666, whatever the umask) if missing.
+    ///
+    /// Every process that opens the region holds a shared `flock` on it for as long as the
+    /// `Region` lives, so a process that gets the lock exclusively knows nobody is using the file.
+    /// That process (re)initialises it from `init` ([`OpenKind::Created`], [`OpenKind::Reinitialised`]
+    /// or [`OpenKind::Rebuilt`] when it was invalid); any other joins it after validating it, and
+    /// an invalid file in use is [`RegionError::InUseWithBadLayout`]. `init` is ignored when
+    /// joining: compare [`Region::snapshot`] if it matters.
+    pub fn open(path: &Path, init: &InitParams) -> Result<Region, RegionError> {
+        init.validate().map_err(|problem| RegionError::InvalidInit {
+            path: path.to_owned(),
+            problem,
+        })?;
+        let file = open_or_create(path)?;
+        let io_error = |operation, source| RegionError::Io {
+            path: path.to_owned(),
+            operation,
+            source,
+        };
+        let metadata = file.metadata().map_err(|source| io_error("fstat", source))?;
+        if !metadata.is_file() {
+            let source = io::Error::new(io::ErrorKind::InvalidInput, "not a regular file");
+            return Err(RegionError::Open {
+                path: path.to_owned(),
+                source,
+            });
+        }
+        if sys::flock(&file, libc::LOCK_EX | libc::LOCK_NB).map_err(|source| io_error("flock", source))? {
+            let region = Self::initialise_exclusively(path, file, init)?;
+            // Downgrade; it is not atomic, but the file is fully initialised before anyone else
+            // can take any lock on it.
+            wait_for_shared_lock(&region._file, path)?;
+            Ok(region)
+        } else {
+            wait_for_shared_lock(&file, path)?;
+            Self::join(path, file)
+        }
+    }
+
+    /// With the file held exclusively: validate what is there, then write a fresh region.
+    fn initialise_exclusively(path: &Path, file: File, init: &InitParams) -> Result<Region, RegionError> {
+        let io_error = |operation, source| RegionError::Io {
+            path: path.to_owned(),
+            operation,
+            source,
+        };
+        let len = file.metadata().map_err(|source| io_error("fstat", source))?.len();
+        let mut found_problem = None;
+        if len != REGION_FILE_SIZE as u64 && len != 0 {
+            found_problem = Some(LayoutError::WrongFileSize {
+                len,
+                expected: REGION_FILE_SIZE as u64,
+            });
+            file.set_len(REGION_FILE_SIZE as u64)
+                .map_err(|source| io_error("ftruncate", source))?;
+        } else if len == 0 {
+            file.set_len(REGION_FILE_SIZE as u64)
+                .map_err(|source| io_error("ftruncate", source))?;
+        }
+        let mapping = sys::map_shared(&file, REGION_FILE_SIZE).map_err(|source| io_error("mmap", source))?;
+        let mut region = Region {
+            mapping: mapping.cast(),
+            _file: file,
+            path: path.to_owned(),
+            open_kind: OpenKind::Created,
+        };
+        if len == REGION_FILE_SIZE as u64 {
+            let file = region.file();
+            found_problem = snapshot::check_hami_header(file)
+                .and_then(|()| snapshot::check_extension_header(file))
+                .and_then(|()| snapshot::check_totals(file))
+                .err();
+            region.open_kind = match &found_problem {
+                None => OpenKind::Reinitialised,
+                Some(problem) => OpenKind::Rebuilt(problem.clone()),
+            };
+        } else if let Some(problem) = found_problem {
+            region.open_kind = OpenKind::Rebuilt(problem);
+        }
+        // SAFETY: the mapping is REGION_FILE_SIZE bytes, no reference into it is alive (the
+        // validation above is over), and no other process uses it (we hold the file exclusively).
+        unsafe { sys::zero(mapping, REGION_FILE_SIZE) };
+        write_initial_state(region.file(), init).map_err(|errno| RegionError::LockFailed {
+            path: path.to_owned(),
+            errno,
+        })?;
+        Ok(region)
+    }
+
+    /// With the file held shared: validate it, and repair the running totals if they disagree.
+    fn join(path: &Path, file: File) -> Result<Region, RegionError> {
+        let io_error = |operation, source| RegionError::Io {
+            path: path.to_owned(),
+            operation,
+            source,
+        };
+        let bad_layout = |problem| RegionError::InUseWithBadLayout {
+            path: path.to_owned(),
+            problem,
+        };
+        let len = file.metadata().map_err(|source| io_error("fstat", source))?.len();
+        if len != REGION_FILE_SIZE as u64 {
+            return Err(bad_layout(LayoutError::WrongFileSize {
+                len,
+                expected: REGION_FILE_SIZE as u64,
+            }));
+        }
+        let mapping = sys::map_shared(&file, REGION_FILE_SIZE).map_err(|source| io_error("mmap", source))?;
+        let mut region = Region {
+            mapping: mapping.cast(),
+            _file: file,
+            path: path.to_owned(),
+            open_kind: OpenKind::Joined,
+        };
+        snapshot::check_hami_header(region.file()).map_err(bad_layout)?;
+        snapshot::check_extension_header(region.file()).map_err(bad_layout)?;
+        let repaired = {
+            let guard = region.lock()?;
+            let problem = snapshot::check_totals(region.file()).err();
+            if problem.is_some() {
+                region.recompute_locked(&guard);
+            }
+            problem
+        };
+        if let Some(problem) = repaired {
+            region.open_kind = OpenKind::Repaired(problem);
+        }
+        Ok(region)
+    }
+
+    /// What `open` found at the path.
+    pub fn open_kind(&self) -> &OpenKind {
+        &self.open_kind
+    }
+
+    /// The path the region was opened at.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// HAMi-core's part of the mapping, for the fields this crate does not manage
+    /// (`utilization_switch`, `recent_kernel`, `last_kernel_time`, `device_util`, `monitorused`,
+    /// `hostpid`, `limit`, `sm_limit`). Memory fields, slot ownership and devices must only change
+    /// through `Region`'s methods.
+    pub fn hami(&self) -> &SharedRegion {
+        &self.file().hami
+    }
+
+    /// vgpu's extension, read-only in spirit like [`Region::hami`].
+    pub fn extension(&self) -> &Extension {
+        &self.file().ext
+    }
+
+    fn file(&self) -> &RegionFile {
+        // SAFETY: the mapping is REGION_FILE_SIZE bytes, page-aligned, valid until drop, and every
+        // bit pattern is a valid RegionFile (atomics and opaque bytes only).
+        unsafe { self.mapping.as_ref() }
+    }
+
+    /// Claims a slot for process `pid` (normally `getpid()`): reaps dead slots first, then reuses
+    /// the live slot already recorded for `pid` (a process that called `exec`: its old charges
+    /// are dropped) or else the lowest free slot. [`RegionError::NoFreeSlot`] when all 1024 belong
+    /// to live processes.
+    pub fn attach(&self, pid: i32) -> Result<Slot, RegionError> {
+        if pid <= 0 {
+            return Err(RegionError::InvalidPid {
+                path: self.path.clone(),
+                pid,
+            });
+        }
+        let start_time = process::process_start_time(pid).unwrap_or(0);
+        let guard = self.lock()?;
+        self.reap_locked(&guard);
+        let hami = &self.file().hami;
+        let same_process = hami.procs.iter().position(|slot| {
+            slot.status.load(Ordering::Relaxed) == SLOT_LIVE && slot.pid.load(Ordering::Relaxed) == pid
+        });
+        let index = match same_process {
+            Some(index) => {
+                self.release_slot_locked(&guard, index);
+                index
+            }
+            None => hami
+                .procs
+                .iter()
+                .position(|slot| slot.status.load(Ordering::Relaxed) != SLOT_LIVE)
+                .ok_or_else(|| RegionError::NoFreeSlot {
+                    path: self.path.clone(),
+                })?,
+        };
+        Ok(self.claim_slot_locked(&guard, index, pid, start_time))
+    }
+
+    /// Gives a slot back (clean exit), releasing everything still charged to it. A slot that was
+    /// already reaped is fine.
+    pub fn detach(&self, slot: Slot) -> Result<(), RegionError> {
+        let guard = self.lock()?;
+        if self.owned_slot(&slot).is_ok() {
+            self.release_slot_locked(&guard, slot.index);
+            self.shrink_proc_num_locked(&guard);
+        }
+        Ok(())
+    }
+
+    /// The region index of the device with this UUID, registering it in `uuids` if it is new.
+    /// Processes with different `CUDA_VISIBLE_DEVICES` share one region, so devices are indexed
+    /// by UUID, never by CUDA ordinal.
+    pub fn device_index(&self, uuid: &str) -> Result<usize, RegionError> {
+        if !uuid_is_valid(uuid) {
+            return Err(RegionError::InvalidUuid {
+                path: self.path.clone(),
+                uuid: uuid.to_owned(),
+            });
+        }
+        if let Some(index) = self.find_device(uuid) {
+            return Ok(index);
+        }
+        let _guard = self.lock()?;
+        if let Some(index) = self.find_device(uuid) {
+            return Ok(index);
+        }
+        let hami = &self.file().hami;
+        let index = usize::try_from(hami.device_num.load(Ordering::Relaxed)).unwrap_or(MAX_DEVICES);
+        let entry = hami.uuids.get(index).ok_or_else(|| RegionError::TooManyDevices {
+            path: self.path.clone(),
+            uuid: uuid.to_owned(),
+        })?;
+        write_uuid(entry, uuid);
+        // Publishes the UUID bytes to lock-free readers of device_num.
+        hami.device_num.store(index as u64 + 1, Ordering::Release);
+        Ok(index)
+    }
+
+    fn find_device(&self, uuid: &str) -> Option<usize> {
+        let hami = &self.file().hami;
+        let device_num = usize::try_from(hami.device_num.load(Ordering::Acquire))
+            .unwrap_or(0)
+            .min(MAX_DEVICES);
+        hami.uuids
+            .iter()
+            .take(device_num)
+            .position(|entry| uuid_matches(entry, uuid))
+    }
+
+    /// Charges `bytes` of `kind` on region device `device` to `slot`, unless that would take the
+    /// device's total over `limit` (`None`: no limit, but the total must still fit 64 bits).
+    /// Check and charge are one step under the region's mutex, so concurrent processes cannot
+    /// overcommit. Before refusing, dead slots are reaped and the check repeated; otherwise they
+    /// are reaped at most every [`REAP_INTERVAL`]. A zero-byte charge succeeds without locking.
+    pub fn try_charge(
+        &self,
+        slot: &Slot,
+        device: usize,
+        kind: MemoryKind,
+        bytes: u64,
+        limit: Option<u64>,
+    ) -> Result<(), ChargeError> {
+        self.check_device(device)?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        let guard = self.lock()?;
+        self.reap_if_due_locked(&guard);
+        let proc_slot = self.owned_slot(slot)?;
+        let ceiling = limit.unwrap_or(u64::MAX);
+        let total = &self.file().ext.device_used[device];
+        let total_after = |used: u64| used.checked_add(bytes).filter(|after| *after <= ceiling);
+        let mut used = total.load(Ordering::Relaxed);
+        if total_after(used).is_none() && self.reap_locked(&guard) > 0 {
+            // A dead process's charge must never cause a refusal.
+            used = total.load(Ordering::Relaxed);
+        }
+        let Some(after) = total_after(used) else {
+            return Err(ChargeError::Refused(Refused {
+                used,
+                limit: ceiling,
+                requested: bytes,
+            }));
+        };
+        let usage = &proc_slot.used[device];
+        write_slot(proc_slot, || {
+            let field = kind_field(usage, kind);
+            field.store(field.load(Ordering::Relaxed).saturating_add(bytes), Ordering::Relaxed);
+            usage.total.store(
+                usage.total.load(Ordering::Relaxed).saturating_add(bytes),
+                Ordering::Relaxed,
+            );
+        });
+        total.store(after, Ordering::Release);
+        Ok(())
+    }
+
+    /// Releases up to `bytes` of `kind` on `device` from `slot`, never more than the slot holds of
+    /// that kind (no underflow, whatever the caller passes). Returns the bytes released.
+    pub fn uncharge(&self, slot: &Slot, device: usize, kind: MemoryKind, bytes: u64) -> Result<u64, RegionError> {
+        self.check_device(device)?;
+        if bytes == 0 {
+            return Ok(0);
+        }
+        let _guard = self.lock()?;
+        let proc_slot = self.owned_slot(slot)?;
+        let usage = &proc_slot.used[device];
+        let field = kind_field(usage, kind);
+        let released = bytes.min(field.load(Ordering::Relaxed));
+        if released == 0 {
+            return Ok(0);
+        }
+        write_slot(proc_slot, || {
+            field.store(
+                field.load(Ordering::Relaxed).saturating_sub(released),
+                Ordering::Relaxed,
+            );
+            usage.total.store(
+                usage.total.load(Ordering::Relaxed).saturating_sub(released),
+                Ordering::Relaxed,
+            );
+        });
+        let total = &self.file().ext.device_used[device];
+        total.store(
+            total.load(Ordering::Relaxed).saturating_sub(released),
+            Ordering::Release,
+        );
+        Ok(released)
+    }
+
+    /// Bytes charged on a region device by all processes (the running total; no lock, no scan).
+    /// 0 for an index of 16 or more.
+    pub fn device_used(&self, device: usize) -> u64 {
+        self.file()
+            .ext
+            .device_used
+            .get(device)
+            .map_or(0, |total| total.load(Ordering::Acquire))
+    }
+
+    /// Frees the slots of dead processes and returns how many.
+    pub fn reap_dead(&self) -> Result<usize, RegionError> {
+        let guard = self.lock()?;
+        Ok(self.reap_locked(&guard))
+    }
+
+    /// Decodes the live region without locking it (seqlock-consistent per slot, bounded retries).
+    pub fn snapshot(&self) -> Snapshot {
+        snapshot::decode(self.file(), true, snapshot::SEQLOCK_READ_ATTEMPTS)
+    }
+
+    fn check_device(&self, device: usize) -> Result<(), RegionError> {
+        if device < MAX_DEVICES {
+            Ok(())
+        } else {
+            Err(RegionError::NoSuchDevice {
+                path: self.path.clone(),
+                device,
+            })
+        }
+    }
+
+    /// The slot, if it still belongs to the holder of `slot`.
+    fn owned_slot(&self, slot: &Slot) -> Result<&ProcSlot, RegionError> {
+        let file = self.file();
+        let lost = || RegionError::SlotLost {
+            path: self.path.clone(),
+            slot: slot.index,
+        };
+        let shared = file.hami.procs.get(slot.index).ok_or_else(lost)?;
+        let extension = file.ext.slots.get(slot.index).ok_or_else(lost)?;
+        let owned = shared.status.load(Ordering::Relaxed) == SLOT_LIVE
+            && shared.pid.load(Ordering::Relaxed) == slot.pid
+            && extension.generation.load(Ordering::Relaxed) == slot.generation;
+        if owned { Ok(shared) } else { Err(lost()) }
+    }
+
+    /// Locks the region's mutex, waiting at most [`LOCK_TIMEOUT`]. When the previous owner died
+    /// holding it, its update may be half done: the running totals are recomputed from the slots
+    /// and dead slots reaped before the lock is handed out.
+    fn lock(&self) -> Result<LockGuard<'_>, RegionError> {
+        let mutex = &self.file().ext.lock;
+        match sys::timed_lock(mutex, LOCK_TIMEOUT) {
+            0 => Ok(LockGuard { region: self }),
+            libc::EOWNERDEAD => {
+                sys::make_consistent(mutex);
+                let guard = LockGuard { region: self };
+                self.recompute_locked(&guard);
+                self.reap_locked(&guard);
+                Ok(guard)
+            }
+            libc::ETIMEDOUT => Err(RegionError::LockTimeout {
+                path: self.path.clone(),
+            }),
+            libc::ENOTRECOVERABLE => Err(RegionError::LockUnrecoverable {
+                path: self.path.clone(),
+            }),
+            errno => Err(RegionError::LockFailed {
+                path: self.path.clone(),
+                errno,
+            }),
+        }
+    }
+
+    /// Makes every slot consistent (closes seqlocks left odd, `total` = sum of kinds) and rebuilds
+    /// the running totals and `proc_num` from the live slots.
+    fn recompute_locked(&self, _guard: &LockGuard<'_>) {
+        let file = self.file();
+        let mut sums = [0u64; MAX_DEVICES];
+        let mut proc_num = 0;
+        for (index, slot) in file.hami.procs.iter().enumerate() {
+            let sequence = slot.seqlock.load(Ordering::Relaxed);
+            if sequence % 2 == 1 {
+                slot.seqlock.store(sequence.wrapping_add(1), Ordering::Release);
+            }
+            if slot.status.load(Ordering::Relaxed) != SLOT_LIVE {
+                continue;
+            }
+            proc_num = index + 1;
+            write_slot(slot, || {
+                for (usage, sum) in slot.used.iter().zip(sums.iter_mut()) {
+                    let total = usage
+                        .context_size
+                        .load(Ordering::Relaxed)
+                        .saturating_add(usage.module_size.load(Ordering::Relaxed))
+                        .saturating_add(usage.data_size.load(Ordering::Relaxed));
+                    usage.total.store(total, Ordering::Relaxed);
+                    *sum = sum.saturating_add(total);
+                }
+            });
+        }
+        for (total, sum) in file.ext.device_used.iter().zip(sums) {
+            total.store(sum, Ordering::Release);
+        }
+        file.hami.proc_num.store(proc_num as i32, Ordering::Release);
+    }
+
+    fn reap_if_due_locked(&self, guard: &LockGuard<'_>) {
+        let now = sys::monotonic_ns();
+        let last = self.file().ext.last_reap_ns.load(Ordering::Relaxed);
+        // A last time in the future comes from before a reboot (a region file on disk).
+        if now.saturating_sub(last) >= REAP_INTERVAL.as_nanos() as u64 || last > now {
+            self.reap_locked(guard);
+        }
+    }
+
+    /// Frees the slots of dead processes; returns how many.
+    fn reap_locked(&self, guard: &LockGuard<'_>) -> usize {
+        let file = self.file();
+        let proc_num = usize::try_from(file.hami.proc_num.load(Ordering::Relaxed))
+            .unwrap_or(0)
+            .min(MAX_SLOTS);
+        let mut reaped = 0;
+        for (index, (slot, extension)) in file
+            .hami
+            .procs
+            .iter()
+            .zip(file.ext.slots.iter())
+            .enumerate()
+            .take(proc_num)
+        {
+            if slot.status.load(Ordering::Relaxed) == SLOT_LIVE
+                && !process::is_alive(
+                    slot.pid.load(Ordering::Relaxed),
+                    extension.start_time.load(Ordering::Relaxed),
+                )
+            {
+                self.release_slot_locked(guard, index);
+                reaped += 1;
+            }
+        }
+        self.shrink_proc_num_locked(guard);
+        file.ext.last_reap_ns.store(sys::monotonic_ns(), Ordering::Relaxed);
+        reaped
+    }
+
+    /// Zeroes a slot, takes its charges off the running totals and marks it free.
+    fn release_slot_locked(&self, _guard: &LockGuard<'_>, index: usize) {
+        let file = self.file();
+        let (Some(slot), Some(extension)) = (file.hami.procs.get(index), file.ext.slots.get(index)) else {
+            return;
+        };
+        write_slot(slot, || {
+            for (usage, total) in slot.used.iter().zip(file.ext.device_used.iter()) {
+                let held = usage.total.load(Ordering::Relaxed);
+                total.store(total.load(Ordering::Relaxed).saturating_sub(held), Ordering::Release);
+                clear_device_memory(usage);
+            }
+            clear_monitor_fields(slot);
+            slot.status.store(SLOT_FREE, Ordering::Release);
+            slot.pid.store(0, Ordering::Relaxed);
+        });
+        extension.start_time.store(0, Ordering::Relaxed);
+        extension.suspend.store(0, Ordering::Relaxed);
+        extension.flags.store(0, Ordering::Relaxed);
+    }
+
+    /// Makes a free slot this process's.
+    fn claim_slot_locked(&self, guard: &LockGuard<'_>, index: usize, pid: i32, start_time: u64) -> Slot {
+        let file = self.file();
+        let generation = file.ext.next_generation.fetch_add(1, Ordering::Relaxed).max(1);
+        if let (Some(slot), Some(extension)) = (file.hami.procs.get(index), file.ext.slots.get(index)) {
+            write_slot(slot, || {
+                // Free slots are zero already, except in a file another implementation wrote.
+                slot.used.iter().for_each(clear_device_memory);
+                clear_monitor_fields(slot);
+                extension.start_time.store(start_time, Ordering::Relaxed);
+                extension.generation.store(generation, Ordering::Relaxed);
+                extension.suspend.store(0, Ordering::Relaxed);
+                extension.flags.store(0, Ordering::Relaxed);
+                slot.pid.store(pid, Ordering::Relaxed);
+                // HAMi's monitor reads pid once it sees the status.
+                slot.status.store(SLOT_LIVE, Ordering::Release);
+            });
+        }
+        let proc_num = &file.hami.proc_num;
+        if proc_num.load(Ordering::Relaxed) < index as i32 + 1 {
+            proc_num.store(index as i32 + 1, Ordering::Release);
+        }
+        self.shrink_proc_num_locked(guard);
+        Slot { index, pid, generation }
+    }
+
+    /// `proc_num` = one more than the highest live slot (HAMi's monitor reads `0..proc_num`).
+    fn shrink_proc_num_locked(&self, _guard: &LockGuard<'_>) {
+        let hami = &self.file().hami;
+        let proc_num = usize::try_from(hami.proc_num.load(Ordering::Relaxed))
+            .unwrap_or(0)
+            .min(MAX_SLOTS);
+        let live_end = hami.procs[..proc_num]
+            .iter()
+            .rposition(|slot| slot.status.load(Ordering::Relaxed) == SLOT_LIVE)
+            .map_or(0, |index| index + 1);
+        if live_end != proc_num {
+            hami.proc_num.store(live_end as i32, Ordering::Release);
+        }
+    }
+}
+
+/// Builds the bytes `Region::open` writes into a new region file (with this process as creator).
+/// For tests, fuzzing and tools that need a valid image without a file.
+pub fn initial_image(init: &InitParams) -> Result<Vec<u8>, InitError> {
+    init.validate()?;
+    let file = snapshot::zeroed_region_file();
+    write_initial_state(&file, init).map_err(|errno| InitError::MutexInit { errno })?;
+    let bytes: *const u8 = std::ptr::from_ref::<RegionFile>(&file).cast();
+    // SAFETY: `file` is a live RegionFile of REGION_FILE_SIZE bytes with no padding (layout.rs
+    // asserts the sizes add up), every byte initialised (zeroed, then written), and nobody else
+    // refers to it while it is copied.
+    Ok(unsafe { std::slice::from_raw_parts(bytes, REGION_FILE_SIZE) }.to_vec())
+}
+
+/// Fills an all-zero region: semaphores, header, devices, limits, the extension with its mutex,
+/// and `initialized_flag` last. Returns the pthread error number if the mutex cannot be made.
+fn write_initial_state(file: &RegionFile, init: &InitParams) -> Result<(), i32> {
+    let hami = &file.hami;
+    let ext = &file.ext;
+    sys::init_semaphore(&hami.sem);
+    sys::init_semaphore(&hami.sem_postinit);
+    hami.major_version.store(HAMI_MAJOR_VERSION, Ordering::Relaxed);
+    hami.minor_version.store(HAMI_MINOR_VERSION, Ordering::Relaxed);
+    for (entry, uuid) in hami.uuids.iter().zip(&init.device_uuids) {
+        write_uuid(entry, uuid);
+    }
+    hami.device_num
+        .store(init.device_uuids.len().min(MAX_DEVICES) as u64, Ordering::Relaxed);
+    for (limit, value) in hami.limit.iter().zip(init.limits) {
+        limit.store(value, Ordering::Relaxed);
+    }
+    for (limit, value) in hami.sm_limit.iter().zip(init.sm_limits) {
+        limit.store(value, Ordering::Relaxed);
+    }
+    hami.utilization_switch
+        .store(INITIAL_UTILIZATION_SWITCH, Ordering::Relaxed);
+    hami.recent_kernel.store(INITIAL_RECENT_KERNEL, Ordering::Relaxed);
+    hami.priority.store(init.priority, Ordering::Relaxed);
+    let now = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |since| since.as_secs());
+    hami.last_kernel_time
+        .store(i64::try_from(now).unwrap_or(0), Ordering::Relaxed);
+
+    ext.magic.store(EXTENSION_MAGIC, Ordering::Relaxed);
+    ext.version.store(EXTENSION_VERSION, Ordering::Relaxed);
+    ext.extension_size.store(EXTENSION_SIZE as u32, Ordering::Relaxed);
+    ext.hami_region_size.store(EXTENSION_OFFSET as u64, Ordering::Relaxed);
+    ext.creator_pid.store(std::process::id() as i32, Ordering::Relaxed);
+    ext.next_generation.store(1, Ordering::Relaxed);
+    ext.created_unix_secs.store(now, Ordering::Relaxed);
+    sys::init_robust_mutex(&ext.lock)?;
+
+    fence(Ordering::Release);
+    hami.initialized_flag.store(HAMI_INITIALIZED_FLAG, Ordering::Release);
+    Ok(())
+}
+
+/// Opens the file read-write, creating it with mode 0666 if it does not exist. The mode is set
+/// with fchmod after creation, because the umask may have masked it (HAMi-core calls `umask(0)`
+/// instead, which changes the application's umask).
+fn open_or_create(path: &Path) -> Result<File, RegionError> {
+    let open_error = |source| RegionError::Open {
+        path: path.to_owned(),
+        source,
+    };
+    // Two rounds cover a file deleted between the two opens.
+    for _ in 0..2 {
+        match OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true)
+            .mode(0o666)
+            .open(path)
+        {
+            Ok(file) => {
+                // Best effort: a file we just created is ours, so this only fails on exotic
+                // filesystems, where the umask's mode is still usable by this user.
+                let _ = file.set_permissions(Permissions::from_mode(0o666));
+                return Ok(file);
+            }
+            Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(error) => return Err(open_error(error)),
+        }
+        match OpenOptions::new().read(true).write(true).open(path) {
+            Ok(file) => return Ok(file),
+            Err(error) if error.kind() == io::ErrorKind::NotFound => continue,
+            Err(error) => return Err(open_error(error)),
+        }
+    }
+    Err(open_error(io::Error::from(io::ErrorKind::NotFound)))
+}
+
+/// Takes (or downgrades to) the shared file lock, retrying for at most [`LOCK_TIMEOUT`] while
+/// another process holds it exclusively to initialise the file.
+fn wait_for_shared_lock(file: &File, path: &Path) -> Result<(), RegionError> {
+    let start = Instant::now();
+    let mut pause = Duration::from_micros(200);
+    loop {
+        let locked = sys::flock(file, libc::LOCK_SH | libc::LOCK_NB).map_err(|source| RegionError::Io {
+            path: path.to_owned(),
+            operation: "flock",
+            source,
+        })?;
+        if locked {
+            return Ok(());
+        }
+        if start.elapsed() >= LOCK_TIMEOUT {
+            return Err(RegionError::FileLockTimeout { path: path.to_owned() });
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(10));
+    }
+}
+
+/// Runs a slot update with the slot's seqlock odd, so lock-free readers retry instead of seeing a
+/// torn update. A seqlock left odd by a dead writer is first made even.
+fn write_slot<R>(slot: &ProcSlot, update: impl FnOnce() -> R) -> R {
+    let current = slot.seqlock.load(Ordering::Relaxed);
+    let even = current.wrapping_add(current % 2);
+    slot.seqlock.store(even.wrapping_add(1), Ordering::Relaxed);
+    fence(Ordering::Release);
+    let result = update();
+    slot.seqlock.store(even.wrapping_add(2), Ordering::Release);
+    result
+}
+
+fn kind_field(usage: &DeviceMemory, kind: MemoryKind) -> &AtomicU64 {
+    match kind {
+        MemoryKind::Context => &usage.context_size,
+        MemoryKind::Module => &usage.module_size,
+        MemoryKind::Data => &usage.data_size,
+    }
+}
+
+fn clear_device_memory(usage: &DeviceMemory) {
+    for field in [
+        &usage.context_size,
+        &usage.module_size,
+        &usage.data_size,
+        &usage.offset,
+        &usage.total,
+    ]
+    .into_iter()
+    .chain(&usage.unused)
+    {
+        field.store(0, Ordering::Relaxed);
+    }
+}
+
+fn clear_monitor_fields(slot: &ProcSlot) {
+    slot.hostpid.store(0, Ordering::Relaxed);
+    for (monitor_used, util) in slot.monitorused.iter().zip(&slot.device_util) {
+        monitor_used.store(0, Ordering::Relaxed);
+        for field in [&util.dec_util, &util.enc_util, &util.sm_util]
+            .into_iter()
+            .chain(&util.unused)
+        {
+            field.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+fn write_uuid(entry: &[std::sync::atomic::AtomicU8; UUID_BYTES], uuid: &str) {
+    let bytes = uuid.as_bytes();
+    for (index, byte) in entry.iter().enumerate() {
+        byte.store(bytes.get(index).copied().unwrap_or(0), Ordering::Relaxed);
+    }
+}
+
+fn uuid_matches(entry: &[std::sync::atomic::AtomicU8; UUID_BYTES], uuid: &str) -> bool {
+    let bytes = uuid.as_bytes();
+    entry
+        .iter()
+        .enumerate()
+        .all(|(index, byte)| byte.load(Ordering::Relaxed) == bytes.get(index).copied().unwrap_or(0))
+}

@@ -1,0 +1,778 @@
+//! Graphs and stream capture.
+//!
+//! A graph is a list of nodes; topology is ignored because the engine runs a launched graph's
+//! kernels back to back on the launch stream's device. Launches and `cuMemAllocAsync` /
+//! `cuMemFreeAsync` on a capturing stream add kernel, allocation and free nodes instead of
+//! running. Graph memory: an allocation node gets its address when it is created; an
+//! instantiated graph charges the sum of its allocation nodes at its first launch (frees inside
+//! the graph do not reduce it) and keeps the charge until `cuGraphExecDestroy` or
+//! `cuDeviceGraphMemTrim` (after which the next launch charges again).
+
+use std::ffi::{c_char, c_ulonglong};
+
+use crate::cuda::*;
+use crate::engine::Target;
+use crate::ffi::{CuResult, cu, get, put, write_c_string};
+use crate::memory::Alloc;
+use crate::state::{Capture, State, initialised};
+
+pub enum NodeKind {
+    Kernel { duration_ns: u64 },
+    MemAlloc { phys: usize, bytes: u64, dptr: u64 },
+    MemFree,
+    Empty,
+}
+
+pub struct Node {
+    pub kind: NodeKind,
+}
+
+#[derive(Default)]
+pub struct Graph {
+    pub nodes: Vec<usize>,
+}
+
+pub struct Exec {
+    pub kernels_ns: u64,
+    /// (device, bytes) of each allocation node.
+    pub allocs: Vec<(usize, u64)>,
+    pub charged: bool,
+}
+
+impl State {
+    fn create_graph(&mut self) -> usize {
+        let handle = self.new_handle();
+        self.graphs.insert(handle, Graph::default());
+        handle
+    }
+
+    fn add_node(&mut self, graph: usize, kind: NodeKind) -> CuResult<usize> {
+        if !self.graphs.contains_key(&graph) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let handle = self.new_handle();
+        self.nodes.insert(handle, Node { kind });
+        if let Some(g) = self.graphs.get_mut(&graph) {
+            g.nodes.push(handle);
+        }
+        Ok(handle)
+    }
+
+    fn kernel_node(&mut self, graph: usize, function: usize) -> CuResult<usize> {
+        let duration_ns = self
+            .functions
+            .get(&function)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?
+            .duration_ns;
+        self.add_node(graph, NodeKind::Kernel { duration_ns })
+    }
+
+    /// An allocation node: its address is taken now, its memory charged at the first launch.
+    fn alloc_node(&mut self, graph: usize, bytes: u64, ordinal: CUdevice) -> CuResult<(usize, u64)> {
+        if bytes == 0 || !self.graphs.contains_key(&graph) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let phys = self.device(ordinal)?;
+        let alloc = Alloc {
+            size: bytes,
+            charge: 0,
+            phys,
+            ordinal,
+            ctx: 0,
+            pool: None,
+            graph: true,
+        };
+        let dptr = self.place(phys, alloc)?;
+        let node = self.add_node(graph, NodeKind::MemAlloc { phys, bytes, dptr })?;
+        Ok((node, dptr))
+    }
+
+    fn capture_graph(&self, stream: usize) -> CuResult<usize> {
+        self.streams
+            .get(&stream)
+            .and_then(|s| s.capture.as_ref())
+            .map(|c| c.graph)
+            .ok_or(CUDA_ERROR_ILLEGAL_STATE)
+    }
+
+    fn captured(&mut self, stream: usize, node: usize) {
+        if let Some(capture) = self.streams.get_mut(&stream).and_then(|s| s.capture.as_mut()) {
+            capture.deps = vec![node];
+            capture.edges = vec![0];
+        }
+    }
+
+    pub fn capture_kernel(&mut self, stream: usize, duration_ns: u64) -> CuResult {
+        let graph = self.capture_graph(stream)?;
+        let node = self.add_node(graph, NodeKind::Kernel { duration_ns })?;
+        self.captured(stream, node);
+        Ok(())
+    }
+
+    pub fn capture_alloc(&mut self, stream: usize, bytes: u64, ordinal: CUdevice) -> CuResult<u64> {
+        let graph = self.capture_graph(stream)?;
+        let (node, dptr) = self.alloc_node(graph, bytes, ordinal)?;
+        self.captured(stream, node);
+        Ok(dptr)
+    }
+
+    pub fn capture_free(&mut self, stream: usize) -> CuResult {
+        let graph = self.capture_graph(stream)?;
+        let node = self.add_node(graph, NodeKind::MemFree)?;
+        self.captured(stream, node);
+        Ok(())
+    }
+
+    fn destroy_graph(&mut self, graph: usize) -> CuResult {
+        let g = self.graphs.remove(&graph).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        for node in g.nodes {
+            if let Some(Node {
+                kind: NodeKind::MemAlloc { phys, dptr, .. },
+            }) = self.nodes.remove(&node)
+            {
+                self.allocs.remove(&dptr);
+                if let Some(space) = self.va.get_mut(phys) {
+                    space.give_back(dptr);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn instantiate(&mut self, graph: usize) -> CuResult<usize> {
+        let g = self.graphs.get(&graph).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let mut exec = Exec {
+            kernels_ns: 0,
+            allocs: Vec::new(),
+            charged: false,
+        };
+        for node in &g.nodes {
+            match self.nodes.get(node).map(|n| &n.kind) {
+                Some(NodeKind::Kernel { duration_ns }) => {
+                    exec.kernels_ns = exec.kernels_ns.saturating_add(*duration_ns)
+                }
+                Some(NodeKind::MemAlloc { phys, bytes, .. }) => exec.allocs.push((*phys, *bytes)),
+                _ => {}
+            }
+        }
+        let handle = self.new_handle();
+        self.execs.insert(handle, exec);
+        Ok(handle)
+    }
+
+    fn launch_graph(&mut self, exec: usize, stream: CUstream) -> CuResult {
+        let target: Target = self.stream_target(stream)?;
+        if target.capturing.is_some() {
+            return Err(CUDA_ERROR_NOT_SUPPORTED);
+        }
+        let e = self.execs.get(&exec).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let (kernels_ns, allocs, charged) = (e.kernels_ns, e.allocs.clone(), e.charged);
+        if !charged {
+            for (i, &(phys, bytes)) in allocs.iter().enumerate() {
+                if let Err(error) = self.charge(phys, bytes) {
+                    for &(phys, bytes) in &allocs[..i] {
+                        self.uncharge(phys, bytes);
+                    }
+                    return Err(error);
+                }
+            }
+            if let Some(e) = self.execs.get_mut(&exec) {
+                e.charged = true;
+            }
+        }
+        self.enqueue(&target, kernels_ns);
+        Ok(())
+    }
+
+    fn uncharge_exec(&mut self, exec: usize) {
+        let Some(e) = self.execs.get_mut(&exec) else { return };
+        if !e.charged {
+            return;
+        }
+        e.charged = false;
+        for (phys, bytes) in e.allocs.clone() {
+            self.uncharge(phys, bytes);
+        }
+    }
+
+    fn begin_capture(&mut self, stream: CUstream) -> CuResult {
+        let target = self.stream_target(stream)?;
+        let handle = target.stream.ok_or(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)?;
+        if target.capturing.is_some() {
+            return Err(CUDA_ERROR_ILLEGAL_STATE);
+        }
+        let graph = self.create_graph();
+        let id = self.next_capture_id;
+        self.next_capture_id += 1;
+        if let Some(s) = self.streams.get_mut(&handle) {
+            s.capture = Some(Capture {
+                graph,
+                id,
+                deps: Vec::new(),
+                edges: Vec::new(),
+            });
+        }
+        Ok(())
+    }
+
+    fn end_capture(&mut self, stream: CUstream) -> CuResult<usize> {
+        let target = self.stream_target(stream)?;
+        let handle = target.capturing.ok_or(CUDA_ERROR_ILLEGAL_STATE)?;
+        let capture = self
+            .streams
+            .get_mut(&handle)
+            .and_then(|s| s.capture.take())
+            .ok_or(CUDA_ERROR_ILLEGAL_STATE)?;
+        Ok(capture.graph)
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphCreate(phGraph: *mut CUgraph, _flags: std::ffi::c_uint) -> CUresult {
+    cu(|| {
+        if phGraph.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let handle = initialised()?.create_graph();
+        // SAFETY: out-pointer from the caller, checked non-null.
+        unsafe { put(phGraph, handle as CUgraph) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphDestroy(hGraph: CUgraph) -> CUresult {
+    cu(|| initialised()?.destroy_graph(hGraph as usize))
+}
+
+fn put_node(ph: *mut CUgraphNode, node: usize) -> CuResult {
+    // SAFETY: out-pointer from the caller.
+    unsafe { put(ph, node as CUgraphNode) }
+}
+
+fn kernel_of(func: CUfunction, kern: CUkernel) -> usize {
+    if func.is_null() { kern as usize } else { func as usize }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphAddKernelNode(
+    phGraphNode: *mut CUgraphNode,
+    hGraph: CUgraph,
+    _dependencies: *const CUgraphNode,
+    _numDependencies: usize,
+    nodeParams: *const CUDA_KERNEL_NODE_PARAMS_v1,
+) -> CUresult {
+    cu(|| {
+        // SAFETY: the caller passes valid node parameters (null is rejected).
+        let params = unsafe { get(nodeParams) }?;
+        if phGraphNode.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let node = initialised()?.kernel_node(hGraph as usize, params.func as usize)?;
+        put_node(phGraphNode, node)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphAddKernelNode_v2(
+    phGraphNode: *mut CUgraphNode,
+    hGraph: CUgraph,
+    _dependencies: *const CUgraphNode,
+    _numDependencies: usize,
+    nodeParams: *const CUDA_KERNEL_NODE_PARAMS,
+) -> CUresult {
+    cu(|| {
+        // SAFETY: the caller passes valid node parameters (null is rejected).
+        let params = unsafe { get(nodeParams) }?;
+        if phGraphNode.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let node = initialised()?.kernel_node(hGraph as usize, kernel_of(params.func, params.kern))?;
+        put_node(phGraphNode, node)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphAddMemAllocNode(
+    phGraphNode: *mut CUgraphNode,
+    hGraph: CUgraph,
+    _dependencies: *const CUgraphNode,
+    _numDependencies: usize,
+    nodeParams: *mut CUDA_MEM_ALLOC_NODE_PARAMS,
+) -> CUresult {
+    cu(|| {
+        // SAFETY: the caller passes valid node parameters (null is rejected).
+        let params = unsafe { get(nodeParams.cast_const()) }?;
+        if phGraphNode.is_null() || params.poolProps.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let (node, dptr) =
+            initialised()?.alloc_node(hGraph as usize, params.bytesize as u64, params.poolProps.location.id)?;
+        // SAFETY: `nodeParams` is valid (read above); the driver returns the address in it.
+        unsafe { put(&raw mut (*nodeParams).dptr, dptr) }?;
+        put_node(phGraphNode, node)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphAddMemFreeNode(
+    phGraphNode: *mut CUgraphNode,
+    hGraph: CUgraph,
+    _dependencies: *const CUgraphNode,
+    _numDependencies: usize,
+    dptr: CUdeviceptr,
+) -> CUresult {
+    cu(|| {
+        let mut state = initialised()?;
+        if phGraphNode.is_null() || !state.allocs.get(&dptr).is_some_and(|a| a.graph) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let node = state.add_node(hGraph as usize, NodeKind::MemFree)?;
+        put_node(phGraphNode, node)
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphAddEmptyNode(
+    phGraphNode: *mut CUgraphNode,
+    hGraph: CUgraph,
+    _dependencies: *const CUgraphNode,
+    _numDependencies: usize,
+) -> CUresult {
+    cu(|| {
+        if phGraphNode.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let node = initialised()?.add_node(hGraph as usize, NodeKind::Empty)?;
+        put_node(phGraphNode, node)
+    })
+}
+
+fn add_generic_node(phGraphNode: *mut CUgraphNode, hGraph: CUgraph, nodeParams: *mut CUgraphNodeParams) -> CuResult {
+    // SAFETY: the caller passes valid node parameters (null is rejected).
+    let params = unsafe { get(nodeParams.cast_const()) }?;
+    if phGraphNode.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let graph = hGraph as usize;
+    let mut state = initialised()?;
+    let node = match params.type_ {
+        CU_GRAPH_NODE_TYPE_KERNEL => {
+            // SAFETY: `type_` says the kernel member is the one in use.
+            let kernel = unsafe { params.__bindgen_anon_1.kernel };
+            state.kernel_node(graph, kernel_of(kernel.func, kernel.kern))?
+        }
+        CU_GRAPH_NODE_TYPE_MEM_ALLOC => {
+            // SAFETY: `type_` says the alloc member is the one in use.
+            let alloc = unsafe { params.__bindgen_anon_1.alloc };
+            if alloc.poolProps.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
+                return Err(CUDA_ERROR_INVALID_VALUE);
+            }
+            let (node, dptr) = state.alloc_node(graph, alloc.bytesize as u64, alloc.poolProps.location.id)?;
+            // SAFETY: `nodeParams` is valid (read above); the driver returns the address in it.
+            unsafe { put(&raw mut (*nodeParams).__bindgen_anon_1.alloc.dptr, dptr) }?;
+            node
+        }
+        CU_GRAPH_NODE_TYPE_MEM_FREE => state.add_node(graph, NodeKind::MemFree)?,
+        CU_GRAPH_NODE_TYPE_EMPTY => state.add_node(graph, NodeKind::Empty)?,
+        _ => return Err(CUDA_ERROR_NOT_SUPPORTED),
+    };
+    put_node(phGraphNode, node)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphAddNode(
+    phGraphNode: *mut CUgraphNode,
+    hGraph: CUgraph,
+    _dependencies: *const CUgraphNode,
+    _numDependencies: usize,
+    nodeParams: *mut CUgraphNodeParams,
+) -> CUresult {
+    cu(|| add_generic_node(phGraphNode, hGraph, nodeParams))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphAddNode_v2(
+    phGraphNode: *mut CUgraphNode,
+    hGraph: CUgraph,
+    _dependencies: *const CUgraphNode,
+    _dependencyData: *const CUgraphEdgeData,
+    _numDependencies: usize,
+    nodeParams: *mut CUgraphNodeParams,
+) -> CUresult {
+    cu(|| add_generic_node(phGraphNode, hGraph, nodeParams))
+}
+
+fn instantiate(phGraphExec: *mut CUgraphExec, hGraph: CUgraph) -> CuResult {
+    if phGraphExec.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let exec = initialised()?.instantiate(hGraph as usize)?;
+    // SAFETY: out-pointer from the caller, checked non-null.
+    unsafe { put(phGraphExec, exec as CUgraphExec) }
+}
+
+fn instantiate_with_log(
+    phGraphExec: *mut CUgraphExec,
+    hGraph: CUgraph,
+    phErrorNode: *mut CUgraphNode,
+    logBuffer: *mut c_char,
+    bufferSize: usize,
+) -> CuResult {
+    instantiate(phGraphExec, hGraph)?;
+    if !phErrorNode.is_null() {
+        put_node(phErrorNode, 0)?;
+    }
+    // SAFETY: the caller's log buffer holds `bufferSize` bytes (nothing is written if null).
+    unsafe { write_c_string(logBuffer, bufferSize, "") };
+    Ok(())
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphInstantiate(
+    phGraphExec: *mut CUgraphExec,
+    hGraph: CUgraph,
+    phErrorNode: *mut CUgraphNode,
+    logBuffer: *mut c_char,
+    bufferSize: usize,
+) -> CUresult {
+    cu(|| instantiate_with_log(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphInstantiate_v2(
+    phGraphExec: *mut CUgraphExec,
+    hGraph: CUgraph,
+    phErrorNode: *mut CUgraphNode,
+    logBuffer: *mut c_char,
+    bufferSize: usize,
+) -> CUresult {
+    cu(|| instantiate_with_log(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphInstantiateWithFlags(
+    phGraphExec: *mut CUgraphExec,
+    hGraph: CUgraph,
+    _flags: c_ulonglong,
+) -> CUresult {
+    cu(|| instantiate(phGraphExec, hGraph))
+}
+
+fn instantiate_with_params(
+    phGraphExec: *mut CUgraphExec,
+    hGraph: CUgraph,
+    params: *mut CUDA_GRAPH_INSTANTIATE_PARAMS,
+) -> CuResult {
+    if params.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    instantiate(phGraphExec, hGraph)?;
+    // SAFETY: `params` is a valid, non-null CUDA_GRAPH_INSTANTIATE_PARAMS of the caller.
+    unsafe {
+        put(&raw mut (*params).hErrNode_out, std::ptr::null_mut())?;
+        put(&raw mut (*params).result_out, CUDA_GRAPH_INSTANTIATE_SUCCESS)
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphInstantiateWithParams(
+    phGraphExec: *mut CUgraphExec,
+    hGraph: CUgraph,
+    instantiateParams: *mut CUDA_GRAPH_INSTANTIATE_PARAMS,
+) -> CUresult {
+    cu(|| instantiate_with_params(phGraphExec, hGraph, instantiateParams))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphInstantiateWithParams_ptsz(
+    phGraphExec: *mut CUgraphExec,
+    hGraph: CUgraph,
+    instantiateParams: *mut CUDA_GRAPH_INSTANTIATE_PARAMS,
+) -> CUresult {
+    cu(|| instantiate_with_params(phGraphExec, hGraph, instantiateParams))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphLaunch(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
+    cu(|| initialised()?.launch_graph(hGraphExec as usize, hStream))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphLaunch_ptsz(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
+    cu(|| initialised()?.launch_graph(hGraphExec as usize, hStream))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphExecDestroy(hGraphExec: CUgraphExec) -> CUresult {
+    cu(|| {
+        let mut state = initialised()?;
+        if !state.execs.contains_key(&(hGraphExec as usize)) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        state.uncharge_exec(hGraphExec as usize);
+        state.execs.remove(&(hGraphExec as usize));
+        Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDeviceGraphMemTrim(device: CUdevice) -> CUresult {
+    cu(|| {
+        let mut state = initialised()?;
+        let phys = state.device(device)?;
+        let execs: Vec<usize> = state
+            .execs
+            .iter()
+            .filter(|(_, e)| e.allocs.iter().any(|(p, _)| *p == phys))
+            .map(|(h, _)| *h)
+            .collect();
+        for exec in execs {
+            state.uncharge_exec(exec);
+        }
+        Ok(())
+    })
+}
+
+fn begin_capture(stream: CUstream) -> CuResult {
+    initialised()?.begin_capture(stream)
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamBeginCapture(hStream: CUstream) -> CUresult {
+    cu(|| begin_capture(hStream))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamBeginCapture_ptsz(hStream: CUstream) -> CUresult {
+    cu(|| begin_capture(hStream))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamBeginCapture_v2(hStream: CUstream, _mode: CUstreamCaptureMode) -> CUresult {
+    cu(|| begin_capture(hStream))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamBeginCapture_v2_ptsz(hStream: CUstream, _mode: CUstreamCaptureMode) -> CUresult {
+    cu(|| begin_capture(hStream))
+}
+
+fn end_capture(stream: CUstream, phGraph: *mut CUgraph) -> CuResult {
+    if phGraph.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let graph = initialised()?.end_capture(stream)?;
+    // SAFETY: out-pointer from the caller, checked non-null.
+    unsafe { put(phGraph, graph as CUgraph) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamEndCapture(hStream: CUstream, phGraph: *mut CUgraph) -> CUresult {
+    cu(|| end_capture(hStream, phGraph))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamEndCapture_ptsz(hStream: CUstream, phGraph: *mut CUgraph) -> CUresult {
+    cu(|| end_capture(hStream, phGraph))
+}
+
+fn is_capturing(stream: CUstream, status: *mut CUstreamCaptureStatus) -> CuResult {
+    let capturing = initialised()?.stream_target(stream)?.capturing.is_some();
+    let value = if capturing {
+        CU_STREAM_CAPTURE_STATUS_ACTIVE
+    } else {
+        CU_STREAM_CAPTURE_STATUS_NONE
+    };
+    // SAFETY: out-pointer from the caller.
+    unsafe { put(status, value) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamIsCapturing(hStream: CUstream, captureStatus: *mut CUstreamCaptureStatus) -> CUresult {
+    cu(|| is_capturing(hStream, captureStatus))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamIsCapturing_ptsz(
+    hStream: CUstream,
+    captureStatus: *mut CUstreamCaptureStatus,
+) -> CUresult {
+    cu(|| is_capturing(hStream, captureStatus))
+}
+
+/// `cuStreamGetCaptureInfo` in all its forms; every output but the status is optional.
+fn capture_info(
+    stream: CUstream,
+    status: *mut CUstreamCaptureStatus,
+    id: *mut cuuint64_t,
+    graph: *mut CUgraph,
+    deps: *mut *const CUgraphNode,
+    edges: *mut *const CUgraphEdgeData,
+    count: *mut usize,
+) -> CuResult {
+    if status.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let state = initialised()?;
+    let target = state.stream_target(stream)?;
+    let capture = target
+        .capturing
+        .and_then(|h| state.streams.get(&h))
+        .and_then(|s| s.capture.as_ref());
+    // SAFETY: every pointer is an optional out-pointer of the caller, written only if non-null;
+    // the dependency and edge arrays live in the stream's capture until its next change.
+    unsafe {
+        let Some(capture) = capture else {
+            return put(status, CU_STREAM_CAPTURE_STATUS_NONE);
+        };
+        put(status, CU_STREAM_CAPTURE_STATUS_ACTIVE)?;
+        if !id.is_null() {
+            put(id, capture.id)?;
+        }
+        if !graph.is_null() {
+            put(graph, capture.graph as CUgraph)?;
+        }
+        if !deps.is_null() {
+            put(deps, capture.deps.as_ptr().cast::<CUgraphNode>())?;
+        }
+        if !edges.is_null() {
+            put(edges, capture.edges.as_ptr().cast::<CUgraphEdgeData>())?;
+        }
+        if !count.is_null() {
+            put(count, capture.deps.len())?;
+        }
+    }
+    Ok(())
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamGetCaptureInfo(
+    hStream: CUstream,
+    captureStatus_out: *mut CUstreamCaptureStatus,
+    id_out: *mut cuuint64_t,
+) -> CUresult {
+    let null = std::ptr::null_mut();
+    cu(|| {
+        capture_info(
+            hStream,
+            captureStatus_out,
+            id_out,
+            null,
+            null.cast(),
+            null.cast(),
+            null.cast(),
+        )
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamGetCaptureInfo_ptsz(
+    hStream: CUstream,
+    captureStatus_out: *mut CUstreamCaptureStatus,
+    id_out: *mut cuuint64_t,
+) -> CUresult {
+    let null = std::ptr::null_mut();
+    cu(|| {
+        capture_info(
+            hStream,
+            captureStatus_out,
+            id_out,
+            null,
+            null.cast(),
+            null.cast(),
+            null.cast(),
+        )
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamGetCaptureInfo_v2(
+    hStream: CUstream,
+    captureStatus_out: *mut CUstreamCaptureStatus,
+    id_out: *mut cuuint64_t,
+    graph_out: *mut CUgraph,
+    dependencies_out: *mut *const CUgraphNode,
+    numDependencies_out: *mut usize,
+) -> CUresult {
+    let edges = std::ptr::null_mut();
+    cu(|| {
+        capture_info(
+            hStream,
+            captureStatus_out,
+            id_out,
+            graph_out,
+            dependencies_out,
+            edges,
+            numDependencies_out,
+        )
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamGetCaptureInfo_v2_ptsz(
+    hStream: CUstream,
+    captureStatus_out: *mut CUstreamCaptureStatus,
+    id_out: *mut cuuint64_t,
+    graph_out: *mut CUgraph,
+    dependencies_out: *mut *const CUgraphNode,
+    numDependencies_out: *mut usize,
+) -> CUresult {
+    let edges = std::ptr::null_mut();
+    cu(|| {
+        capture_info(
+            hStream,
+            captureStatus_out,
+            id_out,
+            graph_out,
+            dependencies_out,
+            edges,
+            numDependencies_out,
+        )
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamGetCaptureInfo_v3(
+    hStream: CUstream,
+    captureStatus_out: *mut CUstreamCaptureStatus,
+    id_out: *mut cuuint64_t,
+    graph_out: *mut CUgraph,
+    dependencies_out: *mut *const CUgraphNode,
+    edgeData_out: *mut *const CUgraphEdgeData,
+    numDependencies_out: *mut usize,
+) -> CUresult {
+    cu(|| {
+        capture_info(
+            hStream,
+            captureStatus_out,
+            id_out,
+            graph_out,
+            dependencies_out,
+            edgeData_out,
+            numDependencies_out,
+        )
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamGetCaptureInfo_v3_ptsz(
+    hStream: CUstream,
+    captureStatus_out: *mut CUstreamCaptureStatus,
+    id_out: *mut cuuint64_t,
+    graph_out: *mut CUgraph,
+    dependencies_out: *mut *const CUgraphNode,
+    edgeData_out: *mut *const CUgraphEdgeData,
+    numDependencies_out: *mut usize,
+) -> CUresult {
+    cu(|| {
+        capture_info(
+            hStream,
+            captureStatus_out,
+            id_out,
+            graph_out,
+            dependencies_out,
+            edgeData_out,
+            numDependencies_out,
+        )
+    })
+}

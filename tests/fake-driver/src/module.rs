@@ -1,0 +1,224 @@
+//! Modules, libraries and functions. Any image or file name is accepted (nothing is read) and
+//! any function name exists. A function whose name contains `busy_<N>us` (`busy_500us`, also
+//! inside a mangled name) keeps the engine busy N microseconds per launch; any other takes 1 us.
+//! Modules charge no device memory.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_uint, c_void};
+
+use crate::cuda::*;
+use crate::ffi::{CuResult, cu, put, string};
+use crate::state::{State, initialised};
+
+pub const DEFAULT_DURATION_NS: u64 = 1_000;
+
+pub struct Module {
+    /// Function handles by name.
+    pub functions: HashMap<String, usize>,
+}
+
+pub struct Function {
+    pub duration_ns: u64,
+}
+
+/// The simulated duration of a kernel, from its name.
+pub fn duration_of(name: &str) -> u64 {
+    let mut rest = name;
+    while let Some(at) = rest.find("busy_") {
+        let after = &rest[at + 5..];
+        let digits = after.len() - after.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+        if digits > 0
+            && after[digits..].starts_with("us")
+            && let Ok(us) = after[..digits].parse::<u64>()
+        {
+            return us.saturating_mul(1_000);
+        }
+        rest = after;
+    }
+    DEFAULT_DURATION_NS
+}
+
+impl State {
+    fn load_module(&mut self, needs_context: bool) -> CuResult<usize> {
+        if needs_context {
+            self.current()?;
+        }
+        let handle = self.new_handle();
+        self.modules.insert(
+            handle,
+            Module {
+                functions: HashMap::new(),
+            },
+        );
+        Ok(handle)
+    }
+
+    fn unload_module(&mut self, handle: usize) -> CuResult {
+        let module = self.modules.remove(&handle).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        for function in module.functions.values() {
+            self.functions.remove(function);
+        }
+        Ok(())
+    }
+
+    fn function(&mut self, module: usize, name: &str) -> CuResult<usize> {
+        if let Some(&handle) = self
+            .modules
+            .get(&module)
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?
+            .functions
+            .get(name)
+        {
+            return Ok(handle);
+        }
+        let handle = self.new_handle();
+        self.functions.insert(
+            handle,
+            Function {
+                duration_ns: duration_of(name),
+            },
+        );
+        if let Some(m) = self.modules.get_mut(&module) {
+            m.functions.insert(name.to_string(), handle);
+        }
+        Ok(handle)
+    }
+}
+
+fn load(module: *mut CUmodule, source: *const c_void, needs_context: bool) -> CuResult {
+    if module.is_null() || source.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    let handle = initialised()?.load_module(needs_context)?;
+    // SAFETY: out-pointer from the caller, checked non-null.
+    unsafe { put(module, handle as CUmodule) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuModuleLoad(module: *mut CUmodule, fname: *const c_char) -> CUresult {
+    cu(|| load(module, fname.cast(), true))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuModuleLoadData(module: *mut CUmodule, image: *const c_void) -> CUresult {
+    cu(|| load(module, image, true))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuModuleLoadDataEx(
+    module: *mut CUmodule,
+    image: *const c_void,
+    _numOptions: c_uint,
+    _options: *mut CUjit_option,
+    _optionValues: *mut *mut c_void,
+) -> CUresult {
+    cu(|| load(module, image, true))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuModuleLoadFatBinary(module: *mut CUmodule, fatCubin: *const c_void) -> CUresult {
+    cu(|| load(module, fatCubin, true))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuModuleUnload(hmod: CUmodule) -> CUresult {
+    cu(|| initialised()?.unload_module(hmod as usize))
+}
+
+fn get_function(hfunc: *mut CUfunction, module: usize, name: *const c_char) -> CuResult {
+    if hfunc.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    // SAFETY: a NUL-terminated name from the caller (null is rejected).
+    let name = unsafe { string(name) }?;
+    let handle = initialised()?.function(module, &name)?;
+    // SAFETY: out-pointer from the caller, checked non-null.
+    unsafe { put(hfunc, handle as CUfunction) }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuModuleGetFunction(hfunc: *mut CUfunction, hmod: CUmodule, name: *const c_char) -> CUresult {
+    cu(|| get_function(hfunc, hmod as usize, name))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLibraryLoadData(
+    library: *mut CUlibrary,
+    code: *const c_void,
+    _jitOptions: *mut CUjit_option,
+    _jitOptionsValues: *mut *mut c_void,
+    _numJitOptions: c_uint,
+    _libraryOptions: *mut CUlibraryOption,
+    _libraryOptionValues: *mut *mut c_void,
+    _numLibraryOptions: c_uint,
+) -> CUresult {
+    cu(|| load(library.cast(), code, false))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLibraryLoadFromFile(
+    library: *mut CUlibrary,
+    fileName: *const c_char,
+    _jitOptions: *mut CUjit_option,
+    _jitOptionsValues: *mut *mut c_void,
+    _numJitOptions: c_uint,
+    _libraryOptions: *mut CUlibraryOption,
+    _libraryOptionValues: *mut *mut c_void,
+    _numLibraryOptions: c_uint,
+) -> CUresult {
+    cu(|| load(library.cast(), fileName.cast(), false))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLibraryUnload(library: CUlibrary) -> CUresult {
+    cu(|| initialised()?.unload_module(library as usize))
+}
+
+/// A library's module is the library itself.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLibraryGetModule(pMod: *mut CUmodule, library: CUlibrary) -> CUresult {
+    cu(|| {
+        if !initialised()?.modules.contains_key(&(library as usize)) {
+            return Err(CUDA_ERROR_INVALID_HANDLE);
+        }
+        // SAFETY: out-pointer from the caller.
+        unsafe { put(pMod, library as CUmodule) }
+    })
+}
+
+/// Kernels and functions share handles: a `CUkernel` launches as a `CUfunction`.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuLibraryGetKernel(
+    pKernel: *mut CUkernel,
+    library: CUlibrary,
+    name: *const c_char,
+) -> CUresult {
+    cu(|| get_function(pKernel.cast(), library as usize, name))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuKernelGetFunction(pFunc: *mut CUfunction, kernel: CUkernel) -> CUresult {
+    cu(|| {
+        if !initialised()?.functions.contains_key(&(kernel as usize)) {
+            return Err(CUDA_ERROR_INVALID_HANDLE);
+        }
+        // SAFETY: out-pointer from the caller.
+        unsafe { put(pFunc, kernel as CUfunction) }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_from_names() {
+        assert_eq!(duration_of("busy_500us"), 500_000);
+        assert_eq!(duration_of("_Z10busy_1000usPf"), 1_000_000);
+        assert_eq!(duration_of("busy_x_busy_7us"), 7_000);
+        assert_eq!(duration_of("busy_us"), DEFAULT_DURATION_NS);
+        assert_eq!(duration_of("busy_12ms"), DEFAULT_DURATION_NS);
+        assert_eq!(duration_of("vector_add"), DEFAULT_DURATION_NS);
+        assert_eq!(duration_of("busy_99999999999999999999us"), DEFAULT_DURATION_NS);
+    }
+}
