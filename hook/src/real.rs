@@ -5,7 +5,7 @@
 
 use std::ffi::{CStr, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
 use crate::interpose::dlsym::real_dlsym;
 
@@ -83,6 +83,7 @@ pub struct Export {
     pub library: Library,
     pub wrapper: *const c_void,
     slot: AtomicPtr<c_void>,
+    reported: AtomicBool,
 }
 
 // SAFETY: `wrapper` is the address of a function, immutable and valid for the whole program; the
@@ -96,6 +97,7 @@ impl Export {
             library,
             wrapper,
             slot: AtomicPtr::new(std::ptr::null_mut()),
+            reported: AtomicBool::new(false),
         }
     }
 
@@ -115,6 +117,26 @@ impl Export {
     #[cold]
     #[inline(never)]
     fn resolve(&self) -> Option<*mut c_void> {
+        let found = self.lookup_real();
+        // A missing function is reported when something calls it, once.
+        if found.is_none() && !self.reported.swap(true, Ordering::Relaxed) {
+            crate::log::ensure();
+            tracing::error!(
+                "{} is missing from {}; calls to it return not-found",
+                self.name.to_string_lossy(),
+                self.library.soname().to_string_lossy()
+            );
+        }
+        found
+    }
+
+    /// Resolves the slot without reporting a missing function: for building lookup tables, where
+    /// a function the driver lacks is not an error.
+    pub fn probe(&self) -> Option<*mut c_void> {
+        self.resolved().or_else(|| self.lookup_real())
+    }
+
+    fn lookup_real(&self) -> Option<*mut c_void> {
         if self.slot.load(Ordering::Relaxed) as usize == MISSING {
             return None;
         }
@@ -124,24 +146,7 @@ impl Export {
             .map(|handle| real_dlsym(handle, self.name))
             .unwrap_or(std::ptr::null_mut());
         if found.is_null() {
-            // Only the thread that marks the slot missing logs, so the line appears once.
-            if self
-                .slot
-                .compare_exchange(
-                    std::ptr::null_mut(),
-                    MISSING as *mut c_void,
-                    Ordering::Relaxed,
-                    Ordering::Relaxed,
-                )
-                .is_ok()
-            {
-                crate::log::ensure();
-                tracing::error!(
-                    "{} is missing from {}; calls to it return not-found",
-                    self.name.to_string_lossy(),
-                    self.library.soname().to_string_lossy()
-                );
-            }
+            self.slot.store(MISSING as *mut c_void, Ordering::Relaxed);
             return None;
         }
         self.slot.store(found, Ordering::Relaxed);

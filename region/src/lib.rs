@@ -180,8 +180,8 @@ impl Slot {
 /// file lock) but does not detach slots.
 pub struct Region {
     mapping: NonNull<RegionFile>,
-    // Holds the LOCK_SH that marks this process as a user of the file.
-    _file: File,
+    /// The open file, holding the `LOCK_SH` that marks this process as a user of it.
+    locked_file: File,
     path: PathBuf,
     open_kind: OpenKind,
 }
@@ -244,7 +244,7 @@ impl Region {
             let region = Self::initialise_exclusively(path, file, init)?;
             // Downgrade; it is not atomic, but the file is fully initialised before anyone else
             // can take any lock on it.
-            wait_for_shared_lock(&region._file, path)?;
+            wait_for_shared_lock(&region.locked_file, path)?;
             Ok(region)
         } else {
             wait_for_shared_lock(&file, path)?;
@@ -260,38 +260,35 @@ impl Region {
             source,
         };
         let len = file.metadata().map_err(|source| io_error("fstat", source))?.len();
-        let mut found_problem = None;
-        if len != REGION_FILE_SIZE as u64 && len != 0 {
-            found_problem = Some(LayoutError::WrongFileSize {
-                len,
-                expected: REGION_FILE_SIZE as u64,
-            });
-            file.set_len(REGION_FILE_SIZE as u64)
-                .map_err(|source| io_error("ftruncate", source))?;
-        } else if len == 0 {
+        if len != REGION_FILE_SIZE as u64 {
             file.set_len(REGION_FILE_SIZE as u64)
                 .map_err(|source| io_error("ftruncate", source))?;
         }
+        sys::preallocate(&file, REGION_FILE_SIZE).map_err(|source| io_error("fallocate", source))?;
         let mapping = sys::map_shared(&file, REGION_FILE_SIZE).map_err(|source| io_error("mmap", source))?;
         let mut region = Region {
             mapping: mapping.cast(),
-            _file: file,
+            locked_file: file,
             path: path.to_owned(),
             open_kind: OpenKind::Created,
         };
-        if len == REGION_FILE_SIZE as u64 {
+        region.open_kind = if len == 0 {
+            OpenKind::Created
+        } else if len != REGION_FILE_SIZE as u64 {
+            OpenKind::Rebuilt(LayoutError::WrongFileSize {
+                len,
+                expected: REGION_FILE_SIZE as u64,
+            })
+        } else {
             let file = region.file();
-            found_problem = snapshot::check_hami_header(file)
+            let checked = snapshot::check_hami_header(file)
                 .and_then(|()| snapshot::check_extension_header(file))
-                .and_then(|()| snapshot::check_totals(file))
-                .err();
-            region.open_kind = match &found_problem {
-                None => OpenKind::Reinitialised,
-                Some(problem) => OpenKind::Rebuilt(problem.clone()),
-            };
-        } else if let Some(problem) = found_problem {
-            region.open_kind = OpenKind::Rebuilt(problem);
-        }
+                .and_then(|()| snapshot::check_totals(file));
+            match checked {
+                Ok(()) => OpenKind::Reinitialised,
+                Err(problem) => OpenKind::Rebuilt(problem),
+            }
+        };
         // SAFETY: the mapping is REGION_FILE_SIZE bytes, no reference into it is alive (the
         // validation above is over), and no other process uses it (we hold the file exclusively).
         unsafe { sys::zero(mapping, REGION_FILE_SIZE) };
@@ -323,7 +320,7 @@ impl Region {
         let mapping = sys::map_shared(&file, REGION_FILE_SIZE).map_err(|source| io_error("mmap", source))?;
         let mut region = Region {
             mapping: mapping.cast(),
-            _file: file,
+            locked_file: file,
             path: path.to_owned(),
             open_kind: OpenKind::Joined,
         };
@@ -461,7 +458,9 @@ impl Region {
     /// device's total over `limit` (`None`: no limit, but the total must still fit 64 bits).
     /// Check and charge are one step under the region's mutex, so concurrent processes cannot
     /// overcommit. Before refusing, dead slots are reaped and the check repeated; otherwise they
-    /// are reaped at most every [`REAP_INTERVAL`]. A zero-byte charge succeeds without locking.
+    /// are reaped at most every [`REAP_INTERVAL`]. A zero-byte charge succeeds without locking;
+    /// `Some(0)` refuses every other charge (the "0 = no limit" of the variables is the caller's
+    /// business: pass `None`).
     pub fn try_charge(
         &self,
         slot: &Slot,
@@ -590,7 +589,11 @@ impl Region {
     /// and dead slots reaped before the lock is handed out.
     fn lock(&self) -> Result<LockGuard<'_>, RegionError> {
         let mutex = &self.file().ext.lock;
-        match sys::timed_lock(mutex, LOCK_TIMEOUT) {
+        let result = match sys::try_lock(mutex) {
+            libc::EBUSY => sys::timed_lock(mutex, LOCK_TIMEOUT),
+            other => other,
+        };
+        match result {
             0 => Ok(LockGuard { region: self }),
             libc::EOWNERDEAD => {
                 sys::make_consistent(mutex);

@@ -47,6 +47,18 @@ pub(crate) unsafe fn zero(address: NonNull<u8>, len: usize) {
     unsafe { std::ptr::write_bytes(address.as_ptr(), 0, len) };
 }
 
+/// Allocates the file's blocks up front, so that a full filesystem is an error here instead of a
+/// `SIGBUS` when a page of the mapping is first written. Filesystems that cannot preallocate are
+/// accepted as they are.
+pub(crate) fn preallocate(file: &File, len: usize) -> io::Result<()> {
+    let len = libc::off_t::try_from(len).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: no memory arguments; the fd is open for writing.
+    match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) } {
+        0 | libc::EOPNOTSUPP | libc::EINVAL => Ok(()),
+        errno => Err(io::Error::from_raw_os_error(errno)),
+    }
+}
+
 /// `flock(fd, operation)`, retried on EINTR. `Ok(false)`: `LOCK_NB` was given and the lock is
 /// held elsewhere.
 pub(crate) fn flock(file: &File, operation: libc::c_int) -> io::Result<bool> {
@@ -98,6 +110,13 @@ pub(crate) fn timed_lock(storage: &OpaqueStorage<MUTEX_STORAGE_BYTES>, timeout: 
     // SAFETY: the storage holds a mutex initialised by init_robust_mutex (the region's magic and
     // version were checked before any lock); the deadline outlives the call.
     unsafe { libc::pthread_mutex_timedlock(storage.as_mut_ptr(), &deadline) }
+}
+
+/// `pthread_mutex_trylock`: 0, `EBUSY`, `EOWNERDEAD`, ... Spares the uncontended path the clock
+/// read of a timed lock.
+pub(crate) fn try_lock(storage: &OpaqueStorage<MUTEX_STORAGE_BYTES>) -> i32 {
+    // SAFETY: as for timed_lock.
+    unsafe { libc::pthread_mutex_trylock(storage.as_mut_ptr()) }
 }
 
 /// `pthread_mutex_consistent`, after a lock returned `EOWNERDEAD`.

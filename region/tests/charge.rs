@@ -267,7 +267,7 @@ fn threads_of_one_process_share_a_slot_safely() {
                         held += size;
                     }
                     assert!(region.device_used(0) <= 1_000_000);
-                    if held > 0 && rng.next() % 2 == 0 {
+                    if held > 0 && rng.one_in(2) {
                         let size = rng.range(1, held);
                         assert_eq!(region.uncharge(&slot, 0, MemoryKind::Data, size).unwrap(), size);
                         held -= size;

@@ -30,7 +30,12 @@ fn used_region_file(dir: &ScratchDir) -> std::path::PathBuf {
 }
 
 fn patch(path: &Path, offset: usize, bytes: &[u8]) {
-    OpenOptions::new().write(true).open(path).unwrap().write_all_at(bytes, offset as u64).unwrap();
+    OpenOptions::new()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .write_all_at(bytes, offset as u64)
+        .unwrap();
 }
 
 /// Holds the file the way a live user does (a shared flock on its own open file description).
@@ -44,7 +49,10 @@ fn hold_shared(path: &Path) -> File {
 fn assert_valid_and_fresh(region: &Region) {
     let snapshot = read_snapshot(&std::fs::read(region.path()).unwrap()).unwrap();
     assert!(snapshot.extension.is_some());
-    assert_eq!((snapshot.proc_num, snapshot.processes.len(), snapshot.device_used(0)), (0, 0, 0));
+    assert_eq!(
+        (snapshot.proc_num, snapshot.processes.len(), snapshot.device_used(0)),
+        (0, 0, 0)
+    );
     assert_eq!(std::fs::metadata(region.path()).unwrap().len(), REGION_FILE_SIZE as u64);
 }
 
@@ -82,7 +90,10 @@ fn an_empty_existing_file_is_created_into() {
 fn a_valid_file_nobody_uses_is_reinitialised_without_stale_slots() {
     let dir = ScratchDir::new("stale");
     let path = used_region_file(&dir);
-    let init = InitParams { priority: 9, ..one_device() };
+    let init = InitParams {
+        priority: 9,
+        ..one_device()
+    };
     let region = Region::open(&path, &init).unwrap();
     assert_eq!(region.open_kind(), &OpenKind::Reinitialised);
     assert_valid_and_fresh(&region);
@@ -95,7 +106,10 @@ fn a_valid_file_in_use_is_joined_as_it_is() {
     let first = open(&dir.region_path()).unwrap();
     let slot = first.attach(own_pid()).unwrap();
     first.try_charge(&slot, 0, MemoryKind::Data, 777, None).unwrap();
-    let init = InitParams { priority: 9, ..one_device() };
+    let init = InitParams {
+        priority: 9,
+        ..one_device()
+    };
     let second = Region::open(&dir.region_path(), &init).unwrap();
     assert_eq!(second.open_kind(), &OpenKind::Joined);
     assert_eq!((second.device_used(0), second.snapshot().priority), (777, 1));
@@ -111,7 +125,11 @@ fn inconsistent_totals_in_a_file_in_use_are_repaired() {
     let second = open(&dir.region_path()).unwrap();
     assert_eq!(
         second.open_kind(),
-        &OpenKind::Repaired(LayoutError::TotalMismatch { device: 0, recorded: 5000, slots_sum: Some(100) })
+        &OpenKind::Repaired(LayoutError::TotalMismatch {
+            device: 0,
+            recorded: 5000,
+            slots_sum: Some(100)
+        })
     );
     assert_eq!(first.device_used(0), 100);
 }
@@ -120,12 +138,25 @@ fn inconsistent_totals_in_a_file_in_use_are_repaired() {
 fn a_truncated_file_is_rebuilt() {
     let dir = ScratchDir::new("truncated");
     let path = used_region_file(&dir);
-    for len in [1000, HAMI_REGION_SIZE as u64, REGION_FILE_SIZE as u64 - 1, REGION_FILE_SIZE as u64 + 1] {
-        OpenOptions::new().write(true).open(&path).unwrap().set_len(len).unwrap();
+    for len in [
+        1000,
+        HAMI_REGION_SIZE as u64,
+        REGION_FILE_SIZE as u64 - 1,
+        REGION_FILE_SIZE as u64 + 1,
+    ] {
+        OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(len)
+            .unwrap();
         let region = open(&path).unwrap();
         assert_eq!(
             rebuilt_problem(&region),
-            LayoutError::WrongFileSize { len, expected: REGION_FILE_SIZE as u64 }
+            LayoutError::WrongFileSize {
+                len,
+                expected: REGION_FILE_SIZE as u64
+            }
         );
         assert_valid_and_fresh(&region);
     }
@@ -147,7 +178,10 @@ fn a_foreign_text_file_is_rebuilt() {
     let dir = ScratchDir::new("foreign");
     std::fs::write(dir.region_path(), "this is not a region\n").unwrap();
     let region = open(&dir.region_path()).unwrap();
-    assert!(matches!(rebuilt_problem(&region), LayoutError::WrongFileSize { len: 21, .. }));
+    assert!(matches!(
+        rebuilt_problem(&region),
+        LayoutError::WrongFileSize { len: 21, .. }
+    ));
     assert_valid_and_fresh(&region);
 }
 
@@ -159,8 +193,18 @@ fn wrong_versions_and_magics_are_rebuilt() {
         (8, &1u32.to_le_bytes(), LayoutError::WrongVersion { major: 1, minor: 1 }),
         (4, &2u32.to_le_bytes(), LayoutError::WrongVersion { major: 2, minor: 2 }),
         (0, &7i32.to_le_bytes(), LayoutError::NotInitialised { flag: 7 }),
-        (EXTENSION_OFFSET, b"HAMICORE", LayoutError::BadExtensionMagic { magic: u64::from_le_bytes(*b"HAMICORE") }),
-        (EXTENSION_OFFSET + 8, &2u32.to_le_bytes(), LayoutError::WrongExtensionVersion { version: 2 }),
+        (
+            EXTENSION_OFFSET,
+            b"HAMICORE",
+            LayoutError::BadExtensionMagic {
+                magic: u64::from_le_bytes(*b"HAMICORE"),
+            },
+        ),
+        (
+            EXTENSION_OFFSET + 8,
+            &2u32.to_le_bytes(),
+            LayoutError::WrongExtensionVersion { version: 2 },
+        ),
     ];
     for (offset, bytes, problem) in cases {
         used_region_file(&dir);
@@ -176,13 +220,29 @@ fn out_of_range_counts_and_inconsistent_totals_are_rebuilt() {
     let dir = ScratchDir::new("counts");
     let path = dir.region_path();
     let cases: [(usize, Vec<u8>, LayoutError); 4] = [
-        (56, 17u64.to_le_bytes().to_vec(), LayoutError::TooManyDevices { device_num: 17 }),
-        (2_008_896, 1025i32.to_le_bytes().to_vec(), LayoutError::BadProcNum { proc_num: 1025 }),
-        (2_008_896, (-1i32).to_le_bytes().to_vec(), LayoutError::BadProcNum { proc_num: -1 }),
+        (
+            56,
+            17u64.to_le_bytes().to_vec(),
+            LayoutError::TooManyDevices { device_num: 17 },
+        ),
+        (
+            2_008_896,
+            1025i32.to_le_bytes().to_vec(),
+            LayoutError::BadProcNum { proc_num: 1025 },
+        ),
+        (
+            2_008_896,
+            (-1i32).to_le_bytes().to_vec(),
+            LayoutError::BadProcNum { proc_num: -1 },
+        ),
         (
             EXTENSION_OFFSET + 96,
             5u64.to_le_bytes().to_vec(),
-            LayoutError::TotalMismatch { device: 0, recorded: 5, slots_sum: Some(4096) },
+            LayoutError::TotalMismatch {
+                device: 0,
+                recorded: 5,
+                slots_sum: Some(4096),
+            },
         ),
     ];
     for (offset, bytes, problem) in cases {
@@ -201,7 +261,13 @@ fn a_bad_file_in_use_is_refused_not_rebuilt() {
     let _holder = hold_shared(&path);
     let error = open(&path).err().unwrap();
     assert!(
-        matches!(&error, RegionError::InUseWithBadLayout { problem: LayoutError::BadExtensionMagic { .. }, .. }),
+        matches!(
+            &error,
+            RegionError::InUseWithBadLayout {
+                problem: LayoutError::BadExtensionMagic { .. },
+                ..
+            }
+        ),
         "{error:?}"
     );
     assert_one_line_naming(&error, &path);
@@ -210,7 +276,13 @@ fn a_bad_file_in_use_is_refused_not_rebuilt() {
     std::fs::write(dir.path().join("text"), "hello").unwrap();
     let _text_holder = hold_shared(&dir.path().join("text"));
     let error = open(&dir.path().join("text")).err().unwrap();
-    assert!(matches!(&error, RegionError::InUseWithBadLayout { problem: LayoutError::WrongFileSize { .. }, .. }));
+    assert!(matches!(
+        &error,
+        RegionError::InUseWithBadLayout {
+            problem: LayoutError::WrongFileSize { .. },
+            ..
+        }
+    ));
 }
 
 #[test]
@@ -237,7 +309,10 @@ fn unusable_paths_give_clear_errors() {
 
     // Tests run as root in CI, so permissions cannot make a directory unwritable; a path through a
     // non-directory and a path in /proc fail for everyone.
-    for path in [Path::new("/dev/null/region.cache"), Path::new("/proc/vgpu-region-test.cache")] {
+    for path in [
+        Path::new("/dev/null/region.cache"),
+        Path::new("/proc/vgpu-region-test.cache"),
+    ] {
         let error = open(path).err().unwrap();
         assert!(matches!(&error, RegionError::Open { .. }), "{path:?}: {error:?}");
         assert_one_line_naming(&error, path);
@@ -256,9 +331,18 @@ fn unusable_paths_give_clear_errors() {
 fn invalid_init_params_are_refused_before_touching_the_file() {
     let dir = ScratchDir::new("init");
     let path = dir.region_path();
-    let many = InitParams { device_uuids: (0..17).map(|index| format!("GPU-{index}")).collect(), ..Default::default() };
-    let twice = InitParams { device_uuids: vec!["GPU-a".into(), "GPU-a".into()], ..Default::default() };
-    let empty = InitParams { device_uuids: vec![String::new()], ..Default::default() };
+    let many = InitParams {
+        device_uuids: (0..17).map(|index| format!("GPU-{index}")).collect(),
+        ..Default::default()
+    };
+    let twice = InitParams {
+        device_uuids: vec!["GPU-a".into(), "GPU-a".into()],
+        ..Default::default()
+    };
+    let empty = InitParams {
+        device_uuids: vec![String::new()],
+        ..Default::default()
+    };
     let expected = [
         InitError::TooManyDevices { count: 17 },
         InitError::DuplicateUuid { uuid: "GPU-a".into() },

@@ -30,7 +30,7 @@ fn reverse_map() -> &'static [(usize, usize)] {
             .filter(|(_, export)| export.library == Library::Cuda);
         let mut map: Vec<(usize, usize)> = cuda
             .clone()
-            .filter_map(|(index, export)| export.real_address().map(|address| (address as usize, index)))
+            .filter_map(|(index, export)| export.probe().map(|address| (address as usize, index)))
             .chain(cuda.map(|(index, export)| (export.wrapper as usize, index)))
             .collect();
         map.sort_unstable();

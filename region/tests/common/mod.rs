@@ -67,6 +67,11 @@ impl Rng {
         self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
     }
 
+    /// True once in `n` times on average.
+    pub fn one_in(&mut self, n: u64) -> bool {
+        self.next().is_multiple_of(n)
+    }
+
     /// Uniform in `low..=high`.
     pub fn range(&mut self, low: u64, high: u64) -> u64 {
         low + self.next() % (high - low + 1)

@@ -1,5 +1,6 @@
 //! Virtual memory management. `cuMemCreate` charges device-located handles their size rounded
-//! up to `FAKE_CUDA_GRANULARITY` (host-located ones charge nothing) until `cuMemRelease` (the
+//! up to `FAKE_CUDA_GRANULARITY` (the real driver rejects sizes that are not a multiple of it;
+//! host-located ones charge nothing) until `cuMemRelease` (the
 //! real driver keeps the memory until the last mapping goes too; here release is immediate).
 //! Address reservations, mappings and access are bookkeeping only.
 
