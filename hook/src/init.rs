@@ -3,7 +3,7 @@
 use std::sync::OnceLock;
 
 use crate::config::{Config, ConfigError};
-use crate::sys::cuda::{CUDA_ERROR_INVALID_VALUE, CUresult};
+use crate::sys::cuda::{CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OPERATING_SYSTEM, CUDA_SUCCESS, CUresult};
 
 /// The configuration, read from the environment once per process (a forked child inherits it,
 /// which is right: it inherits the environment too).
@@ -15,10 +15,21 @@ pub fn config() -> Result<&'static Config, &'static ConfigError> {
 /// `cuInit`: a malformed limit fails initialisation (fail closed) instead of running unlimited.
 pub fn cu_init(_name: &'static str, call: impl FnOnce() -> CUresult, _flags: std::ffi::c_uint) -> CUresult {
     crate::log::ensure();
-    if let Err(error) = config() {
-        // Logged on every failing cuInit: each one is a failure the operator should see.
-        tracing::error!("{error}; CUDA initialisation refused");
-        return CUDA_ERROR_INVALID_VALUE;
+    let config = match config() {
+        Ok(config) => config,
+        Err(error) => {
+            // Logged on every failing cuInit: each one is a failure the operator should see.
+            tracing::error!("{error}; CUDA initialisation refused");
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+    };
+    let result = call();
+    if result != CUDA_SUCCESS {
+        return result;
     }
-    call()
+    if let Err(error) = crate::memory::start(config) {
+        tracing::error!("{error}; CUDA initialisation refused");
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    }
+    result
 }

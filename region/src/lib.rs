@@ -26,7 +26,8 @@
 //!   SIGKILL mid-update) the next locker gets it at once, recomputes every running total from the
 //!   slots and reaps dead slots. Every lock attempt gives up after [`LOCK_TIMEOUT`] with
 //!   [`RegionError::LockTimeout`] instead of hanging (a stopped owner, or one in another pid
-//!   namespace).
+//!   namespace). The mutex uses priority inheritance, so an unlock hands it to the longest waiter:
+//!   a process charging in a tight loop cannot starve the others.
 //! - **Dead processes' memory comes back.** Slots of dead processes (see [`process`] for how death
 //!   is detected, and its pid-namespace caveat) are reaped at every attach, at most every
 //!   [`REAP_INTERVAL`] during charges, and always before a charge is refused.

@@ -9,6 +9,8 @@
 //! Caveat: pids only mean something inside one pid namespace. Processes that share a region from
 //! different pid namespaces (two containers given the same file, or a host process and a container
 //! process) see each other's pids as absent or as someone else, and would reap each other's slots.
+//! Locking the region's priority-inheritance mutex also needs the owner's thread id to be visible
+//! in the locker's namespace: a process outside it gets a lock timeout whenever it has to wait.
 //! One region file per container, as HAMi arranges it, avoids this. `hostpid` (written by HAMi's
 //! monitor) is not used for liveness.
 

@@ -96,6 +96,12 @@ pub(crate) fn init_robust_mutex(storage: &OpaqueStorage<MUTEX_STORAGE_BYTES>) ->
             result = libc::pthread_mutexattr_setrobust(attributes.as_mut_ptr(), libc::PTHREAD_MUTEX_ROBUST);
         }
         if result == 0 {
+            // Priority inheritance makes the kernel hand the lock to the longest waiter on unlock
+            // (equal priorities queue in order), so a process hammering the lock cannot starve
+            // another one past the lock timeout.
+            result = libc::pthread_mutexattr_setprotocol(attributes.as_mut_ptr(), libc::PTHREAD_PRIO_INHERIT);
+        }
+        if result == 0 {
             result = libc::pthread_mutex_init(mutex, attributes.as_ptr());
         }
         libc::pthread_mutexattr_destroy(attributes.as_mut_ptr());

@@ -21,6 +21,10 @@ int main(int argc, char **argv) {
             int count = -1;
             CUresult status = cuDeviceGetCount(&count);
             printf("count %d %d\n", (int)status, count);
+        } else if (strcmp(what, "totalmem") == 0) {
+            size_t bytes = 0;
+            CUresult status = cuDeviceTotalMem(&bytes, 0);
+            printf("totalmem %d %zu\n", (int)status, bytes);
         } else if (strcmp(what, "version") == 0) {
             int version = -1;
             CUresult status = cuDriverGetVersion(&version);

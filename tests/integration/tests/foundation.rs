@@ -187,31 +187,40 @@ fn missing_symbols_return_not_found_and_log_once() {
 #[test]
 fn injected_panic_becomes_an_error_code() {
     let program = c_program("calls", false);
-    let output = Run::new(&program)
-        .preload(&[fault_injection_hook_library().as_path()])
-        .env("VGPU_FAULT_PANIC", "cuDeviceGetCount")
-        .args(["init", "count", "count", "version"])
-        .output();
-    assert!(output.status.success(), "{output:?}");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let lines: Vec<&str> = stdout.lines().collect();
-    assert_eq!(
-        lines,
-        [
-            "init 0",
-            &format!("count {CUDA_ERROR_UNKNOWN} -1"),
-            &format!("count {CUDA_ERROR_UNKNOWN} -1"),
-            "version 0 13000"
-        ]
-    );
-    let errors = stderr_lines(&output);
-    assert_eq!(errors.len(), 2, "one line per panic: {errors:?}");
-    assert!(
-        errors
-            .iter()
-            .all(|l| l.contains("cuDeviceGetCount") && l.contains("ERROR")),
-        "{errors:?}"
-    );
+    // A handler (cuDeviceTotalMem_v2 is overridden) and a passthrough function's first
+    // resolution (cuDriverGetVersion): both panics become CUDA_ERROR_UNKNOWN and the process goes on.
+    for (target, first, panicked) in [
+        (
+            "cuDeviceTotalMem_v2",
+            "totalmem",
+            format!("totalmem {CUDA_ERROR_UNKNOWN} 0"),
+        ),
+        (
+            "cuDriverGetVersion",
+            "version",
+            format!("version {CUDA_ERROR_UNKNOWN} -1"),
+        ),
+    ] {
+        let output = Run::new(&program)
+            .preload(&[fault_injection_hook_library().as_path()])
+            .env("VGPU_FAULT_PANIC", target)
+            .args(["init", first, first, "count"])
+            .output();
+        assert!(output.status.success(), "{output:?}");
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let lines: Vec<&str> = stdout.lines().collect();
+        assert_eq!(
+            lines,
+            ["init 0", panicked.as_str(), panicked.as_str(), "count 0 1"],
+            "{target}"
+        );
+        let errors = stderr_lines(&output);
+        assert_eq!(errors.len(), 2, "one line per panic: {errors:?}");
+        assert!(
+            errors.iter().all(|l| l.contains(target) && l.contains("ERROR")),
+            "{errors:?}"
+        );
+    }
 }
 
 #[test]

@@ -1,0 +1,176 @@
+//! The process's place in the shared region: opened when CUDA initialises, one slot per process
+//! (a new one after `fork`), and the charge / release operations the handlers use.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, OnceLock, RwLock};
+
+use vgpu_region::{ChargeError, InitParams, MAX_DEVICES, MemoryKind, OpenKind, Region, Slot};
+
+use super::devices::{self, DeviceEntry};
+use super::ledger::{Charge, Ledger};
+use crate::config::Config;
+use crate::sys::cuda::{CUDA_ERROR_OUT_OF_MEMORY, CUdevice, CUresult};
+
+/// Everything memory accounting needs, for the life of the process.
+pub struct Accounting {
+    region: Region,
+    slot: RwLock<Slot>,
+    devices: Vec<DeviceEntry>,
+    pub ledger: Ledger,
+}
+
+static ACCOUNTING: OnceLock<Accounting> = OnceLock::new();
+/// Set in a forked child until it has attached a slot of its own.
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+/// The process's accounting, once CUDA has initialised with it.
+#[inline]
+pub fn accounting() -> Option<&'static Accounting> {
+    let accounting = ACCOUNTING.get()?;
+    if FORKED.load(Ordering::Relaxed) {
+        accounting.after_fork();
+    }
+    Some(accounting)
+}
+
+extern "C" fn forked_child() {
+    FORKED.store(true, Ordering::Relaxed);
+}
+
+/// Opens the region and attaches this process (after the real cuInit succeeded). Idempotent;
+/// the error is one line for the log.
+pub fn start(config: &Config) -> Result<(), String> {
+    static STARTING: Mutex<()> = Mutex::new(());
+    let _serial = STARTING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    if ACCOUNTING.get().is_some() {
+        return Ok(());
+    }
+    let uuids = devices::visible_uuids()?;
+    let mut init = InitParams {
+        device_uuids: uuids.clone(),
+        priority: config.task_priority,
+        ..InitParams::default()
+    };
+    for ordinal in 0..uuids.len().min(MAX_DEVICES) {
+        init.limits[ordinal] = config.memory_limit_of(ordinal).unwrap_or(0);
+        init.sm_limits[ordinal] = config.sm_limit_of(ordinal).map_or(0, u64::from);
+    }
+    let region = Region::open(&config.shared_cache, &init).map_err(|e| e.to_string())?;
+    match region.open_kind() {
+        OpenKind::Rebuilt(problem) => {
+            tracing::warn!(
+                "shared region {} was invalid ({problem}); rebuilt it",
+                config.shared_cache.display()
+            )
+        }
+        OpenKind::Repaired(problem) => {
+            tracing::warn!(
+                "shared region {}: {problem}; totals recomputed",
+                config.shared_cache.display()
+            )
+        }
+        _ => {}
+    }
+    let mut entries = Vec::with_capacity(uuids.len());
+    for (ordinal, uuid) in uuids.into_iter().enumerate() {
+        let region_index = region.device_index(&uuid).map_err(|e| e.to_string())?;
+        entries.push(DeviceEntry {
+            ordinal: ordinal as CUdevice,
+            uuid,
+            region_index,
+            limit: config.memory_limit_of(ordinal),
+        });
+    }
+    let slot = region.attach(std::process::id() as i32).map_err(|e| e.to_string())?;
+    let accounting = Accounting {
+        region,
+        slot: RwLock::new(slot),
+        devices: entries,
+        ledger: Ledger::default(),
+    };
+    if ACCOUNTING.set(accounting).is_ok() {
+        // SAFETY: registers a plain function that only stores to an atomic; no other effect.
+        unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
+    }
+    Ok(())
+}
+
+impl Accounting {
+    pub fn device(&self, ordinal: CUdevice) -> Option<&DeviceEntry> {
+        usize::try_from(ordinal).ok().and_then(|index| self.devices.get(index))
+    }
+
+    pub fn device_by_uuid(&self, uuid: &str) -> Option<&DeviceEntry> {
+        self.devices.iter().find(|device| device.uuid == uuid)
+    }
+
+    /// Bytes charged on the device by every process of the region.
+    pub fn used(&self, device: &DeviceEntry) -> u64 {
+        self.region.device_used(device.region_index)
+    }
+
+    /// Charges `bytes` against the device's limit. `Err` is the status the application gets:
+    /// out of memory when over the limit (or when the region cannot be updated: fail closed).
+    pub fn charge(&self, ordinal: CUdevice, kind: MemoryKind, bytes: u64) -> Result<Option<Charge>, CUresult> {
+        let Some(device) = self.device(ordinal) else {
+            return Ok(None);
+        };
+        self.charge_with_limit(device, kind, bytes, device.limit)
+    }
+
+    /// Charges what the driver has already taken (a context): never refused.
+    pub fn record(&self, ordinal: CUdevice, kind: MemoryKind, bytes: u64) -> Option<Charge> {
+        let device = self.device(ordinal)?;
+        self.charge_with_limit(device, kind, bytes, None).ok().flatten()
+    }
+
+    fn charge_with_limit(
+        &self,
+        device: &DeviceEntry,
+        kind: MemoryKind,
+        bytes: u64,
+        limit: Option<u64>,
+    ) -> Result<Option<Charge>, CUresult> {
+        let slot = self.slot.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+        match self.region.try_charge(&slot, device.region_index, kind, bytes, limit) {
+            Ok(()) => Ok(Some(Charge {
+                region_index: device.region_index,
+                kind,
+                bytes,
+            })),
+            Err(ChargeError::Refused(refused)) => {
+                tracing::info!("device {} ({}): {refused}", device.ordinal, device.uuid);
+                Err(CUDA_ERROR_OUT_OF_MEMORY)
+            }
+            Err(ChargeError::Region(error)) => {
+                tracing::error!("{error}; allocation refused");
+                Err(CUDA_ERROR_OUT_OF_MEMORY)
+            }
+        }
+    }
+
+    /// Releases a charge made by this process.
+    pub fn release(&self, charge: Charge) {
+        let slot = self.slot.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Err(error) = self
+            .region
+            .uncharge(&slot, charge.region_index, charge.kind, charge.bytes)
+        {
+            tracing::error!("{error}; {} bytes could not be released", charge.bytes);
+        }
+    }
+
+    /// In a forked child: a slot of its own, and none of the parent's allocations.
+    #[cold]
+    fn after_fork(&self) {
+        let mut slot = self.slot.write().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if !FORKED.swap(false, Ordering::Relaxed) {
+            return;
+        }
+        self.ledger.clear();
+        match self.region.attach(std::process::id() as i32) {
+            Ok(child_slot) => *slot = child_slot,
+            Err(error) => tracing::error!("{error}; this forked process's allocations are not accounted"),
+        }
+    }
+}

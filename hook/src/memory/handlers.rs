@@ -1,0 +1,608 @@
+//! The memory entry points `cuda-api.toml` routes here. Allocations reserve in the shared region
+//! first, then call the driver, and roll back if it fails; frees call the driver first and
+//! release on success; a handle we never charged goes to the driver untouched.
+
+use std::ffi::c_uint;
+
+use vgpu_region::MemoryKind;
+
+use super::accounting::{Accounting, accounting};
+use super::devices::current_ordinal;
+use super::ledger::{Charge, Family};
+use super::sizes::{ArrayDescriptor, mipmapped_bytes};
+use super::units::{DriverInt, read, write};
+use crate::hooks::real;
+use crate::sys::cuda::*;
+
+type Call<'a> = dyn FnOnce() -> CUresult + 'a;
+
+/// Reserves `bytes` on `ordinal` (or the current device), calls the driver, and records the charge
+/// under the key `key_of` reads back, or rolls it back.
+fn charged(
+    ordinal: Option<CUdevice>,
+    kind: MemoryKind,
+    bytes: u64,
+    call: Box<Call<'_>>,
+    family: Family,
+    key_of: impl FnOnce() -> Option<u64>,
+) -> CUresult {
+    let Some(accounting) = accounting() else { return call() };
+    let Some(ordinal) = ordinal.or_else(current_ordinal) else {
+        return call();
+    };
+    let charge = match accounting.charge(ordinal, kind, bytes) {
+        Ok(charge) => charge,
+        Err(status) => return status,
+    };
+    let result = call();
+    match (charge, result == CUDA_SUCCESS, key_of()) {
+        (Some(charge), true, Some(key)) => accounting.ledger.insert(family, key, charge),
+        (Some(charge), _, _) => accounting.release(charge),
+        (None, _, _) => {}
+    }
+    result
+}
+
+/// Calls the driver to free `key`, then releases what was charged under it if the free worked.
+fn released(family: Family, key: u64, call: Box<Call<'_>>) -> CUresult {
+    let Some(accounting) = accounting() else { return call() };
+    let charges = accounting.ledger.take(family, key);
+    let result = call();
+    if result == CUDA_SUCCESS {
+        charges.into_iter().for_each(|charge| accounting.release(charge));
+    } else {
+        accounting.ledger.restore(family, key, charges);
+    }
+    result
+}
+
+/// Device memory used on a device according to NVML (what the driver really took, whoever asked).
+fn nvml_used(uuid: &str) -> Option<u64> {
+    use crate::sys::nvml::{NVML_SUCCESS, nvmlDevice_t, nvmlMemory_t};
+    let init = real::nvmlInit_v2()?;
+    let by_uuid = real::nvmlDeviceGetHandleByUUID()?;
+    let memory_info = real::nvmlDeviceGetMemoryInfo()?;
+    let uuid = std::ffi::CString::new(uuid).ok()?;
+    let mut device: nvmlDevice_t = std::ptr::null_mut();
+    let mut memory = nvmlMemory_t::default();
+    // SAFETY: NVML's init is reference counted; the out-pointers are locals; uuid is NUL-terminated.
+    unsafe {
+        (init() == NVML_SUCCESS
+            && by_uuid(uuid.as_ptr(), &mut device) == NVML_SUCCESS
+            && memory_info(device, &mut memory) == NVML_SUCCESS)
+            .then_some(memory.used)
+    }
+}
+
+/// Upper bound for one measured context or module, so a concurrent allocation by another process
+/// during the measurement cannot inflate the charge without bound.
+const MEASURED_CEILING: u64 = 4 << 30;
+
+/// Runs a call that makes the driver take memory we cannot size beforehand (a context, a
+/// module), measuring it with NVML, and records the measured amount (never refused: the driver
+/// has already taken it).
+fn measured(ordinal: CUdevice, kind: MemoryKind, call: Box<Call<'_>>) -> (CUresult, Option<Charge>) {
+    let Some(accounting) = accounting() else {
+        return (call(), None);
+    };
+    let Some(device) = accounting.device(ordinal) else {
+        return (call(), None);
+    };
+    let before = nvml_used(&device.uuid);
+    let result = call();
+    if result != CUDA_SUCCESS {
+        return (result, None);
+    }
+    let taken = before
+        .zip(nvml_used(&device.uuid))
+        .map_or(0, |(before, after)| after.saturating_sub(before));
+    let charge = accounting.record(ordinal, kind, taken.min(MEASURED_CEILING));
+    (result, charge)
+}
+
+// ------------------------------------------------------------------ memory queries
+
+/// The virtual device's (total, free), from the physical ones: total = min(limit, physical),
+/// free = min(total - used, physical free).
+fn virtual_view(accounting: &Accounting, ordinal: CUdevice, free: u64, total: u64) -> Option<(u64, u64)> {
+    let device = accounting.device(ordinal)?;
+    let limit = device.limit?;
+    let total = limit.min(total);
+    let free = total.saturating_sub(accounting.used(device)).min(free);
+    Some((total, free))
+}
+
+/// `cuMemGetInfo` and `_v2`.
+pub fn get_info<S: DriverInt>(
+    _name: &'static str,
+    call: impl FnOnce() -> CUresult,
+    free: *mut S,
+    total: *mut S,
+) -> CUresult {
+    let result = call();
+    if result != CUDA_SUCCESS {
+        return result;
+    }
+    let (Some(accounting), Some(ordinal)) = (accounting(), current_ordinal()) else {
+        return result;
+    };
+    // SAFETY: the driver accepted and wrote both pointers.
+    let (Some(physical_free), Some(physical_total)) = (unsafe { read(free) }, unsafe { read(total) }) else {
+        return result;
+    };
+    if let Some((virtual_total, virtual_free)) =
+        virtual_view(accounting, ordinal, physical_free.to_u64(), physical_total.to_u64())
+    {
+        // SAFETY: as above.
+        unsafe {
+            write(total, S::saturating_from(virtual_total));
+            write(free, S::saturating_from(virtual_free));
+        }
+    }
+    result
+}
+
+/// `cuDeviceTotalMem` and `_v2`: the limit, when it is below the physical total.
+pub fn device_total_mem<S: DriverInt>(
+    _name: &'static str,
+    call: impl FnOnce() -> CUresult,
+    bytes: *mut S,
+    device: CUdevice,
+) -> CUresult {
+    let result = call();
+    if result != CUDA_SUCCESS {
+        return result;
+    }
+    let limit = accounting()
+        .and_then(|a| a.device(device))
+        .and_then(|d| d.limit)
+        .or_else(|| {
+            // Before cuInit's accounting starts (or without a region), the configuration still says.
+            crate::init::config()
+                .ok()
+                .and_then(|config| config.memory_limit_of(usize::try_from(device).ok()?))
+        });
+    // SAFETY: the driver accepted and wrote the pointer.
+    if let (Some(limit), Some(physical)) = (limit, unsafe { read(bytes) }) {
+        // SAFETY: as above.
+        unsafe { write(bytes, S::saturating_from(limit.min(physical.to_u64()))) };
+    }
+    result
+}
+
+// ------------------------------------------------------------------ data
+
+/// `cuMemAlloc` and `_v2`.
+pub fn alloc<P: DriverInt, S: DriverInt>(
+    _name: &'static str,
+    call: impl FnOnce() -> CUresult,
+    dptr: *mut P,
+    size: S,
+) -> CUresult {
+    if dptr.is_null() || size.to_u64() == 0 {
+        return call();
+    }
+    // SAFETY: the driver wrote the pointer on success.
+    charged(
+        None,
+        MemoryKind::Data,
+        size.to_u64(),
+        Box::new(call),
+        Family::Pointer,
+        || unsafe { read(dptr) }.map(P::to_u64),
+    )
+}
+
+/// `cuMemAllocPitch` and `_v2`: reserves the width rounded to the pitch alignment times the
+/// height, then corrects to the returned pitch times the height.
+pub fn alloc_pitch<P: DriverInt, S: DriverInt>(
+    _name: &'static str,
+    call: impl FnOnce() -> CUresult,
+    dptr: *mut P,
+    pitch: *mut S,
+    width: S,
+    height: S,
+    _element_size: c_uint,
+) -> CUresult {
+    const PITCH_ALIGNMENT: u64 = 512;
+    let (width, height) = (width.to_u64(), height.to_u64());
+    let estimate = width
+        .checked_next_multiple_of(PITCH_ALIGNMENT)
+        .and_then(|w| w.checked_mul(height));
+    let (Some(estimate), false) = (estimate, dptr.is_null() || pitch.is_null() || estimate == Some(0)) else {
+        return call();
+    };
+    let Some(accounting) = accounting() else { return call() };
+    let Some(ordinal) = current_ordinal() else {
+        return call();
+    };
+    let charge = match accounting.charge(ordinal, MemoryKind::Data, estimate) {
+        Ok(Some(charge)) => charge,
+        Ok(None) => return call(),
+        Err(status) => return status,
+    };
+    let result = call();
+    if result != CUDA_SUCCESS {
+        accounting.release(charge);
+        return result;
+    }
+    // SAFETY: the driver wrote both on success.
+    let (Some(pointer), Some(actual_pitch)) = (unsafe { read(dptr) }, unsafe { read(pitch) }) else {
+        accounting.release(charge);
+        return result;
+    };
+    let actual = actual_pitch.to_u64().saturating_mul(height);
+    let mut charges = vec![charge];
+    if actual > estimate {
+        // Rare: a pitch above our alignment guess. Charge the rest or undo the allocation.
+        match accounting.charge(ordinal, MemoryKind::Data, actual - estimate) {
+            Ok(extra) => charges.extend(extra),
+            Err(status) => {
+                accounting.release(charge);
+                if let Some(free) = real::cuMemFree_v2() {
+                    // SAFETY: frees the allocation the driver just made.
+                    unsafe { free(pointer.to_u64()) };
+                }
+                return status;
+            }
+        }
+    } else if actual < estimate {
+        let excess = Charge {
+            bytes: estimate - actual,
+            ..charge
+        };
+        accounting.release(excess);
+        charges[0].bytes = actual;
+    }
+    accounting.ledger.restore(Family::Pointer, pointer.to_u64(), charges);
+    result
+}
+
+/// `cuMemAllocManaged`: charged in full; it may all migrate to the device.
+pub fn alloc_managed(
+    _name: &'static str,
+    call: impl FnOnce() -> CUresult,
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    _flags: c_uint,
+) -> CUresult {
+    alloc(_name, call, dptr, size)
+}
+
+/// `cuMemAllocAsync` and `_ptsz`.
+pub fn alloc_async(
+    _name: &'static str,
+    call: impl FnOnce() -> CUresult,
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    _stream: CUstream,
+) -> CUresult {
+    alloc(_name, call, dptr, size)
+}
+
+/// `cuMemAllocFromPoolAsync` and `_ptsz`: charged to the pool's device.
+pub fn alloc_from_pool_async(
+    _name: &'static str,
+    call: impl FnOnce() -> CUresult,
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    _pool: CUmemoryPool,
+    _stream: CUstream,
+) -> CUresult {
+    alloc(_name, call, dptr, size)
+}
+
+/// `cuMemFree` and `_v2`.
+pub fn free<P: DriverInt>(_name: &'static str, call: impl FnOnce() -> CUresult, dptr: P) -> CUresult {
+    released(Family::Pointer, dptr.to_u64(), Box::new(call))
+}
+
+/// `cuMemFreeAsync` and `_ptsz`.
+pub fn free_async(
+    _name: &'static str,
+    call: impl FnOnce() -> CUresult,
+    dptr: CUdeviceptr,
+    _stream: CUstream,
+) -> CUresult {
+    released(Family::Pointer, dptr, Box::new(call))
+}
+
+/// `cuMemPoolTrimTo`: freed blocks were released when freed, so a trim changes no charge.
+pub fn pool_trim(_name: &'static str, call: impl FnOnce() -> CUresult, _pool: CUmemoryPool, _keep: usize) -> CUresult {
+    call()
+}
+
+/// `cuMemPoolDestroy`: as a trim.
+pub fn pool_destroy(_name: &'static str, call: impl FnOnce() -> CUresult, _pool: CUmemoryPool) -> CUresult {
+    call()
+}
+
+// ------------------------------------------------------------------ virtual memory management
+
+/// `cuMemCreate`: charged to the device in the allocation's location; host locations are not
+/// device memory.
+pub fn create(
+    _name: &'static str,
+    call: impl FnOnce() -> CUresult,
+    handle: *mut CUmemGenericAllocationHandle,
+    size: usize,
+    prop: *const CUmemAllocationProp,
+    _flags: u64,
+) -> CUresult {
+    // SAFETY: the driver requires a valid prop; null is checked.
+    let Some(prop) = (unsafe { read(prop) }) else {
+        return call();
+    };
+    if prop.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE || handle.is_null() || size == 0 {
+        return call();
+    }
+    // SAFETY: the driver wrote the handle on success.
+    let key = || unsafe { read(handle) };
+    charged(
+        Some(prop.location.id),
+        MemoryKind::Data,
+        size as u64,
+        Box::new(call),
+        Family::PhysicalHandle,
+        key,
+    )
+}
+
+/// `cuMemRelease`.
+pub fn release(_name: &'static str, call: impl FnOnce() -> CUresult, handle: CUmemGenericAllocationHandle) -> CUresult {
+    released(Family::PhysicalHandle, handle, Box::new(call))
+}
+
+// ------------------------------------------------------------------ arrays
+
+fn array<D: ArrayDescriptor>(
+    call: Box<Call<'_>>,
+    array: *mut CUarray,
+    descriptor: *const D,
+    family: Family,
+    bytes: Option<u64>,
+) -> CUresult {
+    let _ = descriptor;
+    let Some(bytes) = bytes else { return call() };
+    // SAFETY: the driver wrote the handle on success.
+    charged(None, MemoryKind::Data, bytes, call, family, || {
+        unsafe { read(array) }.map(|a| a as u64)
+    })
+}
+
+/// `cuArrayCreate` and `_v2`.
+pub fn array_create<D: ArrayDescriptor>(
+    _name: &'static str,
+    call: impl FnOnce() -> CUresult,
+    handle: *mut CUarray,
+    descriptor: *const D,
+) -> CUresult {
+    // SAFETY: null is checked; otherwise the driver requires a valid descriptor.
+    let bytes = unsafe { descriptor.as_ref() }.and_then(ArrayDescriptor::bytes);
+    array(Box::new(call), handle, descriptor, Family::Array, bytes)
+}
+
+/// `cuArray3DCreate` and `_v2`.
+pub fn array3d_create<D: ArrayDescriptor>(
+    _name: &'static str,
+    call: impl FnOnce() -> CUresult,
+    handle: *mut CUarray,
+    descriptor: *const D,
+) -> CUresult {
+    array_create(_name, call, handle, descriptor)
+}
+
+/// `cuArrayDestroy`.
+pub fn array_destroy(_name: &'static str, call: impl FnOnce() -> CUresult, handle: CUarray) -> CUresult {
+    released(Family::Array, handle as u64, Box::new(call))
+}
+
+/// `cuMipmappedArrayCreate`.
+pub fn mipmapped_array_create(
+    _name: &'static str,
+    call: impl FnOnce() -> CUresult,
+    handle: *mut CUmipmappedArray,
+    descriptor: *const CUDA_ARRAY3D_DESCRIPTOR,
+    levels: c_uint,
+) -> CUresult {
+    // SAFETY: null is checked; otherwise the driver requires a valid descriptor.
+    let Some(bytes) = unsafe { descriptor.as_ref() }.and_then(|d| mipmapped_bytes(d, levels)) else {
+        return call();
+    };
+    // SAFETY: the driver wrote the handle on success.
+    let key = || unsafe { read(handle) }.map(|h| h as u64);
+    charged(
+        None,
+        MemoryKind::Data,
+        bytes,
+        Box::new(call),
+        Family::MipmappedArray,
+        key,
+    )
+}
+
+/// `cuMipmappedArrayDestroy`.
+pub fn mipmapped_array_destroy(
+    _name: &'static str,
+    call: impl FnOnce() -> CUresult,
+    handle: CUmipmappedArray,
+) -> CUresult {
+    released(Family::MipmappedArray, handle as u64, Box::new(call))
+}
+
+// ------------------------------------------------------------------ graph memory
+
+fn graph_alloc_node(call: Box<Call<'_>>, graph: CUgraph, bytes: u64, ordinal: Option<CUdevice>) -> CUresult {
+    if bytes == 0 {
+        return call();
+    }
+    charged(ordinal, MemoryKind::Data, bytes, call, Family::Graph, || {
+        Some(graph as u64)
+    })
+}
+
+/// `cuGraphAddMemAllocNode`: the node's bytes are charged while the graph exists.
+pub fn graph_add_mem_alloc_node(
+    _name: &'static str,
+    call: impl FnOnce() -> CUresult,
+    _node: *mut CUgraphNode,
+    graph: CUgraph,
+    params: *mut CUDA_MEM_ALLOC_NODE_PARAMS,
+) -> CUresult {
+    // SAFETY: null is checked; otherwise the driver requires valid parameters.
+    let Some(params) = (unsafe { read(params) }) else {
+        return call();
+    };
+    let ordinal =
+        (params.poolProps.location.type_ == CU_MEM_LOCATION_TYPE_DEVICE).then_some(params.poolProps.location.id);
+    graph_alloc_node(Box::new(call), graph, params.bytesize as u64, ordinal)
+}
+
+/// `cuGraphAddNode` and `_v2`: charged like `cuGraphAddMemAllocNode` for memory allocation nodes.
+pub fn graph_add_node(
+    _name: &'static str,
+    call: impl FnOnce() -> CUresult,
+    _node: *mut CUgraphNode,
+    graph: CUgraph,
+    params: *mut CUgraphNodeParams,
+) -> CUresult {
+    // SAFETY: null is checked; otherwise the driver requires valid parameters.
+    let Some(params) = (unsafe { params.as_ref() }) else {
+        return call();
+    };
+    if params.type_ != CU_GRAPH_NODE_TYPE_MEM_ALLOC {
+        return call();
+    }
+    // SAFETY: the type says the union holds allocation parameters.
+    let alloc = unsafe { params.__bindgen_anon_1.alloc };
+    let ordinal =
+        (alloc.poolProps.location.type_ == CU_MEM_LOCATION_TYPE_DEVICE).then_some(alloc.poolProps.location.id);
+    graph_alloc_node(Box::new(call), graph, alloc.bytesize as u64, ordinal)
+}
+
+/// The `cuGraphInstantiate` family: the memory was charged when its nodes were added.
+pub fn graph_instantiate(
+    _name: &'static str,
+    call: impl FnOnce() -> CUresult,
+    _exec: *mut CUgraphExec,
+    _graph: CUgraph,
+) -> CUresult {
+    call()
+}
+
+/// `cuGraphExecDestroy`.
+pub fn graph_exec_destroy(_name: &'static str, call: impl FnOnce() -> CUresult, _exec: CUgraphExec) -> CUresult {
+    call()
+}
+
+/// `cuGraphDestroy`: releases its memory nodes' charges.
+pub fn graph_destroy(_name: &'static str, call: impl FnOnce() -> CUresult, graph: CUgraph) -> CUresult {
+    released(Family::Graph, graph as u64, Box::new(call))
+}
+
+/// `cuDeviceGraphMemTrim`.
+pub fn graph_mem_trim(_name: &'static str, call: impl FnOnce() -> CUresult, _device: CUdevice) -> CUresult {
+    call()
+}
+
+// ------------------------------------------------------------------ contexts and modules
+
+/// The `cuCtxCreate` family: a context is charged what the driver took for it.
+pub fn ctx_create(
+    _name: &'static str,
+    call: impl FnOnce() -> CUresult,
+    context: *mut CUcontext,
+    device: CUdevice,
+) -> CUresult {
+    let (result, charge) = measured(device, MemoryKind::Context, Box::new(call));
+    // SAFETY: the driver wrote the context on success.
+    if let (Some(charge), Some(context), Some(accounting)) = (charge, unsafe { read(context) }, accounting()) {
+        accounting.ledger.insert(Family::Context, context as u64, charge);
+    }
+    result
+}
+
+/// `cuCtxDestroy` and `_v2`.
+pub fn ctx_destroy(_name: &'static str, call: impl FnOnce() -> CUresult, context: CUcontext) -> CUresult {
+    released(Family::Context, context as u64, Box::new(call))
+}
+
+/// `cuDevicePrimaryCtxRetain`: the first retain creates the primary context and is charged.
+pub fn primary_ctx_retain(
+    _name: &'static str,
+    call: impl FnOnce() -> CUresult,
+    _context: *mut CUcontext,
+    device: CUdevice,
+) -> CUresult {
+    let Some(accounting) = accounting() else { return call() };
+    accounting.ledger.with_primary(device, |(references, charge)| {
+        if *references > 0 {
+            let result = call();
+            if result == CUDA_SUCCESS {
+                *references += 1;
+            }
+            return result;
+        }
+        let (result, measured_charge) = measured(device, MemoryKind::Context, Box::new(call));
+        if result == CUDA_SUCCESS {
+            *references = 1;
+            *charge = measured_charge;
+        }
+        result
+    })
+}
+
+/// `cuDevicePrimaryCtxRelease`, `Reset` and their `_v2`: the charge goes with the last reference
+/// (a reset destroys the context whatever the count).
+pub fn primary_ctx_release(name: &'static str, call: impl FnOnce() -> CUresult, device: CUdevice) -> CUresult {
+    let Some(accounting) = accounting() else { return call() };
+    let reset = name.starts_with("cuDevicePrimaryCtxReset");
+    accounting.ledger.with_primary(device, |(references, charge)| {
+        let result = call();
+        if result == CUDA_SUCCESS {
+            *references = if reset { 0 } else { references.saturating_sub(1) };
+            if *references == 0
+                && let Some(charge) = charge.take()
+            {
+                accounting.release(charge);
+            }
+        }
+        result
+    })
+}
+
+/// The `cuModuleLoad` family: charged what the driver took for the module's code and data.
+pub fn module_load(_name: &'static str, call: impl FnOnce() -> CUresult, module: *mut CUmodule) -> CUresult {
+    let Some(ordinal) = current_ordinal() else {
+        return call();
+    };
+    let (result, charge) = measured(ordinal, MemoryKind::Module, Box::new(call));
+    // SAFETY: the driver wrote the module on success.
+    if let (Some(charge), Some(module), Some(accounting)) = (charge, unsafe { read(module) }, accounting()) {
+        accounting.ledger.insert(Family::Module, module as u64, charge);
+    }
+    result
+}
+
+/// `cuModuleUnload`.
+pub fn module_unload(_name: &'static str, call: impl FnOnce() -> CUresult, module: CUmodule) -> CUresult {
+    released(Family::Module, module as u64, Box::new(call))
+}
+
+/// The `cuLibraryLoad` family.
+pub fn library_load(_name: &'static str, call: impl FnOnce() -> CUresult, library: *mut CUlibrary) -> CUresult {
+    let Some(ordinal) = current_ordinal() else {
+        return call();
+    };
+    let (result, charge) = measured(ordinal, MemoryKind::Module, Box::new(call));
+    // SAFETY: the driver wrote the library on success.
+    if let (Some(charge), Some(library), Some(accounting)) = (charge, unsafe { read(library) }, accounting()) {
+        accounting.ledger.insert(Family::Library, library as u64, charge);
+    }
+    result
+}
+
+/// `cuLibraryUnload`.
+pub fn library_unload(_name: &'static str, call: impl FnOnce() -> CUresult, library: CUlibrary) -> CUresult {
+    released(Family::Library, library as u64, Box::new(call))
+}

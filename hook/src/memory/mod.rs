@@ -1,0 +1,13 @@
+//! Device memory accounting: every allocation path charged to the container's shared region
+//! before the driver is called, every free released, and memory queries answered for the virtual
+//! device. `cuda-api.toml` routes the entry points to [`handlers`].
+
+mod accounting;
+mod devices;
+mod handlers;
+mod ledger;
+mod sizes;
+mod units;
+
+pub use accounting::{accounting, start};
+pub use handlers::*;
