@@ -11,16 +11,17 @@ mkdir -p "$work/fake"
 for name in libcuda.so.1 libcuda.so libnvidia-ml.so.1; do ln -sf "$root/target/release/libvgpu_fake_driver.so" "$work/fake/$name"; done
 cc -O2 -o "$work/passthrough_loop" tests/programs/passthrough_loop.c -I"${CUDA_INCLUDE_DIR:-$root/.cuda-headers/13.0/include}" -L"$work/fake" -lcuda
 instructions() { # preload calls what
-  LD_LIBRARY_PATH="$work/fake" LD_PRELOAD="$1" valgrind --tool=callgrind --callgrind-out-file="$work/cg.out" \
+  LD_LIBRARY_PATH="$work/fake" LD_PRELOAD="$1" CUDA_DEVICE_MEMORY_LIMIT=8g \
+    CUDA_DEVICE_MEMORY_SHARED_CACHE="$work/region.cache" valgrind --tool=callgrind --callgrind-out-file="$work/cg.out" \
     "$work/passthrough_loop" "$2" "$3" >/dev/null 2>&1
   awk '/^summary:/ {print $2}' "$work/cg.out"
 }
 low=1000; high=101000
 printf '%-18s %14s %14s %10s\n' "entry point" "native Ir/call" "hooked Ir/call" "added"
-for what in count launch; do
+for what in count launch alloc meminfo; do
   n1=$(instructions "" $low $what); n2=$(instructions "" $high $what)
   h1=$(instructions "$root/target/release/libvgpu.so" $low $what); h2=$(instructions "$root/target/release/libvgpu.so" $high $what)
   native=$(( (n2 - n1) / (high - low) )); hooked=$(( (h2 - h1) / (high - low) ))
-  label=$([ "$what" = count ] && echo cuDeviceGetCount || echo cuLaunchKernel)
+  case $what in count) label=cuDeviceGetCount;; launch) label=cuLaunchKernel;; alloc) label="cuMemAlloc+Free";; meminfo) label=cuMemGetInfo;; esac
   printf '%-18s %14d %14d %10d\n' "$label" "$native" "$hooked" $((hooked - native))
 done

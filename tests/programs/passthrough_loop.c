@@ -1,5 +1,6 @@
-// Calls a passthrough entry point (cuDeviceGetCount) and a launch (cuLaunchKernel, routed to the
-// throttle handler) N times each, for instruction counting under callgrind.
+// Calls one entry point N times for instruction counting under callgrind: count (cuDeviceGetCount,
+// passthrough), launch (cuLaunchKernel, throttle handler), alloc (cuMemAlloc + cuMemFree of 1 MiB,
+// charged), meminfo (cuMemGetInfo, virtual view).
 #include <cuda.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,6 +12,18 @@ int main(int argc, char **argv) {
     if (cuInit(0) != CUDA_SUCCESS) return 1;
     if (what[0] == 'c') {
         for (long i = 0; i < calls; i++) cuDeviceGetCount(&count);
+    } else if (what[0] == 'a' || what[0] == 'm') {
+        CUdevice device;
+        CUcontext context;
+        cuDeviceGet(&device, 0);
+        cuDevicePrimaryCtxRetain(&context, device);
+        cuCtxSetCurrent(context);
+        CUdeviceptr pointer;
+        size_t free_bytes, total_bytes;
+        if (what[0] == 'a')
+            for (long i = 0; i < calls; i++) { cuMemAlloc(&pointer, 1 << 20); cuMemFree(pointer); }
+        else
+            for (long i = 0; i < calls; i++) cuMemGetInfo(&free_bytes, &total_bytes);
     } else {
         CUdevice device;
         CUcontext context;

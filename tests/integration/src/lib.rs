@@ -206,3 +206,135 @@ impl Run {
             .collect()
     }
 }
+
+/// A program started with [`Run::spawn`] and talked to line by line: stdin and stdout are pipes,
+/// stderr is collected in the background. A watchdog kills it with SIGKILL if it is still running
+/// after the time given to `spawn`, so a hung program fails its test instead of hanging it.
+pub struct Session {
+    child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+    stderr: Option<std::thread::JoinHandle<Vec<u8>>>,
+    watchdog: Option<std::sync::mpsc::Sender<()>>,
+    finished: bool,
+}
+
+impl Run {
+    /// Starts the program with stdin and stdout piped; it is killed after `limit`.
+    pub fn spawn(mut self, limit: std::time::Duration) -> Session {
+        use std::io::Read;
+        use std::process::Stdio;
+        self.command
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = self.command.spawn().expect("start the test program");
+        let stdin = child.stdin.take();
+        let stdout = std::io::BufReader::new(child.stdout.take().expect("stdout pipe"));
+        let mut stderr_pipe = child.stderr.take().expect("stderr pipe");
+        let stderr = std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            let _ = stderr_pipe.read_to_end(&mut bytes);
+            bytes
+        });
+        let (sender, receiver) = std::sync::mpsc::channel::<()>();
+        let pid = child.id() as libc::pid_t;
+        std::thread::spawn(move || {
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = receiver.recv_timeout(limit) {
+                // SAFETY: plain kill(2) of our own child, which has not been waited for yet (the
+                // sender is dropped before every wait).
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+        });
+        Session {
+            child,
+            stdin,
+            stdout,
+            stderr: Some(stderr),
+            watchdog: Some(sender),
+            finished: false,
+        }
+    }
+}
+
+impl Session {
+    /// The program's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The next line of stdout without its newline, or `None` at end of file.
+    pub fn read_line(&mut self) -> Option<String> {
+        use std::io::BufRead;
+        let mut line = String::new();
+        match self.stdout.read_line(&mut line) {
+            Ok(0) | Err(_) => None,
+            Ok(_) => Some(line.trim_end_matches('\n').to_string()),
+        }
+    }
+
+    /// Writes one line to the program's stdin (ignored once the program has gone).
+    pub fn send(&mut self, line: &str) {
+        use std::io::Write;
+        if let Some(stdin) = self.stdin.as_mut() {
+            let _ = stdin.write_all(format!("{line}\n").as_bytes());
+            let _ = stdin.flush();
+        }
+    }
+
+    /// Sends a line and returns the answer line; panics, with the program's stderr, if the
+    /// program ends first.
+    pub fn ask(&mut self, line: &str) -> String {
+        self.send(line);
+        match self.read_line() {
+            Some(answer) => answer,
+            None => {
+                let output = self.finish();
+                panic!(
+                    "the program ended before answering {line:?} ({}): stderr: {}",
+                    output.status,
+                    String::from_utf8_lossy(&output.stderr)
+                );
+            }
+        }
+    }
+
+    /// Closes the program's stdin.
+    pub fn close_stdin(&mut self) {
+        self.stdin = None;
+    }
+
+    /// Kills the program with SIGKILL and reaps it.
+    pub fn kill(mut self) -> Output {
+        let _ = self.child.kill();
+        self.finish()
+    }
+
+    /// Closes stdin, waits for the program to end and returns the rest of stdout, stderr and
+    /// the status.
+    pub fn finish(&mut self) -> Output {
+        use std::io::Read;
+        self.stdin = None;
+        let mut stdout = Vec::new();
+        let _ = self.stdout.read_to_end(&mut stdout);
+        self.watchdog = None;
+        let status = self.child.wait().expect("wait for the test program");
+        self.finished = true;
+        let stderr = self
+            .stderr
+            .take()
+            .map(|thread| thread.join().unwrap_or_default())
+            .unwrap_or_default();
+        Output { status, stdout, stderr }
+    }
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.watchdog = None;
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
