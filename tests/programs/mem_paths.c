@@ -118,7 +118,10 @@ static void stream_ordered(const char *name) {
     const char *free_name = ptsz ? "cuMemFreeAsync_ptsz" : "cuMemFreeAsync";
     CUstream stream = NULL;
     CUdeviceptr p = 0;
-    if (cuStreamCreate(&stream, 0) != CUDA_SUCCESS) return step("cuStreamCreate", 999);
+    if (cuStreamCreate(&stream, 0) != CUDA_SUCCESS) {
+        step("cuStreamCreate", 999);
+        return;
+    }
     if (strncmp(name, "cuMemAllocAsync", 15) == 0) {
         step(name, CALL(async_fn, name, &p, POOL_BYTES, stream));
         step(free_name, CALL(free_async_fn, free_name, p, stream));
@@ -132,7 +135,10 @@ static void stream_ordered(const char *name) {
     props.location.id = 0;
     CUmemoryPool pool = NULL;
     CUresult status = cuMemPoolCreate(&pool, &props);
-    if (status != CUDA_SUCCESS) return step("cuMemPoolCreate", status);
+    if (status != CUDA_SUCCESS) {
+        step("cuMemPoolCreate", status);
+        return;
+    }
     step(name, CALL(pool_async_fn, name, &p, FROM_POOL_BYTES, pool, stream));
     step(free_name, CALL(free_async_fn, free_name, p, stream));
     step("cuMemPoolTrimTo", cuMemPoolTrimTo(pool, 0));
@@ -191,8 +197,10 @@ static void graph(const char *name) {
     CUstream stream = NULL;
     CUgraph g = NULL;
     CUgraphNode node = NULL;
-    if (cuStreamCreate(&stream, 0) != CUDA_SUCCESS || cuGraphCreate(&g, 0) != CUDA_SUCCESS)
-        return step("cuGraphCreate", 999);
+    if (cuStreamCreate(&stream, 0) != CUDA_SUCCESS || cuGraphCreate(&g, 0) != CUDA_SUCCESS) {
+        step("cuGraphCreate", 999);
+        return;
+    }
     if (strcmp(name, "cuGraphAddMemAllocNode") == 0) {
         CUDA_MEM_ALLOC_NODE_PARAMS params;
         memset(&params, 0, sizeof params);

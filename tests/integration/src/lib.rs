@@ -165,6 +165,12 @@ impl Run {
         self
     }
 
+    /// Removes a variable from the program's environment.
+    pub fn env_remove(mut self, key: &str) -> Run {
+        self.command.env_remove(key);
+        self
+    }
+
     pub fn stdin(mut self, input: impl Into<Vec<u8>>) -> Run {
         self.stdin = Some(input.into());
         self

@@ -1,0 +1,92 @@
+// Memory calls driven by commands on stdin, one per line, each answered with one line on stdout,
+// for the memory tests that interleave calls with reads of the shared region:
+//     init                 -> init <status>                       cuInit(0)
+//     ctx <ordinal>        -> ctx <status>                        retain the primary context, make it current
+//     alloc <bytes>        -> alloc <status> <pointer>            cuMemAlloc_v2
+//     allocnull <bytes>    -> allocnull <status>                  cuMemAlloc_v2 with a null out-pointer
+//     free <pointer>       -> free <status>                       cuMemFree_v2
+//     info                 -> info <status> <free> <total>        cuMemGetInfo_v2
+//     totalmem <ordinal>   -> totalmem <status> <bytes>           cuDeviceTotalMem_v2
+//     nvml <index>         -> nvml <status> <total> <used> <free> nvmlDeviceGetMemoryInfo
+//     nvml2 <index>        -> nvml2 <status> <total> <used> <free> nvmlDeviceGetMemoryInfo_v2
+//     nvml2bad <index>     -> nvml2bad <status>                   _v2 with a wrong struct version
+//     quit                 -> (exits)
+// Numbers are decimal; sizes go through strtoull, so 18446744073709551615 is SIZE_MAX.
+#include <cuda.h>
+#include <nvml.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static nvmlReturn_t nvml_device(const char *arg, nvmlDevice_t *device) {
+    static int initialised = 0;
+    if (!initialised) {
+        nvmlReturn_t status = nvmlInit_v2();
+        if (status != NVML_SUCCESS) return status;
+        initialised = 1;
+    }
+    return nvmlDeviceGetHandleByIndex_v2((unsigned int)strtoul(arg, NULL, 10), device);
+}
+
+int main(void) {
+    char line[256];
+    while (fgets(line, sizeof line, stdin)) {
+        char command[32] = "";
+        char arg[128] = "0";
+        if (sscanf(line, "%31s %127s", command, arg) < 1) continue;
+        unsigned long long number = strtoull(arg, NULL, 10);
+        if (strcmp(command, "init") == 0) {
+            printf("init %d\n", (int)cuInit(0));
+        } else if (strcmp(command, "ctx") == 0) {
+            CUdevice device = 0;
+            CUcontext ctx = NULL;
+            CUresult status = cuDeviceGet(&device, (int)number);
+            if (status == CUDA_SUCCESS) status = cuDevicePrimaryCtxRetain(&ctx, device);
+            if (status == CUDA_SUCCESS) status = cuCtxSetCurrent(ctx);
+            printf("ctx %d\n", (int)status);
+        } else if (strcmp(command, "alloc") == 0) {
+            CUdeviceptr p = 0;
+            CUresult status = cuMemAlloc_v2(&p, (size_t)number);
+            printf("alloc %d %llu\n", (int)status, (unsigned long long)p);
+        } else if (strcmp(command, "allocnull") == 0) {
+            printf("allocnull %d\n", (int)cuMemAlloc_v2(NULL, (size_t)number));
+        } else if (strcmp(command, "free") == 0) {
+            printf("free %d\n", (int)cuMemFree_v2((CUdeviceptr)number));
+        } else if (strcmp(command, "info") == 0) {
+            size_t free_bytes = 0, total = 0;
+            CUresult status = cuMemGetInfo_v2(&free_bytes, &total);
+            printf("info %d %zu %zu\n", (int)status, free_bytes, total);
+        } else if (strcmp(command, "totalmem") == 0) {
+            CUdevice device = 0;
+            size_t bytes = 0;
+            CUresult status = cuDeviceGet(&device, (int)number);
+            if (status == CUDA_SUCCESS) status = cuDeviceTotalMem_v2(&bytes, device);
+            printf("totalmem %d %zu\n", (int)status, bytes);
+        } else if (strcmp(command, "nvml") == 0) {
+            nvmlDevice_t device;
+            nvmlMemory_t memory;
+            memset(&memory, 0, sizeof memory);
+            nvmlReturn_t status = nvml_device(arg, &device);
+            if (status == NVML_SUCCESS) status = nvmlDeviceGetMemoryInfo(device, &memory);
+            printf("nvml %d %llu %llu %llu\n", (int)status, memory.total, memory.used, memory.free);
+        } else if (strcmp(command, "nvml2") == 0 || strcmp(command, "nvml2bad") == 0) {
+            nvmlDevice_t device;
+            nvmlMemory_v2_t memory;
+            memset(&memory, 0, sizeof memory);
+            memory.version = strcmp(command, "nvml2") == 0 ? nvmlMemory_v2 : nvmlMemory_v2 + 1;
+            nvmlReturn_t status = nvml_device(arg, &device);
+            if (status == NVML_SUCCESS) status = nvmlDeviceGetMemoryInfo_v2(device, &memory);
+            if (strcmp(command, "nvml2") == 0) {
+                printf("nvml2 %d %llu %llu %llu\n", (int)status, memory.total, memory.used, memory.free);
+            } else {
+                printf("nvml2bad %d\n", (int)status);
+            }
+        } else if (strcmp(command, "quit") == 0) {
+            break;
+        } else {
+            printf("unknown %s\n", command);
+        }
+        fflush(stdout);
+    }
+    return 0;
+}
