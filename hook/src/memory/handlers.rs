@@ -14,15 +14,13 @@ use super::units::{DriverInt, read, write};
 use crate::hooks::real;
 use crate::sys::cuda::*;
 
-type Call<'a> = dyn FnOnce() -> CUresult + 'a;
-
 /// Reserves `bytes` on `ordinal` (or the current device), calls the driver, and records the charge
 /// under the key `key_of` reads back, or rolls it back.
 fn charged(
     ordinal: Option<CUdevice>,
     kind: MemoryKind,
     bytes: u64,
-    call: Box<Call<'_>>,
+    call: impl FnOnce() -> CUresult,
     family: Family,
     key_of: impl FnOnce() -> Option<u64>,
 ) -> CUresult {
@@ -44,14 +42,16 @@ fn charged(
 }
 
 /// Calls the driver to free `key`, then releases what was charged under it if the free worked.
-fn released(family: Family, key: u64, call: Box<Call<'_>>) -> CUresult {
+fn released(family: Family, key: u64, call: impl FnOnce() -> CUresult) -> CUresult {
     let Some(accounting) = accounting() else { return call() };
-    let charges = accounting.ledger.take(family, key);
+    let Some(charges) = accounting.ledger.take_charges(family, key) else {
+        return call();
+    };
     let result = call();
     if result == CUDA_SUCCESS {
-        charges.into_iter().for_each(|charge| accounting.release(charge));
+        charges.iter().for_each(|charge| accounting.release(*charge));
     } else {
-        accounting.ledger.restore(family, key, charges);
+        accounting.ledger.put_back(family, key, charges);
     }
     result
 }
@@ -81,7 +81,7 @@ const MEASURED_CEILING: u64 = 4 << 30;
 /// Runs a call that makes the driver take memory we cannot size beforehand (a context, a
 /// module), measuring it with NVML, and records the measured amount (never refused: the driver
 /// has already taken it).
-fn measured(ordinal: CUdevice, kind: MemoryKind, call: Box<Call<'_>>) -> (CUresult, Option<Charge>) {
+fn measured(ordinal: CUdevice, kind: MemoryKind, call: impl FnOnce() -> CUresult) -> (CUresult, Option<Charge>) {
     let Some(accounting) = accounting() else {
         return (call(), None);
     };
@@ -183,14 +183,9 @@ pub fn alloc<P: DriverInt, S: DriverInt>(
         return call();
     }
     // SAFETY: the driver wrote the pointer on success.
-    charged(
-        None,
-        MemoryKind::Data,
-        size.to_u64(),
-        Box::new(call),
-        Family::Pointer,
-        || unsafe { read(dptr) }.map(P::to_u64),
-    )
+    charged(None, MemoryKind::Data, size.to_u64(), call, Family::Pointer, || {
+        unsafe { read(dptr) }.map(P::to_u64)
+    })
 }
 
 /// `cuMemAllocPitch` and `_v2`: reserves the width rounded to the pitch alignment times the
@@ -294,7 +289,7 @@ pub fn alloc_from_pool_async(
 
 /// `cuMemFree` and `_v2`.
 pub fn free<P: DriverInt>(_name: &'static str, call: impl FnOnce() -> CUresult, dptr: P) -> CUresult {
-    released(Family::Pointer, dptr.to_u64(), Box::new(call))
+    released(Family::Pointer, dptr.to_u64(), call)
 }
 
 /// `cuMemFreeAsync` and `_ptsz`.
@@ -304,7 +299,7 @@ pub fn free_async(
     dptr: CUdeviceptr,
     _stream: CUstream,
 ) -> CUresult {
-    released(Family::Pointer, dptr, Box::new(call))
+    released(Family::Pointer, dptr, call)
 }
 
 /// `cuMemPoolTrimTo`: freed blocks were released when freed, so a trim changes no charge.
@@ -342,7 +337,7 @@ pub fn create(
         Some(prop.location.id),
         MemoryKind::Data,
         size as u64,
-        Box::new(call),
+        call,
         Family::PhysicalHandle,
         key,
     )
@@ -350,25 +345,10 @@ pub fn create(
 
 /// `cuMemRelease`.
 pub fn release(_name: &'static str, call: impl FnOnce() -> CUresult, handle: CUmemGenericAllocationHandle) -> CUresult {
-    released(Family::PhysicalHandle, handle, Box::new(call))
+    released(Family::PhysicalHandle, handle, call)
 }
 
 // ------------------------------------------------------------------ arrays
-
-fn array<D: ArrayDescriptor>(
-    call: Box<Call<'_>>,
-    array: *mut CUarray,
-    descriptor: *const D,
-    family: Family,
-    bytes: Option<u64>,
-) -> CUresult {
-    let _ = descriptor;
-    let Some(bytes) = bytes else { return call() };
-    // SAFETY: the driver wrote the handle on success.
-    charged(None, MemoryKind::Data, bytes, call, family, || {
-        unsafe { read(array) }.map(|a| a as u64)
-    })
-}
 
 /// `cuArrayCreate` and `_v2`.
 pub fn array_create<D: ArrayDescriptor>(
@@ -378,8 +358,12 @@ pub fn array_create<D: ArrayDescriptor>(
     descriptor: *const D,
 ) -> CUresult {
     // SAFETY: null is checked; otherwise the driver requires a valid descriptor.
-    let bytes = unsafe { descriptor.as_ref() }.and_then(ArrayDescriptor::bytes);
-    array(Box::new(call), handle, descriptor, Family::Array, bytes)
+    let Some(bytes) = unsafe { descriptor.as_ref() }.and_then(ArrayDescriptor::bytes) else {
+        return call();
+    };
+    // SAFETY: the driver wrote the handle on success.
+    let key = || unsafe { read(handle) }.map(|array| array as u64);
+    charged(None, MemoryKind::Data, bytes, call, Family::Array, key)
 }
 
 /// `cuArray3DCreate` and `_v2`.
@@ -394,7 +378,7 @@ pub fn array3d_create<D: ArrayDescriptor>(
 
 /// `cuArrayDestroy`.
 pub fn array_destroy(_name: &'static str, call: impl FnOnce() -> CUresult, handle: CUarray) -> CUresult {
-    released(Family::Array, handle as u64, Box::new(call))
+    released(Family::Array, handle as u64, call)
 }
 
 /// `cuMipmappedArrayCreate`.
@@ -411,14 +395,7 @@ pub fn mipmapped_array_create(
     };
     // SAFETY: the driver wrote the handle on success.
     let key = || unsafe { read(handle) }.map(|h| h as u64);
-    charged(
-        None,
-        MemoryKind::Data,
-        bytes,
-        Box::new(call),
-        Family::MipmappedArray,
-        key,
-    )
+    charged(None, MemoryKind::Data, bytes, call, Family::MipmappedArray, key)
 }
 
 /// `cuMipmappedArrayDestroy`.
@@ -427,12 +404,17 @@ pub fn mipmapped_array_destroy(
     call: impl FnOnce() -> CUresult,
     handle: CUmipmappedArray,
 ) -> CUresult {
-    released(Family::MipmappedArray, handle as u64, Box::new(call))
+    released(Family::MipmappedArray, handle as u64, call)
 }
 
 // ------------------------------------------------------------------ graph memory
 
-fn graph_alloc_node(call: Box<Call<'_>>, graph: CUgraph, bytes: u64, ordinal: Option<CUdevice>) -> CUresult {
+fn graph_alloc_node(
+    call: impl FnOnce() -> CUresult,
+    graph: CUgraph,
+    bytes: u64,
+    ordinal: Option<CUdevice>,
+) -> CUresult {
     if bytes == 0 {
         return call();
     }
@@ -455,7 +437,7 @@ pub fn graph_add_mem_alloc_node(
     };
     let ordinal =
         (params.poolProps.location.type_ == CU_MEM_LOCATION_TYPE_DEVICE).then_some(params.poolProps.location.id);
-    graph_alloc_node(Box::new(call), graph, params.bytesize as u64, ordinal)
+    graph_alloc_node(call, graph, params.bytesize as u64, ordinal)
 }
 
 /// `cuGraphAddNode` and `_v2`: charged like `cuGraphAddMemAllocNode` for memory allocation nodes.
@@ -477,7 +459,7 @@ pub fn graph_add_node(
     let alloc = unsafe { params.__bindgen_anon_1.alloc };
     let ordinal =
         (alloc.poolProps.location.type_ == CU_MEM_LOCATION_TYPE_DEVICE).then_some(alloc.poolProps.location.id);
-    graph_alloc_node(Box::new(call), graph, alloc.bytesize as u64, ordinal)
+    graph_alloc_node(call, graph, alloc.bytesize as u64, ordinal)
 }
 
 /// The `cuGraphInstantiate` family: the memory was charged when its nodes were added.
@@ -497,7 +479,7 @@ pub fn graph_exec_destroy(_name: &'static str, call: impl FnOnce() -> CUresult, 
 
 /// `cuGraphDestroy`: releases its memory nodes' charges.
 pub fn graph_destroy(_name: &'static str, call: impl FnOnce() -> CUresult, graph: CUgraph) -> CUresult {
-    released(Family::Graph, graph as u64, Box::new(call))
+    released(Family::Graph, graph as u64, call)
 }
 
 /// `cuDeviceGraphMemTrim`.
@@ -514,7 +496,7 @@ pub fn ctx_create(
     context: *mut CUcontext,
     device: CUdevice,
 ) -> CUresult {
-    let (result, charge) = measured(device, MemoryKind::Context, Box::new(call));
+    let (result, charge) = measured(device, MemoryKind::Context, call);
     // SAFETY: the driver wrote the context on success.
     if let (Some(charge), Some(context), Some(accounting)) = (charge, unsafe { read(context) }, accounting()) {
         accounting.ledger.insert(Family::Context, context as u64, charge);
@@ -524,7 +506,7 @@ pub fn ctx_create(
 
 /// `cuCtxDestroy` and `_v2`.
 pub fn ctx_destroy(_name: &'static str, call: impl FnOnce() -> CUresult, context: CUcontext) -> CUresult {
-    released(Family::Context, context as u64, Box::new(call))
+    released(Family::Context, context as u64, call)
 }
 
 /// `cuDevicePrimaryCtxRetain`: the first retain creates the primary context and is charged.
@@ -543,7 +525,7 @@ pub fn primary_ctx_retain(
             }
             return result;
         }
-        let (result, measured_charge) = measured(device, MemoryKind::Context, Box::new(call));
+        let (result, measured_charge) = measured(device, MemoryKind::Context, call);
         if result == CUDA_SUCCESS {
             *references = 1;
             *charge = measured_charge;
@@ -576,7 +558,7 @@ pub fn module_load(_name: &'static str, call: impl FnOnce() -> CUresult, module:
     let Some(ordinal) = current_ordinal() else {
         return call();
     };
-    let (result, charge) = measured(ordinal, MemoryKind::Module, Box::new(call));
+    let (result, charge) = measured(ordinal, MemoryKind::Module, call);
     // SAFETY: the driver wrote the module on success.
     if let (Some(charge), Some(module), Some(accounting)) = (charge, unsafe { read(module) }, accounting()) {
         accounting.ledger.insert(Family::Module, module as u64, charge);
@@ -586,7 +568,7 @@ pub fn module_load(_name: &'static str, call: impl FnOnce() -> CUresult, module:
 
 /// `cuModuleUnload`.
 pub fn module_unload(_name: &'static str, call: impl FnOnce() -> CUresult, module: CUmodule) -> CUresult {
-    released(Family::Module, module as u64, Box::new(call))
+    released(Family::Module, module as u64, call)
 }
 
 /// The `cuLibraryLoad` family.
@@ -594,7 +576,7 @@ pub fn library_load(_name: &'static str, call: impl FnOnce() -> CUresult, librar
     let Some(ordinal) = current_ordinal() else {
         return call();
     };
-    let (result, charge) = measured(ordinal, MemoryKind::Module, Box::new(call));
+    let (result, charge) = measured(ordinal, MemoryKind::Module, call);
     // SAFETY: the driver wrote the library on success.
     if let (Some(charge), Some(library), Some(accounting)) = (charge, unsafe { read(library) }, accounting()) {
         accounting.ledger.insert(Family::Library, library as u64, charge);
@@ -604,5 +586,5 @@ pub fn library_load(_name: &'static str, call: impl FnOnce() -> CUresult, librar
 
 /// `cuLibraryUnload`.
 pub fn library_unload(_name: &'static str, call: impl FnOnce() -> CUresult, library: CUlibrary) -> CUresult {
-    released(Family::Library, library as u64, Box::new(call))
+    released(Family::Library, library as u64, call)
 }

@@ -1,0 +1,1357 @@
+//! Device memory accounting against the fake driver: every memory-accounted entry point charges
+//! and releases the right kind in the shared region (checked against the fake's ground truth),
+//! limits refuse exactly one byte over the boundary on the right physical device, racing and
+//! SIGKILLed processes never overcommit nor block each other, bad region files and paths are
+//! handled, and `cuMemGetInfo`, `cuDeviceTotalMem` and NVML show the virtual device.
+//!
+//! Every test uses its own folder for the region (`CUDA_DEVICE_MEMORY_SHARED_CACHE`) and the
+//! ground truth (`FAKE_CUDA_TRUTH`). The region is read from its file with
+//! `vgpu_region::read_snapshot` (no lock taken) or, where reaping is needed, joined with
+//! `Region::open`.
+
+#[path = "../../fake-driver/src/truth.rs"]
+mod truth;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use vgpu_codegen::table::{Class, Table};
+use vgpu_integration::{Run, Session, c_program, workspace_root};
+use vgpu_region::{
+    EXTENSION_OFFSET, InitParams, MemoryUsage, OpenKind, REGION_FILE_SIZE, Region, SLOT_LIVE, Snapshot, read_snapshot,
+};
+
+const MIB: u64 = 1 << 20;
+const GIB: u64 = 1 << 30;
+/// What each context takes on the fake (`FAKE_CUDA_CONTEXT_BYTES`): not the fake's default, so a
+/// hook that assumes a size instead of measuring it is caught.
+const CONTEXT: u64 = 48 * MIB;
+
+const CUDA_SUCCESS: i32 = 0;
+const CUDA_ERROR_INVALID_VALUE: i32 = 1;
+const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
+const CUDA_ERROR_INVALID_HANDLE: i32 = 400;
+const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;
+
+/// A C program, compiled once per test binary (tests run on parallel threads and `c_program`
+/// compiles into a per-process temporary name).
+fn program(name: &str) -> PathBuf {
+    static BUILT: Mutex<BTreeMap<String, PathBuf>> = Mutex::new(BTreeMap::new());
+    let mut built = BUILT.lock().unwrap_or_else(PoisonError::into_inner);
+    built
+        .entry(name.to_string())
+        .or_insert_with(|| c_program(name, false))
+        .clone()
+}
+
+/// The race and the kill storm measure waits: they must not share the CPUs with each other.
+fn heavy() -> MutexGuard<'static, ()> {
+    static HEAVY: Mutex<()> = Mutex::new(());
+    HEAVY.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// A fresh folder for one test's region and truth files, removed afterwards unless the test
+/// failed (then it is kept for inspection).
+struct TestDir(PathBuf);
+
+impl TestDir {
+    fn new(name: &str) -> TestDir {
+        static COUNTER: AtomicUsize = AtomicUsize::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "vgpu-memory-{name}-{}-{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(&path).expect("create the test folder");
+        TestDir(path)
+    }
+
+    fn region(&self) -> PathBuf {
+        self.0.join("region")
+    }
+
+    fn truth_path(&self) -> PathBuf {
+        self.0.join("truth")
+    }
+
+    fn truth(&self) -> truth::Truth {
+        truth::Truth::open(&self.truth_path()).expect("open the ground truth")
+    }
+}
+
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+/// The environment every run of a test shares: its region and truth files, the context size, and
+/// nothing inherited that could change the devices or limits.
+fn setup(mut run: Run, dir: &TestDir) -> Run {
+    run = run.env_remove("CUDA_VISIBLE_DEVICES");
+    for n in 0..16 {
+        run = run
+            .env_remove(&format!("CUDA_DEVICE_MEMORY_LIMIT_{n}"))
+            .env_remove(&format!("FAKE_CUDA_MEMORY_{n}"));
+    }
+    run.env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.region())
+        .env("FAKE_CUDA_TRUTH", dir.truth_path())
+        .env("FAKE_CUDA_CONTEXT_BYTES", CONTEXT.to_string())
+}
+
+/// The fake's UUID of a physical device.
+fn uuid(physical: usize) -> String {
+    format!("GPU-00000000-0000-0000-0000-{physical:012x}")
+}
+
+fn snapshot(path: &Path) -> Snapshot {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("read the region {}: {e}", path.display()));
+    read_snapshot(&bytes).unwrap_or_else(|e| panic!("decode the region {}: {e}", path.display()))
+}
+
+/// The region's index of a physical device (devices are recorded by UUID).
+fn region_device(snapshot: &Snapshot, physical: usize) -> Option<usize> {
+    let uuid = uuid(physical);
+    snapshot.uuids.iter().position(|u| *u == uuid)
+}
+
+/// What the live slot of `pid` holds on a physical device (zero if there is no slot or the device
+/// is not registered).
+fn usage(snapshot: &Snapshot, pid: u32, physical: usize) -> MemoryUsage {
+    let Some(device) = region_device(snapshot, physical) else {
+        return MemoryUsage::default();
+    };
+    snapshot
+        .processes
+        .iter()
+        .find(|p| p.pid == pid as i32 && p.status == SLOT_LIVE)
+        .map(|p| p.memory[device])
+        .unwrap_or_default()
+}
+
+/// All processes' bytes on a physical device, by the region.
+fn device_used(snapshot: &Snapshot, physical: usize) -> u64 {
+    region_device(snapshot, physical).map_or(0, |d| snapshot.device_used(d))
+}
+
+fn fields(line: &str) -> Vec<String> {
+    line.split_whitespace().map(str::to_string).collect()
+}
+
+/// The numeric field `index` of an answer line.
+fn number(answer: &str, index: usize) -> u64 {
+    answer
+        .split_whitespace()
+        .nth(index)
+        .and_then(|f| f.parse().ok())
+        .unwrap_or_else(|| panic!("no number at field {index} of {answer:?}"))
+}
+
+/// The status (field 1) of an answer line.
+fn status(answer: &str) -> i32 {
+    answer
+        .split_whitespace()
+        .nth(1)
+        .and_then(|f| f.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {answer:?}"))
+}
+
+fn stderr_lines(output: &std::process::Output) -> Vec<String> {
+    String::from_utf8_lossy(&output.stderr)
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+// ------------------------------------------------------------------------------------------------
+// 1. Every memory-accounted entry point of cuda-api.toml.
+
+/// The limit and physical size of the table-driven runs: far apart, so `cuMemGetInfo` shows the
+/// limit's view.
+const TABLE_LIMIT: u64 = GIB;
+const TABLE_PHYSICAL: u64 = 8 * GIB;
+
+/// What must hold after one step of `mem_paths`: the call's status, what this process's slot
+/// holds on device 0 by kind (modules take nothing on the fake, so `module_size` must stay 0, the
+/// truth's delta), and the truth's total for device 0.
+#[derive(Clone, Copy, Debug)]
+struct Expect {
+    entry: &'static str,
+    status: i32,
+    context: u64,
+    data: u64,
+    truth: u64,
+}
+
+fn at(entry: &'static str, status: i32, context: u64, data: u64, truth: u64) -> Expect {
+    Expect {
+        entry,
+        status,
+        context,
+        data,
+        truth,
+    }
+}
+
+/// One run of `mem_paths <name>` and the state after each of its steps.
+struct Case {
+    name: &'static str,
+    steps: Vec<Expect>,
+}
+
+/// Entry points that allocate nothing themselves (frees, destroys, trims, instantiation,
+/// context and module teardown), and the case whose run calls them: the test checks each is
+/// called there and that the step's state is right.
+const COVERED_BY: &[(&str, &str)] = &[
+    ("cuMemFree_v2", "cuMemAlloc_v2"),
+    ("cuMemFreeAsync", "cuMemAllocAsync"),
+    ("cuMemFreeAsync_ptsz", "cuMemAllocAsync_ptsz"),
+    ("cuMemPoolTrimTo", "cuMemAllocFromPoolAsync"),
+    ("cuMemPoolDestroy", "cuMemAllocFromPoolAsync"),
+    ("cuMemRelease", "cuMemCreate"),
+    ("cuArrayDestroy", "cuArrayCreate_v2"),
+    ("cuMipmappedArrayDestroy", "cuMipmappedArrayCreate"),
+    ("cuGraphInstantiate", "cuGraphAddMemAllocNode"),
+    ("cuGraphInstantiate_v2", "cuGraphAddMemAllocNode"),
+    ("cuGraphInstantiateWithFlags", "cuGraphAddMemAllocNode"),
+    ("cuGraphInstantiateWithParams", "cuGraphAddMemAllocNode"),
+    ("cuGraphInstantiateWithParams_ptsz", "cuGraphAddMemAllocNode"),
+    ("cuGraphExecDestroy", "cuGraphAddMemAllocNode"),
+    ("cuGraphDestroy", "cuGraphAddMemAllocNode"),
+    ("cuDeviceGraphMemTrim", "cuGraphAddMemAllocNode"),
+    ("cuCtxDestroy", "cuCtxCreate"),
+    ("cuCtxDestroy_v2", "cuCtxCreate_v2"),
+    ("cuDevicePrimaryCtxRelease", "cuDevicePrimaryCtxRetain"),
+    ("cuDevicePrimaryCtxRelease_v2", "cuDevicePrimaryCtxRetain"),
+    ("cuDevicePrimaryCtxReset", "cuDevicePrimaryCtxRetain"),
+    ("cuDevicePrimaryCtxReset_v2", "cuDevicePrimaryCtxRetain"),
+    ("cuModuleUnload", "cuModuleLoad"),
+    ("cuLibraryUnload", "cuLibraryLoadData"),
+];
+
+/// The legacy 32-bit entry points: the fake does not implement them (`CUDA_ERROR_NOT_SUPPORTED`);
+/// the hook must pass that through and charge nothing.
+const LEGACY: &[&str] = &[
+    "cuMemAlloc",
+    "cuMemAllocPitch",
+    "cuMemFree",
+    "cuArrayCreate",
+    "cuArray3DCreate",
+];
+
+fn cases() -> Vec<Case> {
+    const C: u64 = CONTEXT;
+    let ready = at("ready", CUDA_SUCCESS, C, 0, C);
+    let mut cases = Vec::new();
+    let mut add = |name: &'static str, steps: Vec<Expect>| cases.push(Case { name, steps });
+
+    // Linear memory: the requested size (mem_paths.c's ALLOC_BYTES, MANAGED_BYTES); pitch × height
+    // for the pitched one (width 1000 → pitch 1024 on the fake, 7 rows). A second free of the
+    // same pointer is the driver's answer and changes nothing.
+    for (name, bytes) in [
+        ("cuMemAlloc_v2", 100 * MIB + 3),
+        ("cuMemAllocPitch_v2", 1024 * 7),
+        ("cuMemAllocManaged", 32 * MIB + 1),
+    ] {
+        add(
+            name,
+            vec![
+                ready,
+                at(name, CUDA_SUCCESS, C, bytes, C + bytes),
+                at("cuMemFree_v2", CUDA_SUCCESS, C, 0, C),
+                at("cuMemFree_v2", CUDA_ERROR_INVALID_VALUE, C, 0, C),
+            ],
+        );
+    }
+    // Stream-ordered: the requested size, released at the free; the pool keeps its reservation
+    // (the truth) until a synchronisation, a trim or the pool's destruction.
+    for (name, free) in [
+        ("cuMemAllocAsync", "cuMemFreeAsync"),
+        ("cuMemAllocAsync_ptsz", "cuMemFreeAsync_ptsz"),
+    ] {
+        let b = 6 * MIB;
+        add(
+            name,
+            vec![
+                ready,
+                at(name, CUDA_SUCCESS, C, b, C + b),
+                at(free, CUDA_SUCCESS, C, 0, C + b),
+                at("cuStreamSynchronize", CUDA_SUCCESS, C, 0, C),
+            ],
+        );
+    }
+    for (name, free) in [
+        ("cuMemAllocFromPoolAsync", "cuMemFreeAsync"),
+        ("cuMemAllocFromPoolAsync_ptsz", "cuMemFreeAsync_ptsz"),
+    ] {
+        let b = 4 * MIB;
+        add(
+            name,
+            vec![
+                ready,
+                at(name, CUDA_SUCCESS, C, b, C + b),
+                at(free, CUDA_SUCCESS, C, 0, C + b),
+                at("cuMemPoolTrimTo", CUDA_SUCCESS, C, 0, C),
+                at(name, CUDA_SUCCESS, C, b, C + b),
+                at(free, CUDA_SUCCESS, C, 0, C + b),
+                at("cuMemPoolDestroy", CUDA_SUCCESS, C, 0, C),
+            ],
+        );
+    }
+    // VMM: device-located handles charge their size until released; host-located ones nothing;
+    // releasing a handle nobody created is the driver's answer.
+    add(
+        "cuMemCreate",
+        vec![
+            ready,
+            at("cuMemCreate", CUDA_SUCCESS, C, 6 * MIB, C + 6 * MIB),
+            at("cuMemRelease", CUDA_SUCCESS, C, 0, C),
+            at("cuMemCreate", CUDA_SUCCESS, C, 0, C),
+            at("cuMemRelease", CUDA_SUCCESS, C, 0, C),
+            at("cuMemRelease", CUDA_ERROR_INVALID_VALUE, C, 0, C),
+        ],
+    );
+    // Arrays: the fake's rule (see tests/fake-driver/src/array.rs), which the region must match.
+    // 1000 × 300 × 4 channels × 4 bytes = 4.8 MB → 6 MiB; 200 × 200 × 100 × 2 × 2 = 16 MB → 16 MiB;
+    // mipmapped 1024² × 16 bytes over 3 levels = 21 MiB → 22 MiB.
+    for (name, destroy, bytes) in [
+        ("cuArrayCreate_v2", "cuArrayDestroy", 6 * MIB),
+        ("cuArray3DCreate_v2", "cuArrayDestroy", 16 * MIB),
+        ("cuMipmappedArrayCreate", "cuMipmappedArrayDestroy", 22 * MIB),
+    ] {
+        add(
+            name,
+            vec![
+                ready,
+                at(name, CUDA_SUCCESS, C, bytes, C + bytes),
+                at(destroy, CUDA_SUCCESS, C, 0, C),
+                at(destroy, CUDA_ERROR_INVALID_HANDLE, C, 0, C),
+            ],
+        );
+    }
+    // Graph memory: the node's size is charged when the node is added and released when the graph
+    // is destroyed; the fake takes the memory at the first launch of an executable graph and gives
+    // it back at its destruction or at cuDeviceGraphMemTrim.
+    let g = 8 * MIB;
+    add(
+        "cuGraphAddMemAllocNode",
+        vec![
+            ready,
+            at("cuGraphAddMemAllocNode", CUDA_SUCCESS, C, g, C),
+            at("cuGraphInstantiate", CUDA_SUCCESS, C, g, C),
+            at("cuGraphInstantiate_v2", CUDA_SUCCESS, C, g, C),
+            at("cuGraphInstantiateWithFlags", CUDA_SUCCESS, C, g, C),
+            at("cuGraphInstantiateWithParams", CUDA_SUCCESS, C, g, C),
+            at("cuGraphInstantiateWithParams_ptsz", CUDA_SUCCESS, C, g, C),
+            at("cuGraphLaunch", CUDA_SUCCESS, C, g, C + g),
+            at("cuDeviceGraphMemTrim", CUDA_SUCCESS, C, g, C),
+            at("cuGraphLaunch", CUDA_SUCCESS, C, g, C + g),
+            at("cuGraphExecDestroy", CUDA_SUCCESS, C, g, C),
+            at("cuGraphDestroy", CUDA_SUCCESS, C, 0, C),
+        ],
+    );
+    for name in ["cuGraphAddNode", "cuGraphAddNode_v2"] {
+        add(
+            name,
+            vec![
+                ready,
+                at(name, CUDA_SUCCESS, C, g, C),
+                at("cuGraphInstantiateWithFlags", CUDA_SUCCESS, C, g, C),
+                at("cuGraphLaunch", CUDA_SUCCESS, C, g, C + g),
+                at("cuGraphExecDestroy", CUDA_SUCCESS, C, g, C),
+                at("cuGraphDestroy", CUDA_SUCCESS, C, 0, C),
+            ],
+        );
+    }
+    // Contexts: each one is charged what it takes on the device (two at once: twice).
+    for (name, destroy) in [
+        ("cuCtxCreate", "cuCtxDestroy"),
+        ("cuCtxCreate_v2", "cuCtxDestroy_v2"),
+        ("cuCtxCreate_v3", "cuCtxDestroy_v2"),
+        ("cuCtxCreate_v4", "cuCtxDestroy_v2"),
+    ] {
+        add(
+            name,
+            vec![
+                at("cuInit", CUDA_SUCCESS, 0, 0, 0),
+                at(name, CUDA_SUCCESS, C, 0, C),
+                at(name, CUDA_SUCCESS, 2 * C, 0, 2 * C),
+                at(destroy, CUDA_SUCCESS, C, 0, C),
+                at(destroy, CUDA_SUCCESS, 0, 0, 0),
+            ],
+        );
+    }
+    // The primary context is charged once however often it is retained, and released with the
+    // last release or a reset.
+    add(
+        "cuDevicePrimaryCtxRetain",
+        vec![
+            at("cuInit", CUDA_SUCCESS, 0, 0, 0),
+            at("cuDevicePrimaryCtxRetain", CUDA_SUCCESS, C, 0, C),
+            at("cuDevicePrimaryCtxRetain", CUDA_SUCCESS, C, 0, C),
+            at("cuDevicePrimaryCtxRelease", CUDA_SUCCESS, C, 0, C),
+            at("cuDevicePrimaryCtxRelease_v2", CUDA_SUCCESS, 0, 0, 0),
+            at("cuDevicePrimaryCtxRetain", CUDA_SUCCESS, C, 0, C),
+            at("cuDevicePrimaryCtxReset", CUDA_SUCCESS, 0, 0, 0),
+            at("cuDevicePrimaryCtxRetain", CUDA_SUCCESS, C, 0, C),
+            at("cuDevicePrimaryCtxReset_v2", CUDA_SUCCESS, 0, 0, 0),
+        ],
+    );
+    // Modules and libraries take no device memory on the fake: module_size must follow the truth.
+    for (name, unload) in [
+        ("cuModuleLoad", "cuModuleUnload"),
+        ("cuModuleLoadData", "cuModuleUnload"),
+        ("cuModuleLoadDataEx", "cuModuleUnload"),
+        ("cuModuleLoadFatBinary", "cuModuleUnload"),
+        ("cuLibraryLoadData", "cuLibraryUnload"),
+        ("cuLibraryLoadFromFile", "cuLibraryUnload"),
+    ] {
+        add(
+            name,
+            vec![
+                ready,
+                at(name, CUDA_SUCCESS, C, 0, C),
+                at(unload, CUDA_SUCCESS, C, 0, C),
+            ],
+        );
+    }
+    for &name in LEGACY {
+        add(name, vec![ready, at(name, CUDA_ERROR_NOT_SUPPORTED, C, 0, C)]);
+    }
+    cases
+}
+
+/// Every function cuda-api.toml classes as memory-accounted.
+fn memory_accounted() -> BTreeSet<String> {
+    let table = Table::load(&workspace_root().join("cuda-api.toml")).expect("read cuda-api.toml");
+    table
+        .entries
+        .iter()
+        .filter(|entry| entry.class == Class::MemoryAccounted)
+        .flat_map(|entry| entry.functions.iter().cloned())
+        .collect()
+}
+
+#[test]
+fn every_memory_accounted_entry_point_has_a_case() {
+    let accounted = memory_accounted();
+    assert!(
+        accounted.len() >= 60,
+        "only {} memory-accounted functions",
+        accounted.len()
+    );
+    let cases = cases();
+    let case_names: BTreeSet<&str> = cases.iter().map(|c| c.name).collect();
+    let covered: BTreeMap<&str, &str> = COVERED_BY.iter().copied().collect();
+    let missing: Vec<&String> = accounted
+        .iter()
+        .filter(|f| !case_names.contains(f.as_str()) && !covered.contains_key(f.as_str()))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "memory-accounted in cuda-api.toml but with no case in tests/integration/tests/memory.rs \
+         (add one to cases(), or name the case that calls it in COVERED_BY): {missing:?}"
+    );
+    let stale: Vec<&str> = case_names
+        .iter()
+        .copied()
+        .chain(covered.keys().copied())
+        .filter(|f| !accounted.contains(*f))
+        .collect();
+    assert!(
+        stale.is_empty(),
+        "cases for functions that are not memory-accounted: {stale:?}"
+    );
+    for (function, case) in COVERED_BY {
+        let case = cases
+            .iter()
+            .find(|c| c.name == *case)
+            .unwrap_or_else(|| panic!("COVERED_BY names {case} for {function}, which is no case"));
+        assert!(
+            case.steps.iter().any(|step| step.entry == *function),
+            "COVERED_BY says case {} calls {function}, but none of its steps does",
+            case.name
+        );
+    }
+}
+
+/// One line of `mem_paths`: `step <entry> <status> <info status> <free> <total>`.
+struct StepLine {
+    entry: String,
+    status: i32,
+    info: i32,
+    free: u64,
+    total: u64,
+}
+
+fn parse_step(line: &str) -> Option<StepLine> {
+    let f = fields(line);
+    if f.len() != 6 || f[0] != "step" {
+        return None;
+    }
+    Some(StepLine {
+        entry: f[1].clone(),
+        status: f[2].parse().ok()?,
+        info: f[3].parse().ok()?,
+        free: f[4].parse().ok()?,
+        total: f[5].parse().ok()?,
+    })
+}
+
+fn paths_env(run: Run, dir: &TestDir) -> Run {
+    setup(run, dir).env("FAKE_CUDA_MEMORY", TABLE_PHYSICAL.to_string())
+}
+
+/// Runs one case hooked, checking the region, the truth and cuMemGetInfo after every step, and
+/// the statuses against a run of the same case without the hook.
+fn run_case(case: &Case) -> Result<(), String> {
+    let program = program("mem_paths");
+    let native_dir = TestDir::new("paths-native");
+    let native = paths_env(Run::new(&program), &native_dir).args([case.name]).output();
+    let native: Vec<StepLine> = String::from_utf8_lossy(&native.stdout)
+        .lines()
+        .filter_map(parse_step)
+        .collect();
+    if native.len() != case.steps.len() {
+        return Err(format!(
+            "without the hook the program made {} steps, the case expects {}",
+            native.len(),
+            case.steps.len()
+        ));
+    }
+    let dir = TestDir::new("paths");
+    let mut session = paths_env(Run::new(&program).hooked(), &dir)
+        .env("CUDA_DEVICE_MEMORY_LIMIT", TABLE_LIMIT.to_string())
+        .args([case.name])
+        .spawn(Duration::from_secs(60));
+    let pid = session.pid();
+    let truth = dir.truth();
+    for (index, (expect, native)) in case.steps.iter().zip(&native).enumerate() {
+        let Some(line) = session.read_line() else {
+            let output = session.finish();
+            return Err(format!(
+                "step {index} ({}): the program ended ({}): {}",
+                expect.entry,
+                output.status,
+                String::from_utf8_lossy(&output.stderr)
+            ));
+        };
+        let Some(step) = parse_step(&line) else {
+            return Err(format!("step {index} ({}): unexpected line {line:?}", expect.entry));
+        };
+        let snapshot = snapshot(&dir.region());
+        let mine = usage(&snapshot, pid, 0);
+        let used = device_used(&snapshot, 0);
+        let truth_used = truth.device(0).used();
+        let sum = expect.context + expect.data;
+        let mut problems = Vec::new();
+        if step.entry != expect.entry {
+            problems.push(format!("called {} where the case expects {}", step.entry, expect.entry));
+        }
+        if step.status != expect.status || step.status != native.status {
+            problems.push(format!(
+                "status {} (expected {}, the driver alone gives {})",
+                step.status, expect.status, native.status
+            ));
+        }
+        if step.info != native.info {
+            problems.push(format!(
+                "cuMemGetInfo status {} where the driver alone gives {}",
+                step.info, native.info
+            ));
+        }
+        if (mine.context, mine.module, mine.data) != (expect.context, 0, expect.data) {
+            problems.push(format!(
+                "region slot holds context {} module {} data {}, expected context {} module 0 data {}",
+                mine.context, mine.module, mine.data, expect.context, expect.data
+            ));
+        }
+        if mine.total != mine.context + mine.module + mine.data {
+            problems.push(format!("region slot total {} is not the sum of its kinds", mine.total));
+        }
+        if used != sum {
+            problems.push(format!("region device total {used}, expected {sum}"));
+        }
+        if truth_used != expect.truth {
+            problems.push(format!("truth holds {truth_used}, expected {}", expect.truth));
+        }
+        if step.info == CUDA_SUCCESS && (step.total, step.free) != (TABLE_LIMIT, TABLE_LIMIT - sum) {
+            problems.push(format!(
+                "cuMemGetInfo says free {} total {}, expected free {} total {TABLE_LIMIT}",
+                step.free,
+                step.total,
+                TABLE_LIMIT - sum
+            ));
+        }
+        if !problems.is_empty() {
+            return Err(format!("step {index} {:?}: {}", expect.entry, problems.join("; ")));
+        }
+        session.send("next");
+    }
+    let output = session.finish();
+    let rest = String::from_utf8_lossy(&output.stdout);
+    if !output.status.success() || rest.trim() != "end" {
+        return Err(format!(
+            "the program ended with {} after its steps: {rest:?} {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        ));
+    }
+    Ok(())
+}
+
+#[test]
+fn memory_accounted_entry_points_charge_and_release() {
+    let cases = cases();
+    // Two workers: the cases are independent (each has its own region and truth).
+    let failures: Vec<String> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..2)
+            .map(|worker| {
+                let cases = &cases;
+                scope.spawn(move || {
+                    cases
+                        .iter()
+                        .skip(worker)
+                        .step_by(2)
+                        .filter_map(|case| run_case(case).err().map(|e| format!("{}: {e}", case.name)))
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .flat_map(|w| w.join().expect("a case worker panicked"))
+            .collect()
+    });
+    assert!(
+        failures.is_empty(),
+        "{} of {} cases failed:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+}
+
+// ------------------------------------------------------------------------------------------------
+// 2. The limit's boundary, per device, with CUDA_VISIBLE_DEVICES remapped.
+
+/// Reservations and refusals the fake has seen on a device: unchanged means the driver was not
+/// asked.
+fn driver_calls(truth: &truth::Truth, physical: usize) -> u64 {
+    let device = truth.device(physical);
+    device.reservations() + device.refusals()
+}
+
+#[test]
+fn limit_refuses_one_byte_over_per_device_with_remapped_devices() {
+    let dir = TestDir::new("boundary");
+    let program = program("mem_ops");
+    // CUDA ordinal 0 is physical GPU 2, ordinal 1 is physical GPU 0; GPU 1 is not visible.
+    let limits = [(0, 2, 512 * MIB), (1, 0, 768 * MIB)];
+    let start = || {
+        setup(Run::new(&program).hooked(), &dir)
+            .env("FAKE_CUDA_DEVICES", "3")
+            .env("FAKE_CUDA_MEMORY", "4g")
+            .env("CUDA_VISIBLE_DEVICES", "2,0")
+            .env("CUDA_DEVICE_MEMORY_LIMIT_0", "512m")
+            .env("CUDA_DEVICE_MEMORY_LIMIT_1", "768m")
+            .spawn(Duration::from_secs(60))
+    };
+    let mut a = start();
+    let truth = dir.truth();
+    assert_eq!(a.ask("init"), "init 0");
+    for (ordinal, physical, limit) in limits {
+        assert_eq!(a.ask(&format!("ctx {ordinal}")), "ctx 0");
+        let before = snapshot(&dir.region());
+        assert!(
+            region_device(&before, physical).is_some(),
+            "ordinal {ordinal}: the region does not record {} (uuids {:?})",
+            uuid(physical),
+            before.uuids
+        );
+        let used = device_used(&before, physical);
+        assert_eq!(
+            usage(&before, a.pid(), physical).context,
+            CONTEXT,
+            "ordinal {ordinal}: the context is not charged to {}",
+            uuid(physical)
+        );
+        assert_eq!(used, CONTEXT, "ordinal {ordinal}: region total before allocating");
+        let room = limit - used;
+        let truth_before = truth.device(physical).used();
+        let calls_before = driver_calls(&truth, physical);
+
+        let over = a.ask(&format!("alloc {}", room + 1));
+        assert_eq!(
+            status(&over),
+            CUDA_ERROR_OUT_OF_MEMORY,
+            "ordinal {ordinal}: one byte over: {over}"
+        );
+        assert_eq!(
+            device_used(&snapshot(&dir.region()), physical),
+            used,
+            "a refusal charged"
+        );
+        assert_eq!(
+            truth.device(physical).used(),
+            truth_before,
+            "a refusal reached the driver"
+        );
+        assert_eq!(
+            driver_calls(&truth, physical),
+            calls_before,
+            "a refusal reached the driver"
+        );
+
+        let exact = a.ask(&format!("alloc {room}"));
+        assert_eq!(
+            status(&exact),
+            CUDA_SUCCESS,
+            "ordinal {ordinal}: exactly at the limit: {exact}"
+        );
+        assert_eq!(device_used(&snapshot(&dir.region()), physical), limit);
+        assert_eq!(
+            truth.device(physical).used(),
+            limit,
+            "the truth disagrees with the region"
+        );
+        assert_eq!(
+            a.ask("info"),
+            format!("info 0 0 {limit}"),
+            "ordinal {ordinal}: cuMemGetInfo at the limit"
+        );
+        let one = a.ask("alloc 1");
+        assert_eq!(
+            status(&one),
+            CUDA_ERROR_OUT_OF_MEMORY,
+            "ordinal {ordinal}: one byte at the limit: {one}"
+        );
+        assert_eq!(a.ask(&format!("free {}", number(&exact, 2))), "free 0");
+        assert_eq!(device_used(&snapshot(&dir.region()), physical), CONTEXT);
+    }
+    let after = snapshot(&dir.region());
+    assert_eq!(
+        region_device(&after, 1),
+        None,
+        "the invisible GPU 1 is in the region: {:?}",
+        after.uuids
+    );
+    assert_eq!(truth.device(1).used(), 0);
+    // NVML indexes physical devices: GPU 2 shows ordinal 0's limit, GPU 0 ordinal 1's.
+    for (_, physical, limit) in limits {
+        let answer = a.ask(&format!("nvml {physical}"));
+        assert_eq!(
+            (status(&answer), number(&answer, 2)),
+            (0, limit),
+            "nvml device {physical}: {answer}"
+        );
+    }
+
+    // The limit is the container's: a second process's usage counts, and each sees the other's.
+    assert_eq!(a.ask("ctx 0"), "ctx 0");
+    let mut b = start();
+    assert_eq!(b.ask("init"), "init 0");
+    assert_eq!(b.ask("ctx 0"), "ctx 0");
+    let a_held = a.ask(&format!("alloc {}", 100 * MIB));
+    assert_eq!(status(&a_held), CUDA_SUCCESS, "{a_held}");
+    let used = device_used(&snapshot(&dir.region()), 2);
+    assert_eq!(
+        used,
+        2 * CONTEXT + 100 * MIB,
+        "a primary context retained twice is charged once, plus b's context and a's 100 MiB"
+    );
+    let room = 512 * MIB - used;
+    assert_eq!(status(&b.ask(&format!("alloc {}", room + 1))), CUDA_ERROR_OUT_OF_MEMORY);
+    let b_held = b.ask(&format!("alloc {room}"));
+    assert_eq!(status(&b_held), CUDA_SUCCESS, "{b_held}");
+    assert_eq!(
+        status(&a.ask("alloc 1")),
+        CUDA_ERROR_OUT_OF_MEMORY,
+        "a allocated past the container's limit"
+    );
+    assert_eq!(b.ask(&format!("free {}", number(&b_held, 2))), "free 0");
+    assert_eq!(status(&a.ask("alloc 1")), CUDA_SUCCESS);
+    assert_eq!(
+        device_used(&snapshot(&dir.region()), 2),
+        truth.device(2).used(),
+        "region and truth disagree on GPU 2"
+    );
+    drop(b);
+    drop(a);
+}
+
+// ------------------------------------------------------------------------------------------------
+// 3 and 4. Many processes: the race and the kill storm.
+
+const RACE_LIMIT: u64 = 512 * MIB;
+const RACE_CONTEXT: u64 = 2 * MIB;
+
+fn race_env(run: Run, dir: &TestDir) -> Run {
+    setup(run, dir)
+        .env("FAKE_CUDA_MEMORY", "64g")
+        .env("FAKE_CUDA_CONTEXT_BYTES", RACE_CONTEXT.to_string())
+        .env("CUDA_DEVICE_MEMORY_LIMIT", RACE_LIMIT.to_string())
+}
+
+/// The counters of a `done` line of mem_race.
+fn race_report(line: &str) -> BTreeMap<String, u64> {
+    assert!(line.starts_with("done "), "not a report: {line:?}");
+    line.split_whitespace()
+        .skip(1)
+        .filter_map(|field| field.split_once('='))
+        .map(|(key, value)| (key.to_string(), value.parse().unwrap_or(u64::MAX)))
+        .collect()
+}
+
+/// Joins the region the children created and returns it with device 0's index.
+fn join_region(dir: &TestDir) -> (Region, usize) {
+    let region = Region::open(&dir.region(), &InitParams::default()).expect("join the region");
+    assert!(
+        matches!(region.open_kind(), OpenKind::Joined),
+        "the test should have joined a live region, not {:?}",
+        region.open_kind()
+    );
+    let device = region_device(&region.snapshot(), 0).expect("device 0 in the region");
+    (region, device)
+}
+
+#[test]
+fn racing_processes_never_exceed_the_limit_together() {
+    let _heavy = heavy();
+    let dir = TestDir::new("race");
+    let program = program("mem_race");
+    let mut children: Vec<Session> = (0..16)
+        .map(|seed| {
+            race_env(Run::new(&program).hooked(), &dir)
+                .args([seed.to_string().as_str(), "3000", "barrier", "hold"])
+                .spawn(Duration::from_secs(60))
+        })
+        .collect();
+    for child in &mut children {
+        let ready = child.read_line().unwrap_or_default();
+        assert!(ready.starts_with("ready "), "a child did not start: {ready:?}");
+    }
+    let (region, device) = join_region(&dir);
+    let truth = dir.truth();
+    for child in &mut children {
+        child.send("go");
+    }
+    let reports: Vec<_> = children
+        .iter_mut()
+        .map(|child| race_report(&child.read_line().unwrap_or_default()))
+        .collect();
+    let total = |key: &str| reports.iter().map(|r| r[key]).sum::<u64>();
+    assert_eq!(total("errors"), 0, "calls failed other than by the limit: {reports:?}");
+    assert!(total("allocs") > 100, "too little traffic: {reports:?}");
+    assert!(
+        total("refused") > 0,
+        "the limit was never reached, so nothing was contended: {reports:?}"
+    );
+    // Everyone holds still now: the region and the truth must agree exactly.
+    truth.reclaim_dead();
+    let held: u64 = reports.iter().map(|r| r["held"]).sum();
+    assert_eq!(
+        region.device_used(device),
+        truth.device(0).used(),
+        "region and truth disagree with 16 processes holding {held} bytes of data"
+    );
+    assert_eq!(truth.device(0).used(), held + 16 * RACE_CONTEXT);
+    assert!(
+        truth.device(0).peak() <= RACE_LIMIT,
+        "the device really held {} bytes at its peak, over the {RACE_LIMIT}-byte limit",
+        truth.device(0).peak()
+    );
+    for child in &mut children {
+        let output = child.finish();
+        assert!(output.status.success(), "{output:?}");
+    }
+    region.reap_dead().expect("reap the region");
+    assert_eq!(region.device_used(device), 0, "charges left after every process exited");
+    assert!(
+        region.snapshot().processes.iter().all(|p| p.status != SLOT_LIVE),
+        "live slots left: {:?}",
+        region.snapshot().processes
+    );
+    truth.reclaim_dead();
+    assert_eq!(truth.device(0).used(), 0);
+}
+
+/// A small xorshift generator, seeded from the clock (the seed is in the failure messages).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn below(&mut self, bound: u64) -> u64 {
+        self.next() % bound
+    }
+}
+
+#[test]
+fn kill_storm_never_blocks_survivors_and_leaves_no_charge() {
+    let _heavy = heavy();
+    let dir = TestDir::new("storm");
+    let program = program("mem_race");
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64)
+        | 1;
+    let mut rng = Rng(seed);
+    let spawn = |seed: u64, args: &[&str]| {
+        let seed = seed.to_string();
+        race_env(Run::new(&program).hooked(), &dir)
+            .args(std::iter::once(seed.as_str()).chain(args.iter().copied()))
+            .spawn(Duration::from_secs(60))
+    };
+    // Observers run through the whole storm and are never killed.
+    let mut observers: Vec<Session> = (0..3).map(|i| spawn(1000 + i, &["0", "hold"])).collect();
+    for observer in &mut observers {
+        let ready = observer.read_line().unwrap_or_default();
+        assert!(
+            ready.starts_with("ready "),
+            "an observer did not start (seed {seed}): {ready:?}"
+        );
+    }
+    let (region, device) = join_region(&dir);
+    let truth = dir.truth();
+
+    let mut next_seed = 0;
+    let mut storm: Vec<Session> = (0..12)
+        .map(|_| {
+            next_seed += 1;
+            spawn(next_seed, &["1000"])
+        })
+        .collect();
+    let mut kills = 0;
+    let mut reports = Vec::new();
+    let started = Instant::now();
+    while kills < 200 {
+        assert!(
+            started.elapsed() < Duration::from_secs(15),
+            "only {kills} kills in 15 s (seed {seed})"
+        );
+        std::thread::sleep(Duration::from_millis(2 + rng.below(20)));
+        let victim = storm.swap_remove(rng.below(storm.len() as u64) as usize);
+        let output = victim.kill();
+        if output.status.signal() == Some(libc::SIGKILL) {
+            kills += 1;
+        } else {
+            // It finished before the kill: a survivor.
+            let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+            if let Some(done) = stdout.lines().find(|l| l.starts_with("done ")) {
+                reports.push(race_report(done));
+            }
+        }
+        next_seed += 1;
+        storm.push(spawn(next_seed, &["1000"]));
+    }
+    for mut child in storm {
+        let output = child.finish();
+        assert!(
+            output.status.success(),
+            "a storm child failed (seed {seed}): {output:?}"
+        );
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        let done = stdout.lines().find(|l| l.starts_with("done ")).unwrap_or_default();
+        reports.push(race_report(done));
+    }
+    let mut observed = Vec::new();
+    for observer in &mut observers {
+        observer.send("stop");
+        observed.push(race_report(&observer.read_line().unwrap_or_default()));
+    }
+    for report in observed.iter().chain(&reports) {
+        assert_eq!(
+            report["errors"], 0,
+            "calls failed other than by the limit (seed {seed}): {report:?}"
+        );
+        assert!(
+            report["max_wait_ns"] < 1_000_000_000,
+            "a survivor waited {} ms in one call (seed {seed}): {report:?}",
+            report["max_wait_ns"] / 1_000_000
+        );
+    }
+    for report in &observed {
+        assert!(
+            report["ops"] > 100,
+            "an observer made no progress during the storm: {report:?}"
+        );
+    }
+    // Only the observers are alive: once the dead are reaped, the region is the truth.
+    region.reap_dead().expect("reap the region");
+    truth.reclaim_dead();
+    let held: u64 = observed.iter().map(|r| r["held"]).sum();
+    assert_eq!(
+        (region.device_used(device), truth.device(0).used()),
+        (held + 3 * RACE_CONTEXT, held + 3 * RACE_CONTEXT),
+        "(region, truth) after {kills} kills, with the observers holding {held} bytes (seed {seed})"
+    );
+    for mut observer in observers {
+        assert!(observer.finish().status.success());
+    }
+    region.reap_dead().expect("reap the region");
+    truth.reclaim_dead();
+    assert_eq!((region.device_used(device), truth.device(0).used()), (0, 0));
+}
+
+// ------------------------------------------------------------------------------------------------
+// 5. Bad region files and paths.
+
+fn garbage(len: usize) -> Vec<u8> {
+    let mut rng = Rng(0x2545_f491_4f6c_dd1d);
+    (0..len).map(|_| rng.next() as u8).collect()
+}
+
+#[test]
+fn bad_region_files_nobody_uses_are_rebuilt_with_a_warning() {
+    let valid = vgpu_region::initial_image(&InitParams::default()).expect("a valid image");
+    let mut wrong_version = valid.clone();
+    wrong_version[4..8].copy_from_slice(&2u32.to_ne_bytes());
+    let mut hami_core = valid.clone();
+    hami_core[EXTENSION_OFFSET..].fill(0);
+    let mut oversized = valid.clone();
+    oversized.extend_from_slice(&[0; 4096]);
+    let files: Vec<(&str, Vec<u8>)> = vec![
+        ("garbage", garbage(REGION_FILE_SIZE)),
+        ("truncated", valid[..valid.len() / 2].to_vec()),
+        ("wrong-version", wrong_version),
+        ("hami-core-without-extension", hami_core),
+        ("oversized", oversized),
+        ("foreign", b"#!/bin/sh\necho this is not a region\n".to_vec()),
+    ];
+    let program = program("mem_ops");
+    for (what, bytes) in files {
+        let dir = TestDir::new("rebuild");
+        std::fs::write(dir.region(), &bytes).expect("write the bad file");
+        let mut session = setup(Run::new(&program).hooked(), &dir)
+            .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+            .spawn(Duration::from_secs(30));
+        assert_eq!(session.ask("init"), "init 0", "{what}");
+        assert_eq!(session.ask("ctx 0"), "ctx 0", "{what}");
+        assert_eq!(status(&session.ask(&format!("alloc {MIB}"))), CUDA_SUCCESS, "{what}");
+        let len = std::fs::metadata(dir.region()).map(|m| m.len()).unwrap_or(0);
+        assert_eq!(len, REGION_FILE_SIZE as u64, "{what}: the region was not rebuilt");
+        let rebuilt = snapshot(&dir.region());
+        assert!(
+            rebuilt.extension.is_some(),
+            "{what}: no vgpu extension after the rebuild"
+        );
+        assert_eq!(
+            device_used(&rebuilt, 0),
+            CONTEXT + MIB,
+            "{what}: the rebuilt region does not account"
+        );
+        let output = session.finish();
+        let path = dir.region().display().to_string();
+        let errors = stderr_lines(&output);
+        assert!(
+            errors.iter().any(|l| l.contains(&path) && l.contains("WARN")),
+            "{what}: no warning naming {path}: {errors:?}"
+        );
+    }
+}
+
+#[test]
+fn bad_region_file_in_use_is_refused_and_left_alone() {
+    use std::os::fd::AsRawFd;
+    let dir = TestDir::new("in-use");
+    let bytes = garbage(REGION_FILE_SIZE);
+    std::fs::write(dir.region(), &bytes).expect("write the bad file");
+    // A live user of the file, as every process with the region open is: a shared flock.
+    let user = std::fs::File::open(dir.region()).expect("open the bad file");
+    // SAFETY: flock on an open descriptor we own.
+    assert_eq!(unsafe { libc::flock(user.as_raw_fd(), libc::LOCK_SH) }, 0);
+    let output = setup(Run::new(&program("mem_ops")).hooked(), &dir)
+        .stdin("init\nquit\n")
+        .output();
+    let answer = String::from_utf8_lossy(&output.stdout).trim().to_string();
+    assert!(
+        answer.starts_with("init ") && answer != "init 0",
+        "cuInit succeeded on a corrupt region in use: {answer:?}"
+    );
+    let path = dir.region().display().to_string();
+    let errors = stderr_lines(&output);
+    assert!(
+        errors.iter().any(|l| l.contains(&path) && l.contains("ERROR")),
+        "no error naming {path}: {errors:?}"
+    );
+    assert_eq!(
+        std::fs::read(dir.region()).expect("read the file"),
+        bytes,
+        "a region file in use was changed"
+    );
+    drop(user);
+}
+
+#[test]
+fn region_path_in_a_bad_directory_fails_cuinit_with_one_error_line() {
+    let dir = TestDir::new("bad-dir");
+    let mut paths = vec![
+        PathBuf::from("/dev/null/vgpu-region"),
+        dir.0.join("missing").join("region"),
+    ];
+    // Not writable: a read-only folder, or for root (who may write anywhere) sysfs.
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        if Path::new("/sys/kernel").is_dir() {
+            paths.push(PathBuf::from("/sys/vgpu-region-test"));
+        }
+    } else {
+        use std::os::unix::fs::PermissionsExt;
+        let read_only = dir.0.join("read-only");
+        std::fs::create_dir(&read_only).expect("create a folder");
+        std::fs::set_permissions(&read_only, std::fs::Permissions::from_mode(0o555)).expect("chmod");
+        paths.push(read_only.join("region"));
+    }
+    for path in paths {
+        let output = setup(Run::new(&program("mem_ops")).hooked(), &dir)
+            .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", &path)
+            .stdin("init\nquit\n")
+            .output();
+        let answer = String::from_utf8_lossy(&output.stdout).trim().to_string();
+        assert!(
+            answer.starts_with("init ") && answer != "init 0",
+            "{}: cuInit answered {answer:?}",
+            path.display()
+        );
+        let shown = path.display().to_string();
+        let errors = stderr_lines(&output);
+        let naming: Vec<&String> = errors.iter().filter(|l| l.contains(&shown)).collect();
+        assert_eq!(
+            naming.len(),
+            1,
+            "{shown}: one line naming the path expected: {errors:?}"
+        );
+        assert!(naming[0].contains("ERROR"), "{shown}: not an error line: {errors:?}");
+        assert!(!path.exists(), "{shown} was created");
+    }
+}
+
+#[test]
+fn malformed_per_device_limit_fails_cuinit() {
+    let dir = TestDir::new("bad-limit");
+    let output = setup(Run::new(&program("mem_ops")).hooked(), &dir)
+        .env("CUDA_DEVICE_MEMORY_LIMIT_1", "12q")
+        .stdin("init\nquit\n")
+        .output();
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout).trim(),
+        format!("init {CUDA_ERROR_INVALID_VALUE}")
+    );
+    let errors = stderr_lines(&output);
+    assert!(
+        errors
+            .iter()
+            .any(|l| l.contains("CUDA_DEVICE_MEMORY_LIMIT_1") && l.contains("12q")),
+        "{errors:?}"
+    );
+}
+
+// ------------------------------------------------------------------------------------------------
+// 6. What cuMemGetInfo, cuDeviceTotalMem and NVML report.
+
+#[test]
+fn nvml_and_total_mem_show_the_virtual_device() {
+    let dir = TestDir::new("nvml");
+    let program = program("mem_ops");
+    let physical = 8 * GIB;
+    let start = |limit_0: &str| {
+        setup(Run::new(&program).hooked(), &dir)
+            .env("FAKE_CUDA_DEVICES", "2")
+            .env("FAKE_CUDA_MEMORY", physical.to_string())
+            .env("CUDA_DEVICE_MEMORY_LIMIT_0", limit_0)
+            .spawn(Duration::from_secs(30))
+    };
+    let truth = dir.truth();
+    let mut a = start("1g");
+    assert_eq!(a.ask("init"), "init 0");
+    assert_eq!(a.ask("ctx 0"), "ctx 0");
+    assert_eq!(status(&a.ask(&format!("alloc {}", 100 * MIB))), CUDA_SUCCESS);
+    let used = device_used(&snapshot(&dir.region()), 0);
+    assert_eq!(used, CONTEXT + 100 * MIB);
+    let view = format!("{GIB} {used} {}", GIB - used);
+    assert_eq!(a.ask("nvml 0"), format!("nvml 0 {view}"), "nvmlDeviceGetMemoryInfo");
+    assert_eq!(
+        a.ask("nvml2 0"),
+        format!("nvml2 0 {view}"),
+        "nvmlDeviceGetMemoryInfo_v2"
+    );
+    assert_eq!(a.ask("info"), format!("info 0 {} {GIB}", GIB - used), "cuMemGetInfo_v2");
+    assert_eq!(
+        a.ask("totalmem 0"),
+        format!("totalmem 0 {GIB}"),
+        "cuDeviceTotalMem_v2, limited"
+    );
+    assert_eq!(
+        a.ask("totalmem 1"),
+        format!("totalmem 0 {physical}"),
+        "cuDeviceTotalMem_v2 without a limit"
+    );
+    // A wrong struct version is the driver's answer.
+    let native = Run::new(&program)
+        .env("FAKE_CUDA_DEVICES", "2")
+        .stdin("nvml2bad 0\n")
+        .output();
+    assert_eq!(a.ask("nvml2bad 0"), String::from_utf8_lossy(&native.stdout).trim());
+
+    // Device 1 has no limit: the physical view.
+    assert_eq!(a.ask("ctx 1"), "ctx 0");
+    assert_eq!(status(&a.ask(&format!("alloc {}", 10 * MIB))), CUDA_SUCCESS);
+    let used_1 = truth.device(1).used();
+    assert_eq!(used_1, CONTEXT + 10 * MIB);
+    assert_eq!(
+        a.ask("nvml 1"),
+        format!("nvml 0 {physical} {used_1} {}", physical - used_1)
+    );
+    assert_eq!(a.ask("info"), format!("info 0 {} {physical}", physical - used_1));
+
+    // Another process of the container, with a larger limit, takes more than a's limit: a sees
+    // used > total and must show free 0, not an underflow.
+    let mut big = start("4g");
+    assert_eq!(big.ask("init"), "init 0");
+    assert_eq!(big.ask("ctx 0"), "ctx 0");
+    assert_eq!(status(&big.ask(&format!("alloc {}", 1536 * MIB))), CUDA_SUCCESS);
+    let used = device_used(&snapshot(&dir.region()), 0);
+    assert!(used > GIB);
+    assert_eq!(
+        a.ask("nvml 0"),
+        format!("nvml 0 {GIB} {used} 0"),
+        "NVML with usage over the limit"
+    );
+    assert_eq!(a.ask("nvml2 0"), format!("nvml2 0 {GIB} {used} 0"));
+    assert_eq!(a.ask("ctx 0"), "ctx 0");
+    assert_eq!(
+        a.ask("info"),
+        format!("info 0 0 {GIB}"),
+        "cuMemGetInfo with usage over the limit"
+    );
+    assert_eq!(status(&a.ask("alloc 1")), CUDA_ERROR_OUT_OF_MEMORY);
+    drop(big);
+    drop(a);
+}
+
+#[test]
+fn reported_total_is_the_smaller_of_limit_and_physical_and_free_follows_the_device() {
+    let dir = TestDir::new("physical");
+    let program = program("mem_ops");
+    let physical = 2 * GIB;
+    let start = |hooked: bool| {
+        let run = Run::new(&program);
+        let run = if hooked { run.hooked() } else { run };
+        setup(run, &dir)
+            .env("FAKE_CUDA_MEMORY", physical.to_string())
+            .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+            .spawn(Duration::from_secs(30))
+    };
+    // Something outside the container (no hook) takes most of the device.
+    let mut outsider = start(false);
+    assert_eq!(outsider.ask("init"), "init 0");
+    assert_eq!(outsider.ask("ctx 0"), "ctx 0");
+    assert_eq!(status(&outsider.ask(&format!("alloc {}", 1800 * MIB))), CUDA_SUCCESS);
+    let mut a = start(true);
+    assert_eq!(a.ask("init"), "init 0");
+    assert_eq!(a.ask("ctx 0"), "ctx 0");
+    let truth = dir.truth();
+    let physical_free = physical - truth.device(0).used();
+    assert!(physical_free < GIB - CONTEXT);
+    assert_eq!(
+        a.ask("info"),
+        format!("info 0 {physical_free} {GIB}"),
+        "free must be the device's when that is smaller"
+    );
+    drop(outsider);
+    drop(a);
+
+    // A limit above the physical size: the physical size.
+    let dir = TestDir::new("physical-small");
+    let mut b = setup(Run::new(&program).hooked(), &dir)
+        .env("FAKE_CUDA_MEMORY", "4g")
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "32g")
+        .spawn(Duration::from_secs(30));
+    assert_eq!(b.ask("init"), "init 0");
+    assert_eq!(b.ask("totalmem 0"), format!("totalmem 0 {}", 4 * GIB));
+    assert_eq!(b.ask("ctx 0"), "ctx 0");
+    assert_eq!(b.ask("info"), format!("info 0 {} {}", 4 * GIB - CONTEXT, 4 * GIB));
+}
+
+// ------------------------------------------------------------------------------------------------
+// 7. Hostile sizes.
+
+#[test]
+fn hostile_sizes_get_the_drivers_answer_and_change_nothing() {
+    let program = program("mem_ops");
+    let max = u64::MAX;
+    let commands = [
+        "alloc 0".to_string(),
+        format!("alloc {max}"),
+        // Just fits 64 bits with the context already charged; and overflows it.
+        format!("alloc {}", max - CONTEXT),
+        format!("alloc {}", max - 4095),
+        format!("allocnull {MIB}"),
+        "allocnull 0".to_string(),
+        "free 0".to_string(),
+        "free 12345".to_string(),
+    ];
+    let native_dir = TestDir::new("hostile-native");
+    let native = setup(Run::new(&program), &native_dir)
+        .stdin(format!("init\nctx 0\n{}\nquit\n", commands.join("\n")))
+        .output();
+    let native: Vec<String> = String::from_utf8_lossy(&native.stdout)
+        .lines()
+        .skip(2)
+        .map(str::to_string)
+        .collect();
+    assert_eq!(native.len(), commands.len(), "{native:?}");
+    for limit in [Some("1g"), None] {
+        let dir = TestDir::new("hostile");
+        let run = setup(Run::new(&program).hooked(), &dir);
+        let run = match limit {
+            Some(limit) => run.env("CUDA_DEVICE_MEMORY_LIMIT", limit),
+            None => run,
+        };
+        let mut session = run.spawn(Duration::from_secs(30));
+        let truth = dir.truth();
+        assert_eq!(session.ask("init"), "init 0");
+        assert_eq!(session.ask("ctx 0"), "ctx 0");
+        let pid = session.pid();
+        let check = |what: &str| {
+            let now = snapshot(&dir.region());
+            let mine = usage(&now, pid, 0);
+            assert_eq!(
+                (mine.context, mine.module, mine.data, device_used(&now, 0)),
+                (CONTEXT, 0, 0, CONTEXT),
+                "limit {limit:?}, after {what}: the region changed"
+            );
+            assert_eq!(truth.device(0).used(), CONTEXT, "limit {limit:?}, after {what}");
+        };
+        check("the context");
+        for (command, native) in commands.iter().zip(&native) {
+            let answer = session.ask(command);
+            assert_eq!(
+                status(&answer),
+                status(native),
+                "limit {limit:?}, {command}: hooked {answer:?}, driver alone {native:?}"
+            );
+            check(command);
+        }
+        // Double free: the second one is the driver's answer and releases nothing more.
+        let held = session.ask(&format!("alloc {MIB}"));
+        assert_eq!(status(&held), CUDA_SUCCESS);
+        let free = format!("free {}", number(&held, 2));
+        assert_eq!(session.ask(&free), "free 0");
+        assert_eq!(session.ask(&free), format!("free {CUDA_ERROR_INVALID_VALUE}"));
+        check("a double free");
+    }
+}
