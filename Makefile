@@ -35,3 +35,4 @@ clean:
 
 fuzz:
 	cargo +nightly fuzz run config_parser -- -max_total_time=60
+	cargo +nightly fuzz run region_reader -- -max_total_time=60
