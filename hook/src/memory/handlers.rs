@@ -100,6 +100,26 @@ fn measured(ordinal: CUdevice, kind: MemoryKind, call: impl FnOnce() -> CUresult
     (result, charge)
 }
 
+/// Measures what a call that creates a handle (context, module, library) makes the driver take,
+/// and records it under the handle the driver wrote.
+fn measured_and_recorded<H>(
+    ordinal: Option<CUdevice>,
+    kind: MemoryKind,
+    family: Family,
+    call: impl FnOnce() -> CUresult,
+    handle: *mut *mut H,
+) -> CUresult {
+    let Some(ordinal) = ordinal.or_else(current_ordinal) else {
+        return call();
+    };
+    let (result, charge) = measured(ordinal, kind, call);
+    // SAFETY: the driver wrote the handle on success (null is checked).
+    if let (Some(charge), Some(handle), Some(accounting)) = (charge, unsafe { read(handle) }, accounting()) {
+        accounting.ledger.insert(family, handle as u64, charge);
+    }
+    result
+}
+
 // ------------------------------------------------------------------ memory queries
 
 /// The virtual device's (total, free), from the physical ones: total = min(limit, physical),
@@ -496,12 +516,7 @@ pub fn ctx_create(
     context: *mut CUcontext,
     device: CUdevice,
 ) -> CUresult {
-    let (result, charge) = measured(device, MemoryKind::Context, call);
-    // SAFETY: the driver wrote the context on success.
-    if let (Some(charge), Some(context), Some(accounting)) = (charge, unsafe { read(context) }, accounting()) {
-        accounting.ledger.insert(Family::Context, context as u64, charge);
-    }
-    result
+    measured_and_recorded(Some(device), MemoryKind::Context, Family::Context, call, context)
 }
 
 /// `cuCtxDestroy` and `_v2`.
@@ -555,15 +570,7 @@ pub fn primary_ctx_release(name: &'static str, call: impl FnOnce() -> CUresult, 
 
 /// The `cuModuleLoad` family: charged what the driver took for the module's code and data.
 pub fn module_load(_name: &'static str, call: impl FnOnce() -> CUresult, module: *mut CUmodule) -> CUresult {
-    let Some(ordinal) = current_ordinal() else {
-        return call();
-    };
-    let (result, charge) = measured(ordinal, MemoryKind::Module, call);
-    // SAFETY: the driver wrote the module on success.
-    if let (Some(charge), Some(module), Some(accounting)) = (charge, unsafe { read(module) }, accounting()) {
-        accounting.ledger.insert(Family::Module, module as u64, charge);
-    }
-    result
+    measured_and_recorded(None, MemoryKind::Module, Family::Module, call, module)
 }
 
 /// `cuModuleUnload`.
@@ -573,15 +580,7 @@ pub fn module_unload(_name: &'static str, call: impl FnOnce() -> CUresult, modul
 
 /// The `cuLibraryLoad` family.
 pub fn library_load(_name: &'static str, call: impl FnOnce() -> CUresult, library: *mut CUlibrary) -> CUresult {
-    let Some(ordinal) = current_ordinal() else {
-        return call();
-    };
-    let (result, charge) = measured(ordinal, MemoryKind::Module, call);
-    // SAFETY: the driver wrote the library on success.
-    if let (Some(charge), Some(library), Some(accounting)) = (charge, unsafe { read(library) }, accounting()) {
-        accounting.ledger.insert(Family::Library, library as u64, charge);
-    }
-    result
+    measured_and_recorded(None, MemoryKind::Module, Family::Library, call, library)
 }
 
 /// `cuLibraryUnload`.
