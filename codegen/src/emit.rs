@@ -17,7 +17,10 @@ pub fn hooks_input(routed: &[Routed]) -> String {
             function.class.key().replace('-', "_")
         );
         if let Some(handler) = &function.handler {
-            let _ = write!(attr, ", handler = crate::{handler}, args({})", function.args.join(", "));
+            let _ = write!(attr, ", handler = crate::{handler}");
+            if !function.args.is_empty() {
+                let _ = write!(attr, ", args({})", function.args.join(", "));
+            }
         }
         let params: Vec<String> = function
             .prototype

@@ -10,13 +10,17 @@
 //     nvml <index>         -> nvml <status> <total> <used> <free> nvmlDeviceGetMemoryInfo
 //     nvml2 <index>        -> nvml2 <status> <total> <used> <free> nvmlDeviceGetMemoryInfo_v2
 //     nvml2bad <index>     -> nvml2bad <status>                   _v2 with a wrong struct version
+//     umask                -> umask <octal>                       the process's umask
+//     signals              -> signals <hex mask>                  signals whose handler is not SIG_DFL
 //     quit                 -> (exits)
 // Numbers are decimal; sizes go through strtoull, so 18446744073709551615 is SIZE_MAX.
 #include <cuda.h>
 #include <nvml.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 static nvmlReturn_t nvml_device(const char *arg, nvmlDevice_t *device) {
     static int initialised = 0;
@@ -81,6 +85,17 @@ int main(void) {
             } else {
                 printf("nvml2bad %d\n", (int)status);
             }
+        } else if (strcmp(command, "umask") == 0) {
+            mode_t mask = umask(0);
+            umask(mask);
+            printf("umask %03o\n", (unsigned)mask);
+        } else if (strcmp(command, "signals") == 0) {
+            unsigned long long handled = 0;
+            for (int sig = 1; sig < 64 && sig < NSIG; sig++) {
+                struct sigaction action;
+                if (sigaction(sig, NULL, &action) == 0 && action.sa_handler != SIG_DFL) handled |= 1ull << sig;
+            }
+            printf("signals %llx\n", handled);
         } else if (strcmp(command, "quit") == 0) {
             break;
         } else {

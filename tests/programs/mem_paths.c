@@ -147,6 +147,31 @@ static void stream_ordered(const char *name) {
     step("cuMemPoolDestroy", cuMemPoolDestroy(pool));
 }
 
+// A stream-ordered block freed, then given back to the device by the named synchronisation.
+static void synchronizing(const char *name) {
+    CUstream stream = NULL;
+    CUevent event = NULL;
+    CUcontext context = NULL;
+    CUdeviceptr p = 0;
+    if (cuStreamCreate(&stream, 0) != CUDA_SUCCESS || cuEventCreate(&event, 0) != CUDA_SUCCESS ||
+        cuCtxGetCurrent(&context) != CUDA_SUCCESS) {
+        step("setup", 999);
+        return;
+    }
+    step("cuMemAllocAsync", CALL(async_fn, "cuMemAllocAsync", &p, POOL_BYTES, stream));
+    step("cuMemFreeAsync", CALL(free_async_fn, "cuMemFreeAsync", p, stream));
+    cuEventRecord(event, stream);
+    if (strncmp(name, "cuStreamSynchronize", 19) == 0) {
+        step(name, CALL(CUresult (*)(CUstream), name, stream));
+    } else if (strcmp(name, "cuCtxSynchronize") == 0) {
+        step(name, CALL(CUresult (*)(void), name));
+    } else if (strcmp(name, "cuCtxSynchronize_v2") == 0) {
+        step(name, CALL(CUresult (*)(CUcontext), name, context));
+    } else {
+        step(name, CALL(CUresult (*)(CUevent), name, event));
+    }
+}
+
 static void vmm(void) {
     CUmemAllocationProp prop;
     memset(&prop, 0, sizeof prop);
@@ -337,6 +362,8 @@ int main(int argc, char **argv) {
         linear(name);
     } else if (strncmp(name, "cuMemAllocAsync", 15) == 0 || strncmp(name, "cuMemAllocFromPoolAsync", 23) == 0) {
         stream_ordered(name);
+    } else if (strstr(name, "Synchronize") != NULL) {
+        synchronizing(name);
     } else if (strcmp(name, "cuMemCreate") == 0) {
         vmm();
     } else if (strcmp(name, "cuArrayCreate_v2") == 0 || strcmp(name, "cuArray3DCreate_v2") == 0) {

@@ -28,32 +28,125 @@ fn charged(
     let Some(ordinal) = ordinal.or_else(current_ordinal) else {
         return call();
     };
-    let charge = match accounting.charge(ordinal, kind, bytes) {
+    let charge = match charge_or_refuse(accounting, ordinal, kind, bytes) {
         Ok(charge) => charge,
         Err(status) => return status,
     };
     let result = call();
     match (charge, result == CUDA_SUCCESS, key_of()) {
-        (Some(charge), true, Some(key)) => accounting.ledger.insert(family, key, charge),
+        (Some(charge), true, Some(key)) => accounting.ledger.insert_owned(family, key, charge, owner_of(family)),
         (Some(charge), _, _) => accounting.release(charge),
         (None, _, _) => {}
     }
     result
 }
 
+/// Charges against the limit; before refusing, brings pool charges up to date (pools give memory
+/// back at synchronisations we do not see) and tries once more.
+fn charge_or_refuse(
+    accounting: &Accounting,
+    ordinal: CUdevice,
+    kind: MemoryKind,
+    bytes: u64,
+) -> Result<Option<Charge>, CUresult> {
+    accounting.charge(ordinal, kind, bytes).or_else(|status| {
+        if !accounting.ledger.has_pools() {
+            return Err(status);
+        }
+        sync_pools(accounting);
+        accounting.charge(ordinal, kind, bytes)
+    })
+}
+
+/// The context whose destruction frees a handle of this family (0: none does).
+fn owner_of(family: Family) -> u64 {
+    match family {
+        Family::Pointer | Family::Array | Family::MipmappedArray | Family::Module | Family::Library => {
+            current_context()
+        }
+        Family::PhysicalHandle | Family::Context | Family::Graph | Family::Pool => 0,
+    }
+}
+
+/// The current context, as a key (0: none).
+fn current_context() -> u64 {
+    let Some(get_current) = real::cuCtxGetCurrent() else {
+        return 0;
+    };
+    let mut context: CUcontext = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer to a local.
+    if unsafe { get_current(&mut context) } == CUDA_SUCCESS {
+        context as u64
+    } else {
+        0
+    }
+}
+
+/// Releases everything the driver freed with a context.
+fn release_owned_by(accounting: &Accounting, context: u64) {
+    for charge in accounting.ledger.take_owned_by(context) {
+        accounting.release(charge);
+    }
+}
+
 /// Calls the driver to free `key`, then releases what was charged under it if the free worked.
 fn released(family: Family, key: u64, call: impl FnOnce() -> CUresult) -> CUresult {
     let Some(accounting) = accounting() else { return call() };
-    let Some(charges) = accounting.ledger.take_charges(family, key) else {
+    let Some((charges, owner)) = accounting.ledger.take_charges(family, key) else {
         return call();
     };
     let result = call();
     if result == CUDA_SUCCESS {
         charges.iter().for_each(|charge| accounting.release(*charge));
     } else {
-        accounting.ledger.put_back(family, key, charges);
+        accounting.ledger.put_back(family, key, charges, owner);
     }
     result
+}
+
+/// What NVML says is used on a GPU: in all, and by this process where NVML lists processes (it
+/// does not on some VMs, and in a container it lists host pids, which are not ours).
+#[derive(Clone, Copy)]
+struct NvmlUsage {
+    device: u64,
+    own: Option<u64>,
+}
+
+fn nvml_usage(uuid: &str) -> Option<NvmlUsage> {
+    use crate::sys::nvml::{NVML_ERROR_INSUFFICIENT_SIZE, NVML_SUCCESS, nvmlDevice_t, nvmlProcessInfo_t};
+    let device_used = nvml_used(uuid)?;
+    let by_uuid = real::nvmlDeviceGetHandleByUUID()?;
+    let processes = real::nvmlDeviceGetComputeRunningProcesses_v3()?;
+    let uuid = std::ffi::CString::new(uuid).ok()?;
+    let mut device: nvmlDevice_t = std::ptr::null_mut();
+    // SAFETY: uuid is NUL-terminated; the out-pointer is a local.
+    if unsafe { by_uuid(uuid.as_ptr(), &mut device) } != NVML_SUCCESS {
+        return Some(NvmlUsage {
+            device: device_used,
+            own: None,
+        });
+    }
+    let mut count: std::ffi::c_uint = 0;
+    // SAFETY: a zero count with a null array asks for the count.
+    let status = unsafe { processes(device, &mut count, std::ptr::null_mut()) };
+    let mut own = None;
+    if status == NVML_ERROR_INSUFFICIENT_SIZE || status == NVML_SUCCESS {
+        let mut infos = vec![nvmlProcessInfo_t::default(); count as usize + 8];
+        let mut capacity = infos.len() as std::ffi::c_uint;
+        // SAFETY: the array holds `capacity` entries.
+        if unsafe { processes(device, &mut capacity, infos.as_mut_ptr()) } == NVML_SUCCESS {
+            let pid = std::process::id();
+            own = infos
+                .iter()
+                .take(capacity as usize)
+                .find(|info| info.pid == pid)
+                .map(|info| info.usedGpuMemory);
+        }
+    }
+    Some(NvmlUsage {
+        device: device_used,
+        own,
+    })
 }
 
 /// Device memory used on a device according to NVML (what the driver really took, whoever asked).
@@ -88,14 +181,26 @@ fn measured(ordinal: CUdevice, kind: MemoryKind, call: impl FnOnce() -> CUresult
     let Some(device) = accounting.device(ordinal) else {
         return (call(), None);
     };
-    let before = nvml_used(&device.uuid);
+    let before = nvml_usage(&device.uuid);
+    let others_before = accounting.used(device);
     let result = call();
     if result != CUDA_SUCCESS {
         return (result, None);
     }
-    let taken = before
-        .zip(nvml_used(&device.uuid))
-        .map_or(0, |(before, after)| after.saturating_sub(before));
+    let others_during = accounting.used(device).saturating_sub(others_before);
+    let taken = match (before, nvml_usage(&device.uuid)) {
+        // NVML's count for this very process: exact, whatever others do meanwhile.
+        (
+            Some(before),
+            Some(NvmlUsage {
+                own: Some(own_after), ..
+            }),
+        ) => own_after.saturating_sub(before.own.unwrap_or(0)),
+        // The GPU's total: less what other processes of the region charged meanwhile (other
+        // containers' and concurrent context creations can still inflate it; the cap bounds that).
+        (Some(before), Some(after)) => after.device.saturating_sub(before.device).saturating_sub(others_during),
+        _ => 0,
+    };
     let charge = accounting.record(ordinal, kind, taken.min(MEASURED_CEILING));
     (result, charge)
 }
@@ -231,7 +336,7 @@ pub fn alloc_pitch<P: DriverInt, S: DriverInt>(
     let Some(ordinal) = current_ordinal() else {
         return call();
     };
-    let charge = match accounting.charge(ordinal, MemoryKind::Data, estimate) {
+    let charge = match charge_or_refuse(accounting, ordinal, MemoryKind::Data, estimate) {
         Ok(Some(charge)) => charge,
         Ok(None) => return call(),
         Err(status) => return status,
@@ -269,7 +374,9 @@ pub fn alloc_pitch<P: DriverInt, S: DriverInt>(
         accounting.release(excess);
         charges[0].bytes = actual;
     }
-    accounting.ledger.restore(Family::Pointer, pointer.to_u64(), charges);
+    accounting
+        .ledger
+        .insert_all(Family::Pointer, pointer.to_u64(), charges, current_context());
     result
 }
 
@@ -284,7 +391,109 @@ pub fn alloc_managed(
     alloc(_name, call, dptr, size)
 }
 
-/// `cuMemAllocAsync` and `_ptsz`.
+// Stream-ordered pools are charged what they hold physically (their reserved memory), not what
+// the application asked for: a pool keeps freed blocks (PyTorch's cudaMallocAsync backend keeps
+// them all), and that memory is as taken as any allocation. After every pool operation the pool's
+// charge is set to its reserved memory; before an allocation, what the pool may have to add is
+// reserved against the limit.
+
+/// Pools grow by at least this much.
+const POOL_GROWTH_GRANULARITY: u64 = 2 << 20;
+
+fn pool_attribute(pool: CUmemoryPool, attribute: CUmemPool_attribute) -> Option<u64> {
+    let get_attribute = real::cuMemPoolGetAttribute()?;
+    let mut value: u64 = 0;
+    // SAFETY: both attributes asked for here are 64-bit values written into a local.
+    let status = unsafe { get_attribute(pool, attribute, (&mut value as *mut u64).cast()) };
+    (status == CUDA_SUCCESS).then_some(value)
+}
+
+fn device_pool(ordinal: CUdevice) -> Option<CUmemoryPool> {
+    let get_pool = real::cuDeviceGetMemPool()?;
+    let mut pool: CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer to a local.
+    (unsafe { get_pool(&mut pool, ordinal) } == CUDA_SUCCESS && !pool.is_null()).then_some(pool)
+}
+
+/// Sets a pool's charge to what it has reserved now.
+fn sync_pool(accounting: &Accounting, pool: u64, ordinal: CUdevice) {
+    let Some(reserved) = pool_attribute(pool as CUmemoryPool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) else {
+        return;
+    };
+    if let Some((charges, _)) = accounting.ledger.take_charges(Family::Pool, pool) {
+        charges.iter().for_each(|charge| accounting.release(*charge));
+    }
+    if reserved > 0
+        && let Some(charge) = accounting.record(ordinal, MemoryKind::Data, reserved)
+    {
+        accounting.ledger.insert(Family::Pool, pool, charge);
+    }
+}
+
+/// Brings every pool's charge up to date (pools return memory at synchronisation, which is not
+/// hooked): before a refusal, so stale pool charges never cause one.
+fn sync_pools(accounting: &Accounting) {
+    for (pool, ordinal) in accounting.ledger.pools() {
+        sync_pool(accounting, pool, ordinal);
+    }
+}
+
+fn pooled_alloc(
+    call: impl FnOnce() -> CUresult,
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    pool: Option<CUmemoryPool>,
+) -> CUresult {
+    let (Some(accounting), Some(ordinal)) = (accounting(), current_ordinal()) else {
+        return call();
+    };
+    let Some(pool) = pool.filter(|pool| !pool.is_null()).or_else(|| device_pool(ordinal)) else {
+        return alloc("", call, dptr, size);
+    };
+    if dptr.is_null() || size == 0 {
+        return call();
+    }
+    let reserved = pool_attribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT).unwrap_or(0);
+    let in_use = pool_attribute(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT).unwrap_or(0);
+    let growth = (size as u64).saturating_sub(reserved.saturating_sub(in_use));
+    let provisional = if growth == 0 {
+        None
+    } else {
+        let growth = growth
+            .div_ceil(POOL_GROWTH_GRANULARITY)
+            .saturating_mul(POOL_GROWTH_GRANULARITY);
+        match charge_or_refuse(accounting, ordinal, MemoryKind::Data, growth) {
+            Ok(charge) => charge,
+            Err(status) => return status,
+        }
+    };
+    let result = call();
+    if let Some(charge) = provisional {
+        accounting.release(charge);
+    }
+    if result == CUDA_SUCCESS {
+        // SAFETY: the driver wrote the pointer on success.
+        if let Some(pointer) = unsafe { read(dptr) } {
+            accounting.ledger.set_pool_of(pointer, pool as u64, ordinal);
+        }
+        sync_pool(accounting, pool as u64, ordinal);
+    }
+    result
+}
+
+/// `cuStreamSynchronize`, `cuCtxSynchronize`, `cuEventSynchronize`: pools return freed memory
+/// here, so their charges are brought up to date (nothing is done by processes without pools).
+pub fn synchronized(_name: &'static str, call: impl FnOnce() -> CUresult) -> CUresult {
+    let result = call();
+    if let Some(accounting) = accounting()
+        && accounting.ledger.has_pools()
+    {
+        sync_pools(accounting);
+    }
+    result
+}
+
+/// `cuMemAllocAsync` and `_ptsz`: from the current device's pool.
 pub fn alloc_async(
     _name: &'static str,
     call: impl FnOnce() -> CUresult,
@@ -292,24 +501,40 @@ pub fn alloc_async(
     size: usize,
     _stream: CUstream,
 ) -> CUresult {
-    alloc(_name, call, dptr, size)
+    pooled_alloc(call, dptr, size, None)
 }
 
-/// `cuMemAllocFromPoolAsync` and `_ptsz`: charged to the pool's device.
+/// `cuMemAllocFromPoolAsync` and `_ptsz`.
 pub fn alloc_from_pool_async(
     _name: &'static str,
     call: impl FnOnce() -> CUresult,
     dptr: *mut CUdeviceptr,
     size: usize,
-    _pool: CUmemoryPool,
+    pool: CUmemoryPool,
     _stream: CUstream,
 ) -> CUresult {
-    alloc(_name, call, dptr, size)
+    pooled_alloc(call, dptr, size, Some(pool))
+}
+
+/// Frees a pointer: from a pool (the pool's charge follows its reserved memory) or charged itself.
+fn free_pointer(call: impl FnOnce() -> CUresult, pointer: u64) -> CUresult {
+    let Some(accounting) = accounting() else { return call() };
+    let Some(pool) = accounting.ledger.take_pool_of(pointer) else {
+        return released(Family::Pointer, pointer, call);
+    };
+    let result = call();
+    let ordinal = accounting.ledger.pool_device(pool).unwrap_or(0);
+    if result == CUDA_SUCCESS {
+        sync_pool(accounting, pool, ordinal);
+    } else {
+        accounting.ledger.set_pool_of(pointer, pool, ordinal);
+    }
+    result
 }
 
 /// `cuMemFree` and `_v2`.
 pub fn free<P: DriverInt>(_name: &'static str, call: impl FnOnce() -> CUresult, dptr: P) -> CUresult {
-    released(Family::Pointer, dptr.to_u64(), call)
+    free_pointer(call, dptr.to_u64())
 }
 
 /// `cuMemFreeAsync` and `_ptsz`.
@@ -319,17 +544,33 @@ pub fn free_async(
     dptr: CUdeviceptr,
     _stream: CUstream,
 ) -> CUresult {
-    released(Family::Pointer, dptr, call)
+    free_pointer(call, dptr)
 }
 
-/// `cuMemPoolTrimTo`: freed blocks were released when freed, so a trim changes no charge.
-pub fn pool_trim(_name: &'static str, call: impl FnOnce() -> CUresult, _pool: CUmemoryPool, _keep: usize) -> CUresult {
-    call()
+/// `cuMemPoolTrimTo`: the pool's charge follows what it still holds.
+pub fn pool_trim(_name: &'static str, call: impl FnOnce() -> CUresult, pool: CUmemoryPool, _keep: usize) -> CUresult {
+    let result = call();
+    if result == CUDA_SUCCESS
+        && let Some(accounting) = accounting()
+        && let Some(ordinal) = accounting.ledger.pool_device(pool as u64)
+    {
+        sync_pool(accounting, pool as u64, ordinal);
+    }
+    result
 }
 
-/// `cuMemPoolDestroy`: as a trim.
-pub fn pool_destroy(_name: &'static str, call: impl FnOnce() -> CUresult, _pool: CUmemoryPool) -> CUresult {
-    call()
+/// `cuMemPoolDestroy`: the pool's charge goes with it.
+pub fn pool_destroy(_name: &'static str, call: impl FnOnce() -> CUresult, pool: CUmemoryPool) -> CUresult {
+    let result = call();
+    if result == CUDA_SUCCESS
+        && let Some(accounting) = accounting()
+    {
+        if let Some((charges, _)) = accounting.ledger.take_charges(Family::Pool, pool as u64) {
+            charges.iter().for_each(|charge| accounting.release(*charge));
+        }
+        accounting.ledger.forget_pool(pool as u64);
+    }
+    result
 }
 
 // ------------------------------------------------------------------ virtual memory management
@@ -521,29 +762,37 @@ pub fn ctx_create(
 
 /// `cuCtxDestroy` and `_v2`.
 pub fn ctx_destroy(_name: &'static str, call: impl FnOnce() -> CUresult, context: CUcontext) -> CUresult {
-    released(Family::Context, context as u64, call)
+    let result = released(Family::Context, context as u64, call);
+    if result == CUDA_SUCCESS
+        && let Some(accounting) = accounting()
+    {
+        release_owned_by(accounting, context as u64);
+    }
+    result
 }
 
 /// `cuDevicePrimaryCtxRetain`: the first retain creates the primary context and is charged.
 pub fn primary_ctx_retain(
     _name: &'static str,
     call: impl FnOnce() -> CUresult,
-    _context: *mut CUcontext,
+    context: *mut CUcontext,
     device: CUdevice,
 ) -> CUresult {
     let Some(accounting) = accounting() else { return call() };
-    accounting.ledger.with_primary(device, |(references, charge)| {
-        if *references > 0 {
+    accounting.ledger.with_primary(device, |primary| {
+        if primary.references > 0 {
             let result = call();
             if result == CUDA_SUCCESS {
-                *references += 1;
+                primary.references += 1;
             }
             return result;
         }
         let (result, measured_charge) = measured(device, MemoryKind::Context, call);
         if result == CUDA_SUCCESS {
-            *references = 1;
-            *charge = measured_charge;
+            primary.references = 1;
+            primary.charge = measured_charge;
+            // SAFETY: the driver wrote the context on success.
+            primary.context = unsafe { read(context) }.map_or(0, |context| context as u64);
         }
         result
     })
@@ -554,14 +803,16 @@ pub fn primary_ctx_retain(
 pub fn primary_ctx_release(name: &'static str, call: impl FnOnce() -> CUresult, device: CUdevice) -> CUresult {
     let Some(accounting) = accounting() else { return call() };
     let reset = name.starts_with("cuDevicePrimaryCtxReset");
-    accounting.ledger.with_primary(device, |(references, charge)| {
+    accounting.ledger.with_primary(device, |primary| {
         let result = call();
         if result == CUDA_SUCCESS {
-            *references = if reset { 0 } else { references.saturating_sub(1) };
-            if *references == 0
-                && let Some(charge) = charge.take()
-            {
-                accounting.release(charge);
+            primary.references = if reset { 0 } else { primary.references.saturating_sub(1) };
+            if primary.references == 0 {
+                // The driver destroyed the context, and with it every allocation it owned.
+                if let Some(charge) = primary.charge.take() {
+                    accounting.release(charge);
+                }
+                release_owned_by(accounting, std::mem::take(&mut primary.context));
             }
         }
         result

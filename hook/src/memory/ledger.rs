@@ -28,6 +28,8 @@ pub enum Family {
     Library,
     /// Graph memory nodes, by graph: released with the graph.
     Graph,
+    /// A stream-ordered memory pool's reserved memory, by pool.
+    Pool,
 }
 
 /// What one handle was charged: almost always one charge, so no allocation for it.
@@ -84,49 +86,151 @@ impl std::hash::Hasher for HandleHasher {
 
 type HandleMap<V> = HashMap<(Family, u64), V, std::hash::BuildHasherDefault<HandleHasher>>;
 
+/// What a handle was charged, and the context that owns it (0: none), whose destruction frees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Entry {
+    charges: Charges,
+    owner: u64,
+}
+
+/// A device's primary context as this process holds it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Primary {
+    pub references: u32,
+    pub charge: Option<Charge>,
+    pub context: u64,
+}
+
 /// The charges of this process. A plain mutex: nothing here blocks while holding it.
 #[derive(Default)]
 pub struct Ledger {
-    charges: Mutex<HandleMap<Charges>>,
-    /// Primary contexts: retain count and charge, by device ordinal.
-    primary: Mutex<HashMap<i32, (u32, Option<Charge>)>>,
+    charges: Mutex<HandleMap<Entry>>,
+    /// Pointers from stream-ordered pools, with their pool (their charge is the pool's).
+    pool_pointers: Mutex<HandleMap<u64>>,
+    /// The device ordinal of each pool that holds a charge.
+    pool_devices: Mutex<HandleMap<i32>>,
+    has_pools: std::sync::atomic::AtomicBool,
+    /// Primary contexts, by device ordinal.
+    primary: Mutex<HashMap<i32, Primary>>,
 }
 
 impl Ledger {
-    fn charges(&self) -> std::sync::MutexGuard<'_, HandleMap<Charges>> {
+    fn charges(&self) -> std::sync::MutexGuard<'_, HandleMap<Entry>> {
         self.charges.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    pub fn insert(&self, family: Family, key: u64, charge: Charge) {
+    /// Records a charge under a handle owned by `owner` (a context, or 0).
+    pub fn insert_owned(&self, family: Family, key: u64, charge: Charge, owner: u64) {
         let mut charges = self.charges();
         match charges.get_mut(&(family, key)) {
-            Some(existing) => existing.push(charge),
+            Some(existing) => existing.charges.push(charge),
             None => {
-                charges.insert((family, key), Charges::One(charge));
+                charges.insert(
+                    (family, key),
+                    Entry {
+                        charges: Charges::One(charge),
+                        owner,
+                    },
+                );
             }
         }
     }
 
+    pub fn insert(&self, family: Family, key: u64, charge: Charge) {
+        self.insert_owned(family, key, charge, 0);
+    }
+
+    /// Removes every charge of handles the context owned (the driver freed them with it).
+    pub fn take_owned_by(&self, owner: u64) -> Vec<Charge> {
+        if owner == 0 {
+            return Vec::new();
+        }
+        let mut taken = Vec::new();
+        self.charges().retain(|_, entry| {
+            if entry.owner == owner {
+                taken.extend(entry.charges.iter().copied());
+                false
+            } else {
+                true
+            }
+        });
+        taken
+    }
+
+    fn pool_pointers(&self) -> std::sync::MutexGuard<'_, HandleMap<u64>> {
+        self.pool_pointers
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Remembers which pool a stream-ordered allocation came from, and the pool's device.
+    pub fn set_pool_of(&self, pointer: u64, pool: u64, ordinal: i32) {
+        self.pool_pointers().insert((Family::Pointer, pointer), pool);
+        self.pool_devices().insert((Family::Pool, pool), ordinal);
+        self.has_pools.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn pool_devices(&self) -> std::sync::MutexGuard<'_, HandleMap<i32>> {
+        self.pool_devices
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The device of a pool this process has allocated from.
+    pub fn pool_device(&self, pool: u64) -> Option<i32> {
+        self.pool_devices().get(&(Family::Pool, pool)).copied()
+    }
+
+    /// Whether this process has allocated from any pool (one load on the synchronisation path).
+    pub fn has_pools(&self) -> bool {
+        self.has_pools.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Every pool this process has allocated from, with its device.
+    pub fn pools(&self) -> Vec<(u64, i32)> {
+        self.pool_devices()
+            .iter()
+            .map(|((_, pool), ordinal)| (*pool, *ordinal))
+            .collect()
+    }
+
+    /// Forgets a destroyed pool.
+    pub fn forget_pool(&self, pool: u64) {
+        self.pool_devices().remove(&(Family::Pool, pool));
+        self.pool_pointers().retain(|_, owner| *owner != pool);
+    }
+
+    /// The pool a pointer came from, forgotten.
+    pub fn take_pool_of(&self, pointer: u64) -> Option<u64> {
+        self.pool_pointers().remove(&(Family::Pointer, pointer))
+    }
+
     /// Removes and returns the key's charges, if any.
-    pub fn take_charges(&self, family: Family, key: u64) -> Option<Charges> {
-        self.charges().remove(&(family, key))
+    pub fn take_charges(&self, family: Family, key: u64) -> Option<(Charges, u64)> {
+        self.charges()
+            .remove(&(family, key))
+            .map(|entry| (entry.charges, entry.owner))
     }
 
     /// Puts taken charges back (their free failed).
-    pub fn put_back(&self, family: Family, key: u64, charges: Charges) {
-        charges.iter().for_each(|charge| self.insert(family, key, *charge));
+    pub fn put_back(&self, family: Family, key: u64, charges: Charges, owner: u64) {
+        charges
+            .iter()
+            .for_each(|charge| self.insert_owned(family, key, *charge, owner));
     }
 
-    /// Puts charges back (their free failed).
-    pub fn restore(&self, family: Family, key: u64, charges: Vec<Charge>) {
+    /// Records several charges under one handle.
+    pub fn insert_all(&self, family: Family, key: u64, charges: Vec<Charge>, owner: u64) {
         for charge in charges {
-            self.insert(family, key, charge);
+            self.insert_owned(family, key, charge, owner);
         }
     }
 
     /// Forgets everything (a forked child starts with no allocations of its own).
     pub fn clear(&self) {
         self.charges().clear();
+        self.pool_pointers().clear();
+        self.pool_devices().clear();
         self.primary
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
@@ -134,9 +238,9 @@ impl Ledger {
     }
 
     /// Runs `update` on the primary context record of a device.
-    pub fn with_primary<R>(&self, ordinal: i32, update: impl FnOnce(&mut (u32, Option<Charge>)) -> R) -> R {
+    pub fn with_primary<R>(&self, ordinal: i32, update: impl FnOnce(&mut Primary) -> R) -> R {
         let mut primary = self.primary.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-        update(primary.entry(ordinal).or_insert((0, None)))
+        update(primary.entry(ordinal).or_default())
     }
 }
 
@@ -154,9 +258,12 @@ mod tests {
         };
         ledger.insert(Family::Pointer, 0x1000, charge);
         assert_eq!(ledger.take_charges(Family::PhysicalHandle, 0x1000), None);
-        assert_eq!(ledger.take_charges(Family::Pointer, 0x1000), Some(Charges::One(charge)));
+        assert_eq!(
+            ledger.take_charges(Family::Pointer, 0x1000),
+            Some((Charges::One(charge), 0))
+        );
         assert_eq!(ledger.take_charges(Family::Pointer, 0x1000), None);
-        ledger.restore(Family::Pointer, 0x1000, vec![charge]);
+        ledger.insert_all(Family::Pointer, 0x1000, vec![charge], 0);
         ledger.insert(Family::Pointer, 0x1000, charge);
         ledger.insert(
             Family::Pointer,
@@ -173,8 +280,14 @@ mod tests {
         };
         assert_eq!(
             ledger.take_charges(Family::Pointer, 0x1000),
-            Some(Charges::Many(vec![merged, other_device]))
+            Some((Charges::Many(vec![merged, other_device]), 0))
         );
+        ledger.insert_owned(Family::Pointer, 0x2000, charge, 77);
+        ledger.insert_owned(Family::Array, 0x3000, charge, 77);
+        ledger.insert_owned(Family::Pointer, 0x4000, charge, 78);
+        assert_eq!(ledger.take_owned_by(77), vec![charge, charge]);
+        assert_eq!(ledger.take_owned_by(0), vec![]);
+        assert!(ledger.take_charges(Family::Pointer, 0x4000).is_some());
         ledger.insert(Family::Graph, 7, charge);
         ledger.clear();
         assert_eq!(ledger.take_charges(Family::Graph, 7), None);

@@ -415,6 +415,24 @@ pub unsafe extern "C" fn cuCtxSynchronize() -> CUresult {
     })
 }
 
+/// CUDA 13's form: synchronises the given context (null: the current one).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuCtxSynchronize_v2(ctx: CUcontext) -> CUresult {
+    cu(|| {
+        let mut state = initialised()?;
+        let target = if ctx.is_null() {
+            state.current()?
+        } else {
+            state.context(ctx as usize)?
+        };
+        state.trim_pools_on_sync(target.phys);
+        let deadline = state.engine_end[target.phys];
+        drop(state);
+        state::sleep_until(deadline);
+        Ok(())
+    })
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuEventCreate(phEvent: *mut CUevent, Flags: c_uint) -> CUresult {
     cu(|| {
