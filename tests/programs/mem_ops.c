@@ -52,6 +52,16 @@ int main(void) {
             CUdeviceptr p = 0;
             CUresult status = cuMemAlloc_v2(&p, (size_t)number);
             printf("alloc %d %llu\n", (int)status, (unsigned long long)p);
+        } else if (strcmp(command, "asyncalloc") == 0) {
+            CUdeviceptr p = 0;
+            CUresult status = cuMemAllocAsync(&p, (size_t)number, 0);
+            printf("asyncalloc %d %llu\n", (int)status, (unsigned long long)p);
+        } else if (strcmp(command, "asyncfree") == 0) {
+            printf("asyncfree %d\n", (int)cuMemFreeAsync((CUdeviceptr)number, 0));
+        } else if (strcmp(command, "sync") == 0) {
+            printf("sync %d\n", (int)cuCtxSynchronize());
+        } else if (strcmp(command, "reset") == 0) {
+            printf("reset %d\n", (int)cuDevicePrimaryCtxReset((CUdevice)number));
         } else if (strcmp(command, "allocnull") == 0) {
             printf("allocnull %d\n", (int)cuMemAlloc_v2(NULL, (size_t)number));
         } else if (strcmp(command, "free") == 0) {

@@ -1120,6 +1120,60 @@ fn a_killed_processes_memory_is_reclaimed_by_the_next_start_or_allocation() {
 }
 
 #[test]
+fn blocks_a_pool_keeps_after_a_free_count_against_the_limit() {
+    let dir = TestDir::new("pool-keeps");
+    let mut session = setup(Run::new(&program("mem_ops")).hooked(), &dir)
+        .env("FAKE_CUDA_MEMORY", "4g")
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "512m")
+        .spawn(Duration::from_secs(30));
+    assert_eq!(session.ask("init"), "init 0");
+    assert_eq!(session.ask("ctx 0"), "ctx 0");
+    let answer = session.ask(&format!("asyncalloc {}", 400 * MIB));
+    assert_eq!(status(&answer), CUDA_SUCCESS, "{answer}");
+    assert_eq!(session.ask(&format!("asyncfree {}", number(&answer, 2))), "asyncfree 0");
+    // The pool still holds the 400 MiB until a synchronisation gives them back.
+    assert_eq!(
+        status(&session.ask(&format!("alloc {}", 400 * MIB))),
+        CUDA_ERROR_OUT_OF_MEMORY,
+        "a pool's freed blocks were not counted"
+    );
+    assert_eq!(session.ask("sync"), "sync 0");
+    assert_eq!(status(&session.ask(&format!("alloc {}", 400 * MIB))), CUDA_SUCCESS);
+    let truth = dir.truth();
+    assert!(
+        truth.device(0).peak() <= 512 * MIB,
+        "the device held {} bytes",
+        truth.device(0).peak()
+    );
+    assert_eq!(device_used(&snapshot(&dir.region()), 0), truth.device(0).used());
+}
+
+#[test]
+fn a_context_reset_releases_the_allocations_it_freed() {
+    let dir = TestDir::new("ctx-reset");
+    let mut session = setup(Run::new(&program("mem_ops")).hooked(), &dir)
+        .env("FAKE_CUDA_MEMORY", "4g")
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+        .spawn(Duration::from_secs(30));
+    assert_eq!(session.ask("init"), "init 0");
+    assert_eq!(session.ask("ctx 0"), "ctx 0");
+    let answer = session.ask(&format!("alloc {}", 100 * MIB));
+    assert_eq!(status(&answer), CUDA_SUCCESS, "{answer}");
+    assert_eq!(device_used(&snapshot(&dir.region()), 0), CONTEXT + 100 * MIB);
+    assert_eq!(session.ask("reset 0"), "reset 0");
+    assert_eq!(
+        device_used(&snapshot(&dir.region()), 0),
+        0,
+        "the reset context's memory is still charged"
+    );
+    // Its pointer is gone with it: freeing it is the driver's error and changes nothing.
+    let freed = session.ask(&format!("free {}", number(&answer, 2)));
+    assert_ne!(status(&freed), CUDA_SUCCESS, "{freed}");
+    assert_eq!(device_used(&snapshot(&dir.region()), 0), 0);
+    assert_eq!(device_used(&snapshot(&dir.region()), 0), dir.truth().device(0).used());
+}
+
+#[test]
 fn no_umask_change_no_signal_handlers_and_a_shared_region_file() {
     let dir = TestDir::new("manners");
     let mut session = setup(Run::new(&program("mem_ops")).hooked(), &dir)
