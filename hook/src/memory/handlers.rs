@@ -382,13 +382,13 @@ pub fn alloc_pitch<P: DriverInt, S: DriverInt>(
 
 /// `cuMemAllocManaged`: charged in full; it may all migrate to the device.
 pub fn alloc_managed(
-    _name: &'static str,
+    name: &'static str,
     call: impl FnOnce() -> CUresult,
     dptr: *mut CUdeviceptr,
     size: usize,
     _flags: c_uint,
 ) -> CUresult {
-    alloc(_name, call, dptr, size)
+    alloc(name, call, dptr, size)
 }
 
 // Stream-ordered pools are charged what they hold physically (their reserved memory), not what
@@ -439,6 +439,7 @@ fn sync_pools(accounting: &Accounting) {
 }
 
 fn pooled_alloc(
+    name: &'static str,
     call: impl FnOnce() -> CUresult,
     dptr: *mut CUdeviceptr,
     size: usize,
@@ -448,7 +449,7 @@ fn pooled_alloc(
         return call();
     };
     let Some(pool) = pool.filter(|pool| !pool.is_null()).or_else(|| device_pool(ordinal)) else {
-        return alloc("", call, dptr, size);
+        return alloc(name, call, dptr, size);
     };
     if dptr.is_null() || size == 0 {
         return call();
@@ -495,25 +496,25 @@ pub fn synchronized(_name: &'static str, call: impl FnOnce() -> CUresult) -> CUr
 
 /// `cuMemAllocAsync` and `_ptsz`: from the current device's pool.
 pub fn alloc_async(
-    _name: &'static str,
+    name: &'static str,
     call: impl FnOnce() -> CUresult,
     dptr: *mut CUdeviceptr,
     size: usize,
     _stream: CUstream,
 ) -> CUresult {
-    pooled_alloc(call, dptr, size, None)
+    pooled_alloc(name, call, dptr, size, None)
 }
 
 /// `cuMemAllocFromPoolAsync` and `_ptsz`.
 pub fn alloc_from_pool_async(
-    _name: &'static str,
+    name: &'static str,
     call: impl FnOnce() -> CUresult,
     dptr: *mut CUdeviceptr,
     size: usize,
     pool: CUmemoryPool,
     _stream: CUstream,
 ) -> CUresult {
-    pooled_alloc(call, dptr, size, Some(pool))
+    pooled_alloc(name, call, dptr, size, Some(pool))
 }
 
 /// Frees a pointer: from a pool (the pool's charge follows its reserved memory) or charged itself.
