@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # Prepares .device/ for a run of tests/gpu/ on the GPU machine (which has no Rust): the release
-# libvgpu.so and the list of driver entry-point base names for the cuGetProcAddress comparison.
+# libvgpu.so, vgpu-smi, and the list of driver entry-point base names for the cuGetProcAddress comparison.
 # Carry `.device` with the run.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 scripts/fetch-headers.sh >/dev/null
-cargo build --quiet --release -p vgpu-hook -p vgpu-codegen
+cargo build --quiet --release -p vgpu-hook -p vgpu-codegen -p vgpu-monitor
 mkdir -p .device
 cp target/release/libvgpu.so .device/libvgpu.so
 strip --strip-debug .device/libvgpu.so
+cp target/release/vgpu-smi .device/vgpu-smi
+strip --strip-debug .device/vgpu-smi
 target/release/vgpu-codegen | grep -v '^#' | awk '{print $1}' | grep '^cu' \
   | sed -E 's/_ptds$|_ptsz$//; s/_v[0-9]+$//' | sort -u > .device/proc-names.txt
 wc -l .device/proc-names.txt

@@ -20,6 +20,8 @@ struct Function {
     item: ForeignItemFn,
     library: Ident,
     handler: Option<(Path, Vec<Ident>)>,
+    /// Launch entry points go straight to the driver while `crate::throttle::fast_path()` holds.
+    launch: bool,
 }
 
 struct Input {
@@ -76,7 +78,13 @@ impl Parse for Input {
                 (_, Some(path)) => Some((path, handler_args)),
                 (_, None) => return Err(syn::Error::new_spanned(class, "this class needs a handler")),
             };
-            functions.push(Function { item, library, handler });
+            let launch = class == "launch_throttled";
+            functions.push(Function {
+                item,
+                library,
+                handler,
+                launch,
+            });
         }
         Ok(Input { functions })
     }
@@ -142,22 +150,33 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
         // The passthrough fast path is a load, a compare and a tail call: the real function is C
         // and cannot unwind, and the only Rust code that could panic (resolution) runs guarded.
         // Handlers are our code, so their whole call runs under the guard.
+        let passthrough = quote! {
+            let address = match EXPORTS[#index].resolved() {
+                Some(address) => address,
+                None => match crate::real::resolve_guarded(&EXPORTS[#index]) {
+                    Ok(address) => address,
+                    Err(crate::real::Unresolved::Missing) => return #not_found,
+                    Err(crate::real::Unresolved::Panicked) => return #panicked,
+                },
+            };
+            // SAFETY: the slot holds the address the real library exports under this name,
+            // whose prototype the header gives as this signature.
+            let real = unsafe { ::core::mem::transmute::<*mut ::core::ffi::c_void, #real_type>(address) };
+            unsafe { real(#(#param_names),*) }
+        };
+        let fast_path = if function.launch {
+            quote! {
+                if crate::throttle::fast_path() {
+                    return { #passthrough };
+                }
+            }
+        } else {
+            quote! {}
+        };
         let body = match &function.handler {
-            None => quote! {
-                let address = match EXPORTS[#index].resolved() {
-                    Some(address) => address,
-                    None => match crate::real::resolve_guarded(&EXPORTS[#index]) {
-                        Ok(address) => address,
-                        Err(crate::real::Unresolved::Missing) => return #not_found,
-                        Err(crate::real::Unresolved::Panicked) => return #panicked,
-                    },
-                };
-                // SAFETY: the slot holds the address the real library exports under this name,
-                // whose prototype the header gives as this signature.
-                let real = unsafe { ::core::mem::transmute::<*mut ::core::ffi::c_void, #real_type>(address) };
-                unsafe { real(#(#param_names),*) }
-            },
+            None => passthrough,
             Some((path, args)) => quote! {
+                #fast_path
                 crate::real::guard(#name_text, #panicked, move || {
                     let Some(address) = EXPORTS[#index].real_address() else {
                         return #not_found;

@@ -12,5 +12,6 @@ mod log;
 mod memory;
 mod nvml;
 mod real;
+mod suspend;
 mod sys;
 mod throttle;

@@ -182,3 +182,285 @@ mod tests {
         assert_eq!(cuda_ordinal(Some("0,x,2"), 2, uuid), None);
     }
 }
+
+// ---------------------------------------------------------------- processes and utilisation
+//
+// nvidia-smi inside the container lists the container's own processes (from the shared region,
+// with the memory charged to them) and the library's own utilisation measurement where NVML has
+// none (the H200 VM reports 0% and no processes while kernels run).
+
+/// The region this process reports from: its own once CUDA is initialised; for a process that
+/// never initialises CUDA (nvidia-smi), the configured region file if one exists.
+fn region_for_queries() -> Option<&'static Region> {
+    if let Some(accounting) = crate::memory::accounting() {
+        return Some(accounting.region());
+    }
+    let config = crate::init::config().ok()?;
+    if !config.shared_cache.is_file() {
+        return None;
+    }
+    monitor_region()
+}
+
+/// A live process of the region on one GPU: its pid (the container's), the bytes charged to it
+/// there and its measured SM utilisation in percent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct RegionProcess {
+    pid: u32,
+    used_bytes: u64,
+    sm_util: u64,
+}
+
+/// The region's live processes holding memory on the GPU, in slot order; `None` when the region
+/// does not know the GPU (or there is no region).
+fn region_processes(device: nvmlDevice_t) -> Option<Vec<RegionProcess>> {
+    let uuid = uuid_of(device)?;
+    let snapshot = region_for_queries()?.snapshot();
+    let index = snapshot.uuids.iter().position(|known| *known == uuid)?;
+    Some(processes_on(&snapshot, index))
+}
+
+fn processes_on(snapshot: &vgpu_region::Snapshot, index: usize) -> Vec<RegionProcess> {
+    snapshot
+        .processes
+        .iter()
+        .filter(|process| process.status == vgpu_region::SLOT_LIVE)
+        .filter_map(|process| {
+            let used_bytes = process.memory.get(index)?.total;
+            let pid = u32::try_from(process.pid).ok()?;
+            (used_bytes > 0).then(|| RegionProcess {
+                pid,
+                used_bytes,
+                sm_util: process.sm_util.get(index).copied().unwrap_or(0),
+            })
+        })
+        .collect()
+}
+
+/// The result structs of the running-process queries (`_v2` and `_v3` share one).
+pub trait ProcessInfo {
+    fn set(&mut self, pid: u32, used_bytes: u64);
+}
+
+impl ProcessInfo for crate::sys::nvml::nvmlProcessInfo_v1_t {
+    fn set(&mut self, pid: u32, used_bytes: u64) {
+        (self.pid, self.usedGpuMemory) = (pid, used_bytes);
+    }
+}
+
+impl ProcessInfo for crate::sys::nvml::nvmlProcessInfo_v2_t {
+    fn set(&mut self, pid: u32, used_bytes: u64) {
+        (self.pid, self.usedGpuMemory) = (pid, used_bytes);
+        // Not a MIG instance.
+        (self.gpuInstanceId, self.computeInstanceId) = (u32::MAX, u32::MAX);
+    }
+}
+
+/// Writes a process list with NVML's `infoCount` protocol: a count below the number of entries
+/// (a size query, with `infos` allowed to be null) gets `NVML_ERROR_INSUFFICIENT_SIZE` and the
+/// count needed; otherwise the entries and their count.
+fn write_process_list<P: ProcessInfo>(
+    listed: &[RegionProcess],
+    info_count: *mut c_uint,
+    infos: *mut P,
+) -> nvmlReturn_t {
+    use crate::sys::nvml::{NVML_ERROR_INSUFFICIENT_SIZE, NVML_ERROR_INVALID_ARGUMENT};
+    // SAFETY: the caller's count pointer, checked for null.
+    let Some(count) = (unsafe { info_count.as_mut() }) else {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    };
+    let needed = c_uint::try_from(listed.len()).unwrap_or(c_uint::MAX);
+    if *count < needed {
+        *count = needed;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    if infos.is_null() && needed > 0 {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    for (offset, process) in listed.iter().enumerate() {
+        // SAFETY: the caller's array holds at least `*count >= listed.len()` entries.
+        unsafe { (*infos.add(offset)).set(process.pid, process.used_bytes) };
+    }
+    *count = needed;
+    NVML_SUCCESS
+}
+
+/// `nvmlDeviceGetComputeRunningProcesses`, `_v2` and `_v3`: the region's live processes on the
+/// GPU with the memory charged to them, when it has any there; NVML's own answer otherwise.
+pub fn running_compute_processes<P: ProcessInfo>(
+    _name: &'static str,
+    call: impl FnOnce() -> nvmlReturn_t,
+    device: nvmlDevice_t,
+    info_count: *mut c_uint,
+    infos: *mut P,
+) -> nvmlReturn_t {
+    match region_processes(device) {
+        Some(listed) if !listed.is_empty() => write_process_list(&listed, info_count, infos),
+        _ => call(),
+    }
+}
+
+/// `nvmlDeviceGetGraphicsRunningProcesses`, `_v2` and `_v3`: while the region has processes on
+/// the GPU, an empty list (the container's CUDA processes are compute processes: listing them
+/// here too would make nvidia-smi show each as "C+G", and other containers' processes are not
+/// the container's to see); NVML's own answer otherwise.
+pub fn running_graphics_processes<P: ProcessInfo>(
+    _name: &'static str,
+    call: impl FnOnce() -> nvmlReturn_t,
+    device: nvmlDevice_t,
+    info_count: *mut c_uint,
+    infos: *mut P,
+) -> nvmlReturn_t {
+    match region_processes(device) {
+        Some(listed) if !listed.is_empty() => write_process_list::<P>(&[], info_count, infos),
+        _ => call(),
+    }
+}
+
+/// The library's own SM utilisation of the GPU: the sum over the region's live processes on it,
+/// capped at 100; `None` when the region has no process there.
+fn measured_utilisation(device: nvmlDevice_t) -> Option<u32> {
+    let listed = region_processes(device)?;
+    if listed.is_empty() {
+        return None;
+    }
+    let sum = listed
+        .iter()
+        .fold(0u64, |sum, process| sum.saturating_add(process.sm_util));
+    Some(sum.min(100) as u32)
+}
+
+/// `nvmlDeviceGetUtilizationRates`: NVML's figure, unless it reports 0% (or cannot measure) while
+/// the region's processes run on the GPU: then the library's own measurement.
+pub fn utilization_rates(
+    _name: &'static str,
+    call: impl FnOnce() -> nvmlReturn_t,
+    device: nvmlDevice_t,
+    utilization: *mut crate::sys::nvml::nvmlUtilization_t,
+) -> nvmlReturn_t {
+    use crate::sys::nvml::NVML_ERROR_NOT_SUPPORTED;
+    let result = call();
+    if result != NVML_SUCCESS && result != NVML_ERROR_NOT_SUPPORTED {
+        return result;
+    }
+    // SAFETY: the caller's struct, checked for null.
+    let Some(rates) = (unsafe { utilization.as_mut() }) else {
+        return result;
+    };
+    if result == NVML_SUCCESS && rates.gpu != 0 {
+        return result;
+    }
+    match measured_utilisation(device) {
+        Some(measured) => {
+            if result != NVML_SUCCESS {
+                rates.memory = 0;
+            }
+            rates.gpu = measured;
+            NVML_SUCCESS
+        }
+        None => result,
+    }
+}
+
+/// `nvmlDeviceGetProcessUtilization`: NVML's samples when it has any; when it has none
+/// (`NVML_ERROR_NOT_FOUND`, as on the H200 VM), one sample per region process on the GPU with
+/// the library's measurement, stamped now. Same sizing protocol as NVML: too small a count (or a
+/// null buffer) gets `NVML_ERROR_INSUFFICIENT_SIZE` and the count needed.
+pub fn process_utilization(
+    _name: &'static str,
+    call: impl FnOnce() -> nvmlReturn_t,
+    device: nvmlDevice_t,
+    samples: *mut crate::sys::nvml::nvmlProcessUtilizationSample_t,
+    sample_count: *mut c_uint,
+    last_seen_time_stamp: std::ffi::c_ulonglong,
+) -> nvmlReturn_t {
+    use crate::sys::nvml::{NVML_ERROR_INSUFFICIENT_SIZE, NVML_ERROR_INVALID_ARGUMENT, NVML_ERROR_NOT_FOUND};
+    let result = call();
+    if result != NVML_ERROR_NOT_FOUND {
+        return result;
+    }
+    let Some(listed) = region_processes(device).filter(|listed| !listed.is_empty()) else {
+        return result;
+    };
+    let now_us = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |since| u64::try_from(since.as_micros()).unwrap_or(u64::MAX));
+    if now_us <= last_seen_time_stamp {
+        return result;
+    }
+    // SAFETY: the caller's count pointer, checked for null.
+    let Some(count) = (unsafe { sample_count.as_mut() }) else {
+        return NVML_ERROR_INVALID_ARGUMENT;
+    };
+    let needed = c_uint::try_from(listed.len()).unwrap_or(c_uint::MAX);
+    if samples.is_null() || *count < needed {
+        *count = needed;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (offset, process) in listed.iter().enumerate() {
+        let sample = crate::sys::nvml::nvmlProcessUtilizationSample_t {
+            pid: process.pid,
+            timeStamp: now_us,
+            smUtil: process.sm_util.min(100) as u32,
+            memUtil: 0,
+            encUtil: 0,
+            decUtil: 0,
+        };
+        // SAFETY: the caller's array holds at least `*count >= listed.len()` entries.
+        unsafe { samples.add(offset).write(sample) };
+    }
+    *count = needed;
+    NVML_SUCCESS
+}
+
+#[cfg(test)]
+mod process_tests {
+    use super::*;
+    use crate::sys::nvml::{
+        NVML_ERROR_INSUFFICIENT_SIZE, NVML_ERROR_INVALID_ARGUMENT, nvmlProcessInfo_v1_t, nvmlProcessInfo_v2_t,
+    };
+
+    fn listed() -> Vec<RegionProcess> {
+        vec![
+            RegionProcess {
+                pid: 10,
+                used_bytes: 100,
+                sm_util: 30,
+            },
+            RegionProcess {
+                pid: 11,
+                used_bytes: 200,
+                sm_util: 5,
+            },
+        ]
+    }
+
+    #[test]
+    fn the_info_count_protocol_is_nvmls() {
+        // A size query: count 0, null array.
+        let mut count: c_uint = 0;
+        let result = write_process_list::<nvmlProcessInfo_v1_t>(&listed(), &mut count, std::ptr::null_mut());
+        assert_eq!((result, count), (NVML_ERROR_INSUFFICIENT_SIZE, 2));
+        // Too small an array.
+        let mut infos = [nvmlProcessInfo_v2_t::default(); 1];
+        let mut count: c_uint = 1;
+        let result = write_process_list(&listed(), &mut count, infos.as_mut_ptr());
+        assert_eq!((result, count), (NVML_ERROR_INSUFFICIENT_SIZE, 2));
+        // Room for more than needed.
+        let mut infos = [nvmlProcessInfo_v2_t::default(); 4];
+        let mut count: c_uint = 4;
+        let result = write_process_list(&listed(), &mut count, infos.as_mut_ptr());
+        assert_eq!((result, count), (NVML_SUCCESS, 2));
+        assert_eq!((infos[0].pid, infos[0].usedGpuMemory), (10, 100));
+        assert_eq!(
+            (infos[1].pid, infos[1].usedGpuMemory, infos[1].gpuInstanceId),
+            (11, 200, u32::MAX)
+        );
+        // An empty list with a zero count succeeds; a null count is an error.
+        let mut count: c_uint = 0;
+        let result = write_process_list::<nvmlProcessInfo_v1_t>(&[], &mut count, std::ptr::null_mut());
+        assert_eq!((result, count), (NVML_SUCCESS, 0));
+        let result = write_process_list::<nvmlProcessInfo_v1_t>(&listed(), std::ptr::null_mut(), std::ptr::null_mut());
+        assert_eq!(result, NVML_ERROR_INVALID_ARGUMENT);
+    }
+}

@@ -178,9 +178,38 @@ pub struct SlotExtension {
     pub reserved: [AtomicU64; 3],
 }
 
+/// The compute limiter's state for one device, shared by every process of the region: a token
+/// bucket of GPU time. Written only with atomic read-modify-write operations, never under the
+/// lock, so a launch never waits for the region's mutex.
+#[repr(C)]
+pub struct ComputeDevice {
+    /// GPU time (ns) the device's launches may still take; negative while in debt. Refilled at the
+    /// limit's share of wall time, up to a bounded burst.
+    pub budget_ns: AtomicI64,
+    /// `CLOCK_MONOTONIC` ns up to which the bucket has been refilled; 0 = never used (the first
+    /// user fills the bucket).
+    pub refilled_ns: AtomicU64,
+    /// GPU time (ns) charged to the device by every process: estimates at launch plus the
+    /// corrections measurements brought. A monotonic counter for monitors.
+    pub busy_ns: AtomicU64,
+    /// Wall time (ns) launches spent waiting for budget or for `recent_kernel`, summed over
+    /// processes and threads.
+    pub wait_ns: AtomicU64,
+    /// Launches that went through the limiter.
+    pub launches: AtomicU64,
+    /// Limit in percent of the process that refilled the bucket last.
+    pub limit_percent: AtomicU32,
+    /// Reserved; 0.
+    pub flags: AtomicU32,
+    /// Reserved; 0.
+    pub reserved: [AtomicU64; 2],
+}
+
 /// Slot extensions start here, relative to the extension.
 pub const SLOT_EXTENSIONS_OFFSET: usize = 1024;
-const RESERVED_TAIL_WORDS: usize = (EXTENSION_SIZE - SLOT_EXTENSIONS_OFFSET - MAX_SLOTS * 48) / 8;
+/// The compute limiter's per-device state starts here, relative to the extension.
+pub const COMPUTE_OFFSET: usize = SLOT_EXTENSIONS_OFFSET + MAX_SLOTS * 48;
+const RESERVED_TAIL_WORDS: usize = (EXTENSION_SIZE - COMPUTE_OFFSET - MAX_DEVICES * 64) / 8;
 
 /// vgpu's extension, after HAMi-core's struct in the same file.
 #[repr(C)]
@@ -211,6 +240,8 @@ pub struct Extension {
     pub reserved_header: [AtomicU64; 97],
     /// Per-slot state, parallel to `procs`.
     pub slots: [SlotExtension; MAX_SLOTS],
+    /// The compute limiter's token bucket per region device index.
+    pub compute: [ComputeDevice; MAX_DEVICES],
     /// Reserved for later fields; 0.
     pub reserved: [AtomicU64; RESERVED_TAIL_WORDS],
 }
@@ -258,6 +289,8 @@ const _: () = assert!(size_of::<SlotExtension>() == 48);
 const _: () = assert!(offset_of!(Extension, lock) == 32);
 const _: () = assert!(offset_of!(Extension, device_used) == 96);
 const _: () = assert!(offset_of!(Extension, slots) == SLOT_EXTENSIONS_OFFSET);
+const _: () = assert!(size_of::<ComputeDevice>() == 64);
+const _: () = assert!(offset_of!(Extension, compute) == COMPUTE_OFFSET);
 const _: () = assert!(size_of::<Extension>() == EXTENSION_SIZE);
 const _: () = assert!(offset_of!(RegionFile, ext) == EXTENSION_OFFSET);
 const _: () = assert!(size_of::<RegionFile>() == REGION_FILE_SIZE);
@@ -325,13 +358,20 @@ pub fn layout_listing() -> String {
             size: size_of::<Extension>(),
             fields: fields!(Extension => magic, version, extension_size, hami_region_size, creator_pid,
                 header_reserved, lock, device_used, last_reap_ns, next_generation, created_unix_secs,
-                reserved_header, slots, reserved),
+                reserved_header, slots, compute, reserved),
         },
         StructListing {
             name: "SlotExtension",
             placement: "vgpu per-slot state, Extension.slots[i] at 1024 + 48 * i",
             size: size_of::<SlotExtension>(),
             fields: fields!(SlotExtension => start_time, generation, suspend, flags, reserved),
+        },
+        StructListing {
+            name: "ComputeDevice",
+            placement: "vgpu compute limiter per device, Extension.compute[d] at 50176 + 64 * d",
+            size: size_of::<ComputeDevice>(),
+            fields: fields!(ComputeDevice => budget_ns, refilled_ns, busy_ns, wait_ns, launches, limit_percent,
+                flags, reserved),
         },
     ];
     let mut text =

@@ -62,10 +62,10 @@ use std::time::{Duration, Instant, SystemTime};
 
 pub use error::{ChargeError, InitError, LayoutError, Refused, RegionError};
 pub use layout::{
-    DeviceMemory, DeviceUtil, EXTENSION_MAGIC, EXTENSION_OFFSET, EXTENSION_SIZE, EXTENSION_VERSION, Extension,
-    HAMI_INITIALIZED_FLAG, HAMI_MAJOR_VERSION, HAMI_MINOR_VERSION, HAMI_REGION_SIZE, MAX_DEVICES, MAX_SLOTS,
-    OpaqueStorage, ProcSlot, REGION_FILE_SIZE, RegionFile, SLOT_EXTENSIONS_OFFSET, SLOT_FREE, SLOT_LIVE, SharedRegion,
-    SlotExtension, UUID_BYTES, layout_listing,
+    COMPUTE_OFFSET, ComputeDevice, DeviceMemory, DeviceUtil, EXTENSION_MAGIC, EXTENSION_OFFSET, EXTENSION_SIZE,
+    EXTENSION_VERSION, Extension, HAMI_INITIALIZED_FLAG, HAMI_MAJOR_VERSION, HAMI_MINOR_VERSION, HAMI_REGION_SIZE,
+    MAX_DEVICES, MAX_SLOTS, OpaqueStorage, ProcSlot, REGION_FILE_SIZE, RegionFile, SLOT_EXTENSIONS_OFFSET, SLOT_FREE,
+    SLOT_LIVE, SharedRegion, SlotExtension, UUID_BYTES, layout_listing,
 };
 pub use process::process_start_time;
 pub use snapshot::{ExtensionSnapshot, MemoryUsage, ProcessSnapshot, Snapshot, read_snapshot};

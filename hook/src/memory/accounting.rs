@@ -92,10 +92,33 @@ pub fn start(config: &Config) -> Result<(), String> {
         // SAFETY: registers a plain function that only stores to an atomic; no other effect.
         unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
     }
+    if let Some(accounting) = ACCOUNTING.get() {
+        accounting.watch_suspend_flag();
+    }
     Ok(())
 }
 
 impl Accounting {
+    /// The shared region, for the compute limiter's bucket and HAMi's control fields.
+    pub fn region(&self) -> &Region {
+        &self.region
+    }
+
+    /// Points `vgpu-smi suspend`'s flag check at this process's slot.
+    fn watch_suspend_flag(&'static self) {
+        if let Some(slot) = self.region.extension().slots.get(self.slot_index()) {
+            crate::suspend::watch(&slot.suspend);
+        }
+    }
+
+    /// Index of this process's slot (after a fork, the child's own one).
+    pub fn slot_index(&self) -> usize {
+        self.slot
+            .read()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .index()
+    }
+
     pub fn device(&self, ordinal: CUdevice) -> Option<&DeviceEntry> {
         usize::try_from(ordinal).ok().and_then(|index| self.devices.get(index))
     }
@@ -162,14 +185,18 @@ impl Accounting {
 
     /// In a forked child: a slot of its own, and none of the parent's allocations.
     #[cold]
-    fn after_fork(&self) {
+    fn after_fork(&'static self) {
         let mut slot = self.slot.write().unwrap_or_else(|poisoned| poisoned.into_inner());
         if !FORKED.swap(false, Ordering::Relaxed) {
             return;
         }
         self.ledger.clear();
         match self.region.attach(std::process::id() as i32) {
-            Ok(child_slot) => *slot = child_slot,
+            Ok(child_slot) => {
+                *slot = child_slot;
+                drop(slot);
+                self.watch_suspend_flag();
+            }
             Err(error) => tracing::error!("{error}; this forked process's allocations are not accounted"),
         }
     }

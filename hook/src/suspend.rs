@@ -1,0 +1,57 @@
+//! Suspending a process's GPU work from outside: `vgpu-smi suspend` sets the `suspend` field of
+//! the process's slot extension in the shared region, `vgpu-smi resume` clears it. Launches and
+//! copies call [`wait_while_suspended`] first and hold there while it is set. This replaces
+//! HAMi-core's SIGUSR1/SIGUSR2 handlers: the library never installs a signal handler.
+//!
+//! Cost when not suspended: two loads (the flag's address, set when the process attaches to the
+//! region, and the flag). While suspended the thread sleeps in [`POLL_INTERVAL`] steps: no
+//! spinning, and it resumes within one step of the flag being cleared.
+
+use std::sync::atomic::{AtomicPtr, AtomicU32, Ordering};
+use std::time::Duration;
+
+/// How often a suspended thread looks at the flag again.
+pub const POLL_INTERVAL: Duration = Duration::from_millis(10);
+
+/// This process's suspend flag in the region mapping (null before CUDA initialises).
+static FLAG: AtomicPtr<AtomicU32> = AtomicPtr::new(std::ptr::null_mut());
+
+/// Points the check at this process's slot (at attach, and again in a forked child).
+pub fn watch(flag: &'static AtomicU32) {
+    FLAG.store((flag as *const AtomicU32).cast_mut(), Ordering::Release);
+}
+
+/// Whether this process is suspended now.
+#[inline(always)]
+pub fn suspended() -> bool {
+    let flag = FLAG.load(Ordering::Acquire);
+    // SAFETY: a non-null pointer was made from a `&'static AtomicU32` in the region mapping, which
+    // lives as long as the process (the accounting state holding it is never dropped).
+    !flag.is_null() && unsafe { &*flag }.load(Ordering::Acquire) != 0
+}
+
+/// Returns at once unless this process's slot is suspended; otherwise sleeps until it is resumed.
+/// A process that has not initialised CUDA (no region, no slot) is never suspended.
+#[inline(always)]
+pub fn wait_while_suspended() {
+    if suspended() {
+        wait_for_resume();
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn wait_for_resume() {
+    tracing::info!("suspended by vgpu-smi: GPU work waits until `vgpu-smi resume`");
+    while suspended() {
+        std::thread::sleep(POLL_INTERVAL);
+    }
+    tracing::info!("resumed");
+}
+
+/// A table handler for entry points that only need the wait (copies, sets): `cuda-api.toml`
+/// routes them here with no arguments; the call is made once the process is not suspended.
+pub fn gate<R>(_name: &'static str, call: impl FnOnce() -> R) -> R {
+    wait_while_suspended();
+    call()
+}

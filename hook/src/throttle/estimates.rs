@@ -1,0 +1,272 @@
+//! What a launch costs: per launch key (a function with its grid, or a graph), an estimate of the
+//! GPU time it takes, learnt from the sampled measurements, and the sampling decision.
+//!
+//! Each launch is charged its key's estimate when it is admitted. A measurement of one launch of a
+//! key also stands for the launches of that key charged since the previous measurement (they were
+//! not measured, at the sampling ratio), so when it arrives the charges of all of them are
+//! corrected to the new estimate: the accounting stays unbiased however rarely a key is sampled.
+
+/// Launches of a new key that are all measured, so its estimate settles at once.
+pub const YOUNG_SAMPLES: u32 = 4;
+/// Measurements after which a key's estimate is trusted enough to bound outliers.
+pub const SETTLED_SAMPLES: u32 = 3;
+/// A key that keeps launching is measured again after this long.
+pub const KEY_RESAMPLE_NS: u64 = 50_000_000;
+/// Beyond the young ones, at most one sample per this interval, process-wide (keeps the added
+/// event records, a few microseconds each, below ~0.5% of a launching thread's time).
+pub const GLOBAL_SAMPLE_INTERVAL_NS: u64 = 1_000_000;
+/// The charge of a key never measured, before any measurement at all: high, so that a burst of
+/// new work cannot run ahead of the first measurements (an over-charge is refunded within
+/// milliseconds; an under-charge becomes debt).
+pub const PRIOR_NS: u64 = 1_000_000;
+
+const TABLE_SIZE: usize = 1024;
+const PROBES: usize = 8;
+
+#[derive(Clone, Copy, Default)]
+struct Entry {
+    /// 0 = empty.
+    key: u64,
+    /// Smoothed measured cost in ns; 0 until the first measurement.
+    estimate: u64,
+    /// Samples taken (issued) for this key.
+    issued: u32,
+    /// Measurements received for this key.
+    received: u32,
+    last_sample_ns: u64,
+    last_use_ns: u64,
+    /// Launches charged since the last measurement arrived and not themselves measured.
+    uncorrected: u64,
+    /// What those launches were charged.
+    uncorrected_charged: u64,
+}
+
+/// The launch plan: what to charge and whether to measure this launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Plan {
+    pub charge: u64,
+    pub sample: bool,
+}
+
+pub struct Estimates {
+    entries: Vec<Entry>,
+    /// Smoothed cost over all keys: the charge of a key not measured yet.
+    overall: u64,
+    last_global_sample_ns: u64,
+}
+
+impl Default for Estimates {
+    fn default() -> Self {
+        Self {
+            entries: vec![Entry::default(); TABLE_SIZE],
+            overall: 0,
+            last_global_sample_ns: 0,
+        }
+    }
+}
+
+fn mix(key: u64) -> usize {
+    (key.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40) as usize
+}
+
+impl Estimates {
+    fn slot(&mut self, key: u64, now: u64) -> &mut Entry {
+        let home = mix(key);
+        let mut victim = home % TABLE_SIZE;
+        for probe in 0..PROBES {
+            let index = (home + probe) % TABLE_SIZE;
+            let entry = self.entries[index];
+            if entry.key == key || entry.key == 0 {
+                victim = index;
+                break;
+            }
+            if entry.last_use_ns < self.entries[victim].last_use_ns {
+                victim = index;
+            }
+        }
+        let entry = &mut self.entries[victim];
+        if entry.key != key {
+            // A new key, or the least recently used of the probed ones is forgotten (its pending
+            // corrections with it: a bounded, rare loss).
+            *entry = Entry {
+                key,
+                ..Entry::default()
+            };
+        }
+        entry.last_use_ns = now;
+        entry
+    }
+
+    fn find(&mut self, key: u64) -> Option<&mut Entry> {
+        let home = mix(key);
+        let index = (0..PROBES)
+            .map(|probe| (home + probe) % TABLE_SIZE)
+            .find(|&index| self.entries[index].key == key)?;
+        Some(&mut self.entries[index])
+    }
+
+    /// The charge of a launch of `key` now, and whether to measure it. A launch that is not
+    /// measured is recorded for correction; one that is must be followed by [`Self::measured`]
+    /// or, if the measurement could not be set up, [`Self::not_measured`].
+    pub fn plan(&mut self, key: u64, now: u64) -> Plan {
+        let prior = if self.overall > 0 { self.overall } else { PRIOR_NS };
+        let global_due = now.saturating_sub(self.last_global_sample_ns) >= GLOBAL_SAMPLE_INTERVAL_NS;
+        let entry = self.slot(key, now);
+        let charge = if entry.estimate > 0 { entry.estimate } else { prior };
+        let sample =
+            entry.issued < YOUNG_SAMPLES || (global_due && now.saturating_sub(entry.last_sample_ns) >= KEY_RESAMPLE_NS);
+        if sample {
+            entry.issued = entry.issued.saturating_add(1);
+            entry.last_sample_ns = now;
+        } else {
+            entry.uncorrected += 1;
+            entry.uncorrected_charged = entry.uncorrected_charged.saturating_add(charge);
+        }
+        if sample && entry.issued > YOUNG_SAMPLES {
+            self.last_global_sample_ns = now;
+        }
+        Plan { charge, sample }
+    }
+
+    /// A planned sample that could not be taken: the launch joins the uncorrected ones.
+    pub fn not_measured(&mut self, key: u64, charge: u64) {
+        if let Some(entry) = self.find(key) {
+            entry.uncorrected += 1;
+            entry.uncorrected_charged = entry.uncorrected_charged.saturating_add(charge);
+        }
+    }
+
+    /// A measurement of `measured_ns` for a launch of `key` that was charged `charged`. Returns
+    /// the correction (ns to add to what was charged) for it and for the launches it stands for.
+    pub fn measured(&mut self, key: u64, charged: u64, measured_ns: u64) -> i64 {
+        let measured_ns = match self.find(key) {
+            // Once a key's estimate has settled, a much longer measurement is mostly someone
+            // else's time: another context's time slice, or the host in the middle of the pair.
+            // It counts for at most a quarter more; a real change is followed within samples.
+            Some(entry) if entry.received >= SETTLED_SAMPLES => measured_ns.min(entry.estimate.saturating_mul(5) / 4),
+            _ => measured_ns,
+        };
+        self.overall = if self.overall == 0 {
+            measured_ns
+        } else {
+            (self.overall * 15 + measured_ns) / 16
+        };
+        let own = measured_ns as i64 - charged as i64;
+        let Some(entry) = self.find(key) else {
+            return own;
+        };
+        entry.received = entry.received.saturating_add(1);
+        entry.estimate = if entry.estimate == 0 {
+            measured_ns
+        } else {
+            // A quarter of the way to the new value: steady for a steady kernel, and a changed
+            // kernel is followed within a few samples.
+            (entry.estimate * 3 + measured_ns) / 4
+        }
+        .max(1);
+        let others = (entry.uncorrected.saturating_mul(entry.estimate)) as i64 - entry.uncorrected_charged as i64;
+        entry.uncorrected = 0;
+        entry.uncorrected_charged = 0;
+        own.saturating_add(others)
+    }
+
+    /// The current estimate of `key` (0 when unknown), for tests and logs.
+    #[cfg(test)]
+    pub fn estimate(&mut self, key: u64) -> u64 {
+        self.find(key).map_or(0, |entry| entry.estimate)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_key_is_charged_the_prior_and_measured_while_young() {
+        let mut estimates = Estimates::default();
+        for i in 0..YOUNG_SAMPLES {
+            let plan = estimates.plan(7, u64::from(i));
+            assert_eq!(
+                plan,
+                Plan {
+                    charge: PRIOR_NS,
+                    sample: true
+                }
+            );
+        }
+        let plan = estimates.plan(7, 10);
+        assert!(!plan.sample, "old enough, and the global interval has not passed");
+    }
+
+    #[test]
+    fn a_measurement_corrects_the_launches_it_stands_for() {
+        let mut estimates = Estimates::default();
+        for i in 0..YOUNG_SAMPLES {
+            estimates.plan(7, u64::from(i));
+        }
+        // Ten launches charged the prior, not measured.
+        for i in 0..10 {
+            assert!(!estimates.plan(7, 100 + i).sample);
+        }
+        // The first sample comes back: 2 ms.
+        let correction = estimates.measured(7, PRIOR_NS, 2_000_000);
+        assert_eq!(
+            correction,
+            11 * 1_000_000,
+            "its own launch and the ten others, 1 ms short each"
+        );
+        assert_eq!(estimates.estimate(7), 2_000_000);
+        // The next launches are charged the estimate.
+        assert_eq!(estimates.plan(7, 200).charge, 2_000_000);
+        // Another key is charged the overall average rather than the prior now.
+        assert_eq!(estimates.plan(8, 201).charge, 2_000_000);
+    }
+
+    #[test]
+    fn outliers_of_a_settled_key_count_for_a_quarter_more_at_most() {
+        let mut estimates = Estimates::default();
+        for i in 0..SETTLED_SAMPLES {
+            let plan = estimates.plan(7, u64::from(i));
+            estimates.measured(7, plan.charge, 200_000);
+        }
+        // A sample stretched by another context's time slice.
+        let correction = estimates.measured(7, 200_000, 2_000_000);
+        assert_eq!(correction, 50_000);
+        assert_eq!(estimates.estimate(7), 212_500);
+        // Shorter ones are taken as they are.
+        estimates.measured(7, 200_000, 100_000);
+        assert!(estimates.estimate(7) < 200_000);
+    }
+
+    #[test]
+    fn steady_keys_are_resampled_at_a_low_rate() {
+        let mut estimates = Estimates::default();
+        let mut now = 0;
+        let mut samples = 0;
+        // One launch every 10 us for one second.
+        for _ in 0..100_000 {
+            now += 10_000;
+            let plan = estimates.plan(7, now);
+            if plan.sample {
+                samples += 1;
+                estimates.measured(7, plan.charge, 5_000);
+            }
+        }
+        assert!(
+            (YOUNG_SAMPLES as usize + 15..=YOUNG_SAMPLES as usize + 25).contains(&samples),
+            "{samples} samples in one second"
+        );
+        assert_eq!(estimates.estimate(7), 5_000);
+    }
+
+    #[test]
+    fn a_full_table_forgets_the_least_recently_used_key() {
+        let mut estimates = Estimates::default();
+        for key in 1..=(TABLE_SIZE as u64 * 4) {
+            estimates.plan(key, key);
+        }
+        // Every recent key is still found or re-created without panicking, and charges are sane.
+        let plan = estimates.plan(3, 1 << 40);
+        assert!(plan.charge > 0);
+    }
+}

@@ -1,0 +1,213 @@
+//! The compute limiter: `CUDA_DEVICE_SM_LIMIT` percent of each device's time for the container's
+//! kernels, by time-sharing. Every launch path is routed here by `cuda-api.toml`.
+//!
+//! - Unlimited (no limit on any device, or `GPU_CORE_UTILIZATION_POLICY=disable`): each handler
+//!   loads one static, branches, and calls the driver. No thread, no state.
+//! - Limited: a launch is charged its estimated GPU time against a token bucket per device that
+//!   every process of the region shares ([`bucket`]), and waits (sleeping) while the bucket is in
+//!   debt. Estimates come from the library's own measurements of sampled launches, timed with
+//!   events on the launch's stream ([`sensor`], [`estimates`]); a background thread collects
+//!   them and corrects the charges ([`runtime`]).
+//!
+//! `docs/compute-limit.md` describes the design and its constants.
+
+mod bucket;
+mod estimates;
+mod runtime;
+mod sensor;
+
+use std::ffi::c_uint;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use crate::sys::cuda::{CUDA_LAUNCH_PARAMS, CUfunction, CUgraphExec, CUlaunchConfig, CUresult, CUstream};
+
+/// Not decided yet: the first launch reads the configuration.
+const UNDECIDED: u8 = 0;
+/// No device is limited: launches go straight to the driver.
+const OFF: u8 = 1;
+/// Some device is limited.
+const ON: u8 = 2;
+
+static MODE: AtomicU8 = AtomicU8::new(UNDECIDED);
+
+/// The whole cost of the limiter when nothing is limited: one load and one branch.
+#[inline(always)]
+fn unlimited() -> bool {
+    MODE.load(Ordering::Relaxed) == OFF
+}
+
+/// The generated wrappers of launch entry points call the driver directly when this holds:
+/// nothing is limited and `vgpu-smi` has not suspended the process (three loads, two branches).
+#[inline(always)]
+pub fn fast_path() -> bool {
+    unlimited() && !crate::suspend::suspended()
+}
+
+/// `CLOCK_MONOTONIC` in ns: the clock the region's bucket runs on, shared by all processes.
+pub(crate) fn now_ns() -> u64 {
+    let mut time = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid out-pointer; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut time) };
+    (time.tv_sec as u64)
+        .wrapping_mul(1_000_000_000)
+        .wrapping_add(time.tv_nsec as u64)
+}
+
+/// A kernel's key: its function with its launch shape (one function launched at several sizes
+/// costs differently at each).
+fn kernel_key(function: CUfunction, dims: [c_uint; 6]) -> u64 {
+    let mut key = (function as u64) ^ 0xcbf2_9ce4_8422_2325;
+    for dim in dims {
+        key = (key ^ u64::from(dim)).wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    key.max(1)
+}
+
+/// A graph's key: the executable graph.
+fn graph_key(graph: CUgraphExec) -> u64 {
+    ((graph as u64) ^ 0x6772_6170_6800_0000).max(1)
+}
+
+/// The limited path. Admission and the sample's bookkeeping are out of line, and the closure
+/// that makes the real call is called here, in the handler, so the unlimited path stays a load
+/// and a branch (the closure is never moved to memory for a call).
+#[inline(always)]
+fn limited(
+    name: &'static str,
+    stream: CUstream,
+    key: u64,
+    measurable: bool,
+    call: impl FnOnce() -> CUresult,
+) -> CUresult {
+    let ticket = runtime::before(name, stream, key, measurable);
+    let status = call();
+    runtime::after(ticket, status);
+    status
+}
+
+/// `cuLaunchKernel`, `cuLaunchCooperativeKernel` and their `_ptsz` variants.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+pub fn launch_kernel(
+    name: &'static str,
+    call: impl FnOnce() -> CUresult,
+    function: CUfunction,
+    grid_x: c_uint,
+    grid_y: c_uint,
+    grid_z: c_uint,
+    block_x: c_uint,
+    block_y: c_uint,
+    block_z: c_uint,
+    stream: CUstream,
+) -> CUresult {
+    crate::suspend::wait_while_suspended();
+    if unlimited() {
+        return call();
+    }
+    let key = kernel_key(function, [grid_x, grid_y, grid_z, block_x, block_y, block_z]);
+    limited(name, stream, key, true, call)
+}
+
+/// `cuLaunchKernelEx` and `_ptsz`: grid, block and stream are in the config.
+#[inline(always)]
+pub fn launch_kernel_ex(
+    name: &'static str,
+    call: impl FnOnce() -> CUresult,
+    config: *const CUlaunchConfig,
+    function: CUfunction,
+) -> CUresult {
+    crate::suspend::wait_while_suspended();
+    if unlimited() {
+        return call();
+    }
+    if config.is_null() {
+        return call(); // the driver rejects it
+    }
+    // SAFETY: the application passes a valid launch configuration (checked non-null); it is only
+    // read, before the driver is called with it.
+    let c = unsafe { &*config };
+    let key = kernel_key(
+        function,
+        [
+            c.gridDimX,
+            c.gridDimY,
+            c.gridDimZ,
+            c.blockDimX,
+            c.blockDimY,
+            c.blockDimZ,
+        ],
+    );
+    limited(name, c.hStream, key, true, call)
+}
+
+/// `cuLaunchCooperativeKernelMultiDevice` (deprecated): charged on the current device at the
+/// estimate of its first kernel, not measured (its launches span several contexts).
+#[inline(always)]
+pub fn launch_cooperative_multi_device(
+    name: &'static str,
+    call: impl FnOnce() -> CUresult,
+    launches: *mut CUDA_LAUNCH_PARAMS,
+    device_count: c_uint,
+) -> CUresult {
+    crate::suspend::wait_while_suspended();
+    if unlimited() {
+        return call();
+    }
+    if launches.is_null() || device_count == 0 {
+        return call();
+    }
+    // SAFETY: the application passes `device_count` (> 0) launch parameters; the first is read.
+    let first = unsafe { &*launches };
+    let key = kernel_key(
+        first.function,
+        [
+            first.gridDimX,
+            first.gridDimY,
+            first.gridDimZ,
+            first.blockDimX,
+            first.blockDimY,
+            first.blockDimZ,
+        ],
+    );
+    limited(name, first.hStream, key, false, call)
+}
+
+/// `cuGraphLaunch` and `_ptsz`: a graph is not a way around the limit.
+#[inline(always)]
+pub fn graph_launch(
+    name: &'static str,
+    call: impl FnOnce() -> CUresult,
+    graph_exec: CUgraphExec,
+    stream: CUstream,
+) -> CUresult {
+    crate::suspend::wait_while_suspended();
+    if unlimited() {
+        return call();
+    }
+    limited(name, stream, graph_key(graph_exec), true, call)
+}
+
+/// `cuLaunch` and `cuLaunchGrid` (pre-4.0 API, legacy stream).
+#[inline(always)]
+pub fn launch_legacy(name: &'static str, call: impl FnOnce() -> CUresult, function: CUfunction) -> CUresult {
+    crate::suspend::wait_while_suspended();
+    if unlimited() {
+        return call();
+    }
+    limited(name, std::ptr::null_mut(), kernel_key(function, [0; 6]), true, call)
+}
+
+/// `cuLaunchGridAsync`.
+#[inline(always)]
+pub fn launch_legacy_async(
+    name: &'static str,
+    call: impl FnOnce() -> CUresult,
+    function: CUfunction,
+    stream: CUstream,
+) -> CUresult {
+    crate::suspend::wait_while_suspended();
+    if unlimited() {
+        return call();
+    }
+    limited(name, stream, kernel_key(function, [0; 6]), true, call)
+}

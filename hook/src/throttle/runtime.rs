@@ -1,0 +1,511 @@
+//! The limited path: the process's limiter state, admission of a launch against the shared
+//! bucket, HAMi's controls, and the background thread that turns measurements into corrections
+//! and publishes the process's utilisation.
+//!
+//! The state lives in one leaked allocation reached through an atomic pointer. A forked child
+//! clears the pointer (its `pthread_atfork` handler only stores an atomic): the parent's locks
+//! may be held by threads the child does not have, and its background thread is gone, so the
+//! child builds fresh state on its first limited launch.
+
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicPtr, AtomicU64, Ordering};
+use std::sync::{Mutex, Once};
+use std::time::Duration;
+
+use vgpu_region::{ComputeDevice, MAX_DEVICES, SharedRegion};
+
+use super::estimates::Estimates;
+use super::sensor::{InFlight, SampleInfo, Sensor};
+use super::{MODE, OFF, ON, UNDECIDED, bucket, now_ns};
+use crate::config::{Config, UtilizationPolicy};
+use crate::hooks::real;
+use crate::sys::cuda::{
+    CU_STREAM_CAPTURE_STATUS_NONE, CUDA_SUCCESS, CUdevice, CUresult, CUstream, CUstreamCaptureStatus,
+};
+
+/// `CU_STREAM_PER_THREAD`, a macro in cuda.h: what a null stream means to a `_ptsz` function.
+const STREAM_PER_THREAD: usize = 0x2;
+/// Shortest sleep of a waiting launch: below this, sleeping costs more than it saves, and the
+/// budget that builds up meanwhile lets several small launches through at once.
+const MIN_WAIT_NS: u64 = 100_000;
+/// Longest sleep before the controls (switch, `recent_kernel`) are looked at again.
+const MAX_WAIT_NS: u64 = 10_000_000;
+/// Poll period of a launch held by `recent_kernel` = -1.
+const BLOCKED_POLL_NS: u64 = 10_000_000;
+/// The background thread's period while samples are in flight, and while none are.
+const POLL_BUSY: Duration = Duration::from_millis(1);
+const POLL_IDLE: Duration = Duration::from_millis(20);
+/// How often the process's utilisation is published, and over how many periods it is averaged
+/// (4 x 250 ms: the last second).
+const PUBLISH_PERIOD_NS: u64 = 250_000_000;
+const PUBLISH_WINDOW: usize = 4;
+/// HAMi-core writes this into `recent_kernel` at each limited launch; HAMi's monitor counts it
+/// down to tell active containers from idle ones.
+const RECENT_KERNEL_ACTIVE: i32 = 2;
+
+static RUNTIME: AtomicPtr<Runtime> = AtomicPtr::new(std::ptr::null_mut());
+/// Set at process exit: the background thread stops calling the driver, launches stop waiting.
+static SHUTDOWN: AtomicBool = AtomicBool::new(false);
+/// True while the background thread is inside the driver.
+static POLLER_IN_DRIVER: AtomicBool = AtomicBool::new(false);
+
+/// The process's limiter.
+pub struct Runtime {
+    config: &'static Config,
+    estimates: Mutex<Estimates>,
+    sensor: Sensor,
+    /// GPU time charged by this process per region device index (estimates plus corrections),
+    /// for the utilisation it publishes.
+    charged: [AtomicI64; MAX_DEVICES],
+    /// Launches admitted by this process per region device index.
+    launches: [AtomicU64; MAX_DEVICES],
+    touched: [AtomicBool; MAX_DEVICES],
+    /// When `last_kernel_time` was last written (monotonic ns).
+    kernel_time_written_ns: AtomicU64,
+    poller: Once,
+}
+
+extern "C" fn forked_child() {
+    RUNTIME.store(std::ptr::null_mut(), Ordering::Relaxed);
+}
+
+extern "C" fn at_exit() {
+    SHUTDOWN.store(true, Ordering::SeqCst);
+    let runtime = RUNTIME.load(Ordering::Acquire);
+    if !runtime.is_null() {
+        // SAFETY: from Box::into_raw, never freed.
+        unsafe { &*runtime }.sensor.release_all_holds();
+    }
+    // Let a driver call of the background thread finish before the driver tears down (bounded).
+    for _ in 0..50 {
+        if !POLLER_IN_DRIVER.load(Ordering::SeqCst) {
+            return;
+        }
+        std::thread::sleep(Duration::from_micros(500));
+    }
+}
+
+/// Decides once whether anything is limited; `None` when launches go straight to the driver.
+fn runtime() -> Option<&'static Runtime> {
+    let existing = RUNTIME.load(Ordering::Acquire);
+    if !existing.is_null() {
+        // SAFETY: the pointer comes from Box::into_raw in `create` and is never freed.
+        return Some(unsafe { &*existing });
+    }
+    create()
+}
+
+#[cold]
+fn create() -> Option<&'static Runtime> {
+    if MODE.load(Ordering::Relaxed) == OFF {
+        return None;
+    }
+    let Ok(config) = crate::init::config() else {
+        // cuInit refuses a malformed configuration, so no launch can succeed anyway.
+        MODE.store(OFF, Ordering::Relaxed);
+        return None;
+    };
+    if config.utilization_policy == UtilizationPolicy::Disable || config.sm_limit.iter().all(Option::is_none) {
+        MODE.store(OFF, Ordering::Relaxed);
+        return None;
+    }
+    // Without the region (no successful cuInit yet) there is no budget to draw on; decide later.
+    crate::memory::accounting()?;
+    let fresh = Box::into_raw(Box::new(Runtime {
+        config,
+        estimates: Mutex::new(Estimates::default()),
+        sensor: Sensor::default(),
+        charged: std::array::from_fn(|_| AtomicI64::new(0)),
+        launches: std::array::from_fn(|_| AtomicU64::new(0)),
+        touched: std::array::from_fn(|_| AtomicBool::new(false)),
+        kernel_time_written_ns: AtomicU64::new(0),
+        poller: Once::new(),
+    }));
+    // No lock (a forked child could inherit it held): the first pointer stored wins.
+    let winner = match RUNTIME.compare_exchange(std::ptr::null_mut(), fresh, Ordering::AcqRel, Ordering::Acquire) {
+        Ok(_) => fresh,
+        Err(other) => {
+            // SAFETY: `fresh` was never shared; it came from Box::into_raw just above.
+            drop(unsafe { Box::from_raw(fresh) });
+            other
+        }
+    };
+    static REGISTER: Once = Once::new();
+    REGISTER.call_once(|| {
+        // SAFETY: registers plain functions; the child handler only stores an atomic.
+        unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
+    });
+    let _ = MODE.compare_exchange(UNDECIDED, ON, Ordering::Relaxed, Ordering::Relaxed);
+    // SAFETY: from Box::into_raw (ours or the winner's), never freed.
+    Some(unsafe { &*winner })
+}
+
+/// What the limited path decided before a launch, finished by [`after`].
+pub struct Ticket {
+    runtime: &'static Runtime,
+    key: u64,
+    charge: u64,
+    region_index: usize,
+    /// The limiter planned to measure this launch.
+    planned_sample: bool,
+    sample: Option<InFlight>,
+}
+
+/// Before a launch on the limited path: waits for budget, charges, and starts a sample. `None`
+/// when the launch is not limited (then nothing is to be done after it).
+#[inline(never)]
+pub fn before(name: &'static str, stream: CUstream, key: u64, measurable: bool) -> Option<Ticket> {
+    if SHUTDOWN.load(Ordering::Relaxed) {
+        return None;
+    }
+    runtime()?.before(name, stream, key, measurable)
+}
+
+/// After the launch: ends the sample, refunds a launch the driver refused.
+#[inline(never)]
+pub fn after(ticket: Option<Ticket>, status: CUresult) {
+    if let Some(ticket) = ticket {
+        ticket.runtime.after(ticket, status);
+    }
+}
+
+/// Whether `stream` is being captured (or cannot be asked): such launches do not run now.
+fn capturing(stream: CUstream) -> bool {
+    let Some(is_capturing) = real::cuStreamIsCapturing() else {
+        return false;
+    };
+    let mut status: CUstreamCaptureStatus = CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: the application's stream and a valid out-pointer.
+    let result = unsafe { is_capturing(stream, &mut status) };
+    // An error means the launch itself will fail (an invalid stream, or the legacy stream during
+    // a capture): nothing to gate.
+    result != CUDA_SUCCESS || status != CU_STREAM_CAPTURE_STATUS_NONE
+}
+
+fn current_device() -> Option<CUdevice> {
+    let get = real::cuCtxGetDevice()?;
+    let mut device: CUdevice = -1;
+    // SAFETY: a valid out-pointer.
+    let status = unsafe { get(&mut device) };
+    (status == CUDA_SUCCESS && device >= 0).then_some(device)
+}
+
+fn sleep_ns(ns: u64) {
+    std::thread::sleep(Duration::from_nanos(ns));
+}
+
+fn unix_seconds() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_secs() as i64)
+}
+
+/// Adds a signed amount to a monotonic counter without wrapping below zero.
+fn add_signed(counter: &AtomicU64, delta: i64) {
+    if delta >= 0 {
+        counter.fetch_add(delta as u64, Ordering::Relaxed);
+    } else {
+        let _ = counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |value| {
+            Some(value.saturating_sub(delta.unsigned_abs()))
+        });
+    }
+}
+
+impl Runtime {
+    /// Whether the limit applies now: HAMi's monitor turns `utilization_switch` on while the GPU
+    /// is really shared, unless the policy overrides it.
+    fn active(&self, hami: &SharedRegion) -> bool {
+        match self.config.utilization_policy {
+            UtilizationPolicy::Force => true,
+            UtilizationPolicy::Disable => false,
+            UtilizationPolicy::FollowRegion => hami.utilization_switch.load(Ordering::Relaxed) == 1,
+        }
+    }
+
+    fn before(&'static self, name: &'static str, stream: CUstream, key: u64, measurable: bool) -> Option<Ticket> {
+        let stream = if stream.is_null() && name.ends_with("_ptsz") {
+            STREAM_PER_THREAD as CUstream
+        } else {
+            stream
+        };
+        let accounting = crate::memory::accounting()?;
+        // With one device (the common case) every launch goes there: no need to ask the driver.
+        let ordinal = if accounting.device(1).is_none() {
+            0
+        } else {
+            current_device()?
+        };
+        let limit = self.config.sm_limit_of(ordinal as usize)?;
+        let region_index = accounting.device(ordinal)?.region_index;
+        let region = accounting.region();
+        let hami = region.hami();
+        let bucket = region.extension().compute.get(region_index)?;
+        if !self.active(hami) {
+            return None;
+        }
+        self.start_poller();
+
+        let now = now_ns();
+        let plan = self
+            .estimates
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .plan(key, now);
+        // A launch into a stream being captured does not run now: it must neither wait nor be
+        // measured (an event recorded there would join the graph). Asking the driver costs about
+        // as much as the rest of this path, so it is asked only when the launch would wait or be
+        // measured; one that passes at once is charged like any other (at most one burst's worth
+        // while a capture lasts).
+        let first = if hami.recent_kernel.load(Ordering::Relaxed) < 0 {
+            Err(BLOCKED_POLL_NS)
+        } else {
+            bucket::try_take(bucket, now, limit, plan.charge)
+        };
+        let (waited, checked) = match first {
+            Ok(()) => (0, false),
+            Err(wait) => {
+                if capturing(stream) {
+                    return None;
+                }
+                // None: the limit was lifted while the launch waited.
+                (self.admit(hami, bucket, limit, plan.charge, wait, now)?, true)
+            }
+        };
+        self.account(hami, bucket, region_index, plan.charge as i64, waited, now);
+        let sample = if plan.sample && measurable {
+            if !checked && capturing(stream) {
+                self.charge(bucket, region_index, -(plan.charge as i64));
+                return None;
+            }
+            let info = SampleInfo {
+                key,
+                charged: plan.charge,
+                region_index,
+            };
+            self.sensor.begin(stream, info)
+        } else {
+            None
+        };
+        Some(Ticket {
+            runtime: self,
+            key,
+            charge: plan.charge,
+            region_index,
+            planned_sample: plan.sample,
+            sample,
+        })
+    }
+
+    fn after(&self, ticket: Ticket, status: CUresult) {
+        let measured = ticket.sample.is_some_and(|sample| self.sensor.end(sample, status));
+        if ticket.planned_sample && !measured {
+            self.estimates
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .not_measured(ticket.key, ticket.charge);
+        }
+        if status != CUDA_SUCCESS {
+            // A launch the driver refused takes no GPU time.
+            if let Some(accounting) = crate::memory::accounting()
+                && let Some(bucket) = accounting.region().extension().compute.get(ticket.region_index)
+            {
+                self.charge(bucket, ticket.region_index, -(ticket.charge as i64));
+            }
+        }
+    }
+
+    /// Sleeps (`wait` ns first) until the bucket admits `cost` and `recent_kernel` allows launches.
+    /// Returns the time waited since `since`, or `None` when the limit was lifted meanwhile
+    /// (nothing charged).
+    fn admit(
+        &self,
+        hami: &SharedRegion,
+        bucket: &ComputeDevice,
+        limit: u8,
+        cost: u64,
+        mut wait: u64,
+        since: u64,
+    ) -> Option<u64> {
+        loop {
+            sleep_ns(wait.clamp(MIN_WAIT_NS, MAX_WAIT_NS));
+            if SHUTDOWN.load(Ordering::Relaxed) || !self.active(hami) {
+                return None;
+            }
+            let now = now_ns();
+            wait = if hami.recent_kernel.load(Ordering::Relaxed) < 0 {
+                // HAMi's monitor holds this container while a higher-priority one runs.
+                BLOCKED_POLL_NS
+            } else {
+                match bucket::try_take(bucket, now, limit, cost) {
+                    Ok(()) => return Some(now.saturating_sub(since)),
+                    Err(wait) => wait,
+                }
+            };
+        }
+    }
+
+    /// Records an admitted launch: this process's counters (the background thread adds them to
+    /// the region's), the wait, HAMi's activity fields.
+    fn account(
+        &self,
+        hami: &SharedRegion,
+        bucket: &ComputeDevice,
+        region_index: usize,
+        charge: i64,
+        waited: u64,
+        now: u64,
+    ) {
+        if waited > 0 {
+            bucket.wait_ns.fetch_add(waited, Ordering::Relaxed);
+        }
+        if let Some(charged) = self.charged.get(region_index) {
+            charged.fetch_add(charge, Ordering::Relaxed);
+            self.launches[region_index].fetch_add(1, Ordering::Relaxed);
+            if !self.touched[region_index].load(Ordering::Relaxed) {
+                self.touched[region_index].store(true, Ordering::Relaxed);
+            }
+        }
+        let recent = hami.recent_kernel.load(Ordering::Relaxed);
+        if recent >= 0 && recent != RECENT_KERNEL_ACTIVE {
+            // Only over the value read: a -1 the monitor writes meanwhile must stand.
+            let _ =
+                hami.recent_kernel
+                    .compare_exchange(recent, RECENT_KERNEL_ACTIVE, Ordering::Relaxed, Ordering::Relaxed);
+        }
+        let written = self.kernel_time_written_ns.load(Ordering::Relaxed);
+        if now.saturating_sub(written) >= 1_000_000_000
+            && self
+                .kernel_time_written_ns
+                .compare_exchange(written, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            hami.last_kernel_time.store(unix_seconds(), Ordering::Relaxed);
+        }
+    }
+
+    /// Adds `delta` ns of GPU time to what this process has taken from `bucket`.
+    fn charge(&self, bucket: &ComputeDevice, region_index: usize, delta: i64) {
+        bucket::add(bucket, -delta);
+        if let Some(charged) = self.charged.get(region_index) {
+            charged.fetch_add(delta, Ordering::Relaxed);
+        }
+    }
+
+    fn start_poller(&'static self) {
+        self.poller.call_once(|| {
+            static AT_EXIT: Once = Once::new();
+            AT_EXIT.call_once(|| {
+                // SAFETY: registers a plain function that stores atomics and sleeps briefly.
+                unsafe { libc::atexit(at_exit) };
+            });
+            let spawned = std::thread::Builder::new()
+                .name("vgpu-limiter".into())
+                .spawn(move || self.poll_loop());
+            if let Err(error) = spawned {
+                tracing::error!(
+                    "cannot start the compute limiter's thread ({error}); launches are charged estimates only"
+                );
+            }
+        });
+    }
+
+    fn poll_loop(&'static self) {
+        super::sensor::relax_capture_mode();
+        let mut history = [[(0u64, 0i64); PUBLISH_WINDOW]; MAX_DEVICES];
+        let mut flushed = [(0i64, 0u64); MAX_DEVICES];
+        let mut last_publish = now_ns();
+        let mut publications = 0usize;
+        loop {
+            std::thread::sleep(if self.sensor.outstanding() > 0 {
+                POLL_BUSY
+            } else {
+                POLL_IDLE
+            });
+            if !std::ptr::eq(RUNTIME.load(Ordering::Acquire), self) {
+                return;
+            }
+            POLLER_IN_DRIVER.store(true, Ordering::SeqCst);
+            if SHUTDOWN.load(Ordering::SeqCst) {
+                POLLER_IN_DRIVER.store(false, Ordering::SeqCst);
+                return;
+            }
+            let completed = self.sensor.completed();
+            POLLER_IN_DRIVER.store(false, Ordering::SeqCst);
+            self.sensor.release_stale_holds(now_ns());
+            for (info, measured) in completed {
+                self.correct(info, measured);
+            }
+            self.flush(&mut flushed);
+            let now = now_ns();
+            if now.saturating_sub(last_publish) >= PUBLISH_PERIOD_NS {
+                last_publish = now;
+                self.publish(&mut history, publications % PUBLISH_WINDOW, now);
+                publications += 1;
+            }
+        }
+    }
+
+    /// Adds what this process charged and launched since the last flush to the region's
+    /// counters (kept locally so that a launch touches one shared line less).
+    fn flush(&self, flushed: &mut [(i64, u64); MAX_DEVICES]) {
+        let Some(accounting) = crate::memory::accounting() else {
+            return;
+        };
+        let compute = &accounting.region().extension().compute;
+        for (index, (charged, launches)) in flushed.iter_mut().enumerate() {
+            if !self.touched[index].load(Ordering::Relaxed) {
+                continue;
+            }
+            let now_charged = self.charged[index].load(Ordering::Relaxed);
+            let now_launches = self.launches[index].load(Ordering::Relaxed);
+            add_signed(&compute[index].busy_ns, now_charged - *charged);
+            compute[index]
+                .launches
+                .fetch_add(now_launches - *launches, Ordering::Relaxed);
+            (*charged, *launches) = (now_charged, now_launches);
+        }
+    }
+
+    /// A measurement came back: correct the charges it stands for.
+    fn correct(&self, info: SampleInfo, measured: u64) {
+        let correction = self
+            .estimates
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .measured(info.key, info.charged, measured);
+        if correction == 0 {
+            return;
+        }
+        let Some(accounting) = crate::memory::accounting() else {
+            return;
+        };
+        if let Some(bucket) = accounting.region().extension().compute.get(info.region_index) {
+            self.charge(bucket, info.region_index, correction);
+        }
+    }
+
+    /// Writes the process's GPU share over the last second, in percent, into its slot's
+    /// `device_util[d].sm_util` (what HAMi's monitor reports).
+    fn publish(&self, history: &mut [[(u64, i64); PUBLISH_WINDOW]; MAX_DEVICES], position: usize, now: u64) {
+        let Some(accounting) = crate::memory::accounting() else {
+            return;
+        };
+        let Some(slot) = accounting.region().hami().procs.get(accounting.slot_index()) else {
+            return;
+        };
+        for (index, ring) in history.iter_mut().enumerate() {
+            if !self.touched[index].load(Ordering::Relaxed) {
+                continue;
+            }
+            let total = self.charged[index].load(Ordering::Relaxed);
+            // The oldest entry of the ring is the one about to be replaced.
+            let (then, before) = ring[position];
+            ring[position] = (now, total);
+            if then == 0 {
+                continue;
+            }
+            let span = now.saturating_sub(then).max(1);
+            let percent = (total.saturating_sub(before).max(0) as u128 * 100 / u128::from(span)).min(100) as u64;
+            slot.device_util[index].sm_util.store(percent, Ordering::Relaxed);
+        }
+    }
+}

@@ -1,0 +1,488 @@
+//! The sensor: how long the GPU really spent on a launch, measured by the library itself.
+//!
+//! A sampled launch is bracketed by two timing events recorded on its own stream (events from a
+//! per-context pool, created with the real `cuEventCreate` and the default flags: timing
+//! enabled). The background thread polls them with `cuEventQuery`, which never blocks, and reads
+//! `cuEventElapsedTime` once the end event has completed. Streams execute in order, so the start
+//! event completes when the work before the launch is done and the end event when the launch is.
+//!
+//! That distance is the launch's GPU time only if the GPU reaches the launch right after the start
+//! event. When the GPU is faster than the host (small kernels, or a stream the limiter let drain),
+//! it would reach the start event while the host is still submitting the launch, and the kernel
+//! would be charged for the host's submission time. So the stream is held for the few
+//! microseconds of the submission: a `cuStreamWaitValue32` on a word of pinned host memory goes
+//! first, and the host releases it (writes the word) right after the end event is recorded. The
+//! background thread releases every hold older than [`HOLD_RELEASE_NS`] too, so a launching thread
+//! that is descheduled, or blocked in the driver, never holds the stream for long. Where stream
+//! memory operations are not available, the host time of the launch call is taken off instead
+//! when the stream was idle at the start.
+//!
+//! Pools are keyed by the context's unique id (`cuCtxGetId`, CUDA 12.0+), never by its handle
+//! alone: a destroyed context's handle can come back for a new context, and its stale events must
+//! then never be recorded again. Events of destroyed contexts are forgotten, never destroyed (their
+//! handles may already name someone else's events), and so is their pinned word.
+
+use std::ffi::{CStr, c_uint, c_void};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+
+use crate::hooks::real;
+use crate::sys::cuda::{
+    CU_EVENT_DEFAULT, CU_MEMHOSTALLOC_DEVICEMAP, CU_MEMHOSTALLOC_PORTABLE, CU_STREAM_WAIT_VALUE_GEQ,
+    CUDA_ERROR_NOT_READY, CUDA_SUCCESS, CUcontext, CUdeviceptr, CUevent, CUresult, CUstream, CUstreamCaptureMode,
+};
+
+/// Samples in flight at most; beyond, launches go unmeasured (their charges are corrected by the
+/// next measurement of their key).
+pub const MAX_PENDING: usize = 64;
+/// Events a context's pool may create (two per sample in flight).
+const MAX_EVENTS_PER_POOL: usize = 2 * MAX_PENDING;
+/// Contexts with pools; the least recently used pool is forgotten beyond.
+const MAX_POOLS: usize = 16;
+/// A hold on a stream is released by the background thread after this long at the latest.
+pub const HOLD_RELEASE_NS: u64 = 2_000_000;
+
+/// Cleared when the driver refuses a stream wait: holds are not tried again.
+static HOLDS_WORK: AtomicBool = AtomicBool::new(true);
+
+/// What a sample is about, handed back with its measurement.
+#[derive(Clone, Copy, Debug)]
+pub struct SampleInfo {
+    pub key: u64,
+    /// What the launch was charged.
+    pub charged: u64,
+    /// Region index of the device.
+    pub region_index: usize,
+}
+
+/// A word of pinned host memory the GPU can wait on. Never freed (see the module comment).
+#[derive(Clone, Copy)]
+struct Gate {
+    host: usize,
+    device: CUdeviceptr,
+}
+
+impl Gate {
+    fn word(&self) -> &'static AtomicU32 {
+        // SAFETY: `host` is a 4-byte aligned word of pinned memory this library allocated and
+        // never frees; the GPU only reads it.
+        unsafe { AtomicU32::from_ptr(self.host as *mut u32) }
+    }
+
+    /// Lets the GPU past every wait up to `sequence` (wrapping comparison, as the GPU's).
+    fn release(&self, sequence: u32) {
+        let word = self.word();
+        let _ = word.fetch_update(Ordering::Release, Ordering::Relaxed, |current| {
+            ((sequence.wrapping_sub(current) as i32) > 0).then_some(sequence)
+        });
+    }
+}
+
+/// A sampled launch between its two event records.
+pub struct InFlight {
+    info: SampleInfo,
+    stream: CUstream,
+    pool: (usize, u64),
+    start: usize,
+    end: usize,
+    /// The stream is held until this gate reaches this sequence number.
+    hold: Option<(Gate, u32)>,
+    /// The stream had nothing queued when the start event was recorded.
+    idle: bool,
+    submitted_ns: u64,
+}
+
+impl InFlight {
+    fn release(&mut self) {
+        if let Some((gate, sequence)) = self.hold.take() {
+            gate.release(sequence);
+        }
+    }
+}
+
+impl Drop for InFlight {
+    /// A hold is never left behind, whatever path the launch took.
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+struct Pending {
+    info: SampleInfo,
+    pool: (usize, u64),
+    start: usize,
+    end: usize,
+    /// Host time of the launch call, taken off when the stream was idle and not held.
+    host_gap_ns: u64,
+}
+
+struct Pool {
+    context: usize,
+    id: u64,
+    free: Vec<usize>,
+    created: usize,
+    last_use: u64,
+    /// None when pinned memory could not be had.
+    gate: Option<Gate>,
+    /// Last sequence number handed out, and when.
+    issued: u32,
+    issued_ns: u64,
+}
+
+#[derive(Default)]
+struct State {
+    pools: Vec<Pool>,
+    pending: Vec<Pending>,
+    uses: u64,
+}
+
+#[derive(Default)]
+pub struct Sensor {
+    state: Mutex<State>,
+    /// Samples taken and not yet measured or dropped.
+    outstanding: AtomicUsize,
+}
+
+/// Looks a driver function up without reporting it missing (for functions newer drivers have).
+fn optional(name: &CStr) -> Option<*mut c_void> {
+    let index = crate::hooks::EXPORTS
+        .binary_search_by(|export| export.name.cmp(name))
+        .ok()?;
+    crate::hooks::EXPORTS[index].probe()
+}
+
+/// The unique id of `context` (0 when the driver predates `cuCtxGetId`).
+fn context_id(context: CUcontext) -> u64 {
+    type GetId = unsafe extern "C" fn(CUcontext, *mut u64) -> CUresult;
+    let Some(address) = optional(c"cuCtxGetId") else {
+        return 0;
+    };
+    // SAFETY: the driver's cuCtxGetId, whose prototype in cuda.h is
+    // `CUresult cuCtxGetId(CUcontext ctx, unsigned long long *ctxId)`.
+    let get_id = unsafe { std::mem::transmute::<*mut c_void, GetId>(address) };
+    let mut id = 0u64;
+    // SAFETY: a live context (current on this thread) and a valid out-pointer.
+    let status = unsafe { get_id(context, &mut id) };
+    if status == CUDA_SUCCESS { id } else { 0 }
+}
+
+/// Lets the calling thread (the poller) make its calls while another thread captures a graph in
+/// global mode, where they would otherwise invalidate that capture.
+pub fn relax_capture_mode() {
+    type Exchange = unsafe extern "C" fn(*mut CUstreamCaptureMode) -> CUresult;
+    let Some(address) = optional(c"cuThreadExchangeStreamCaptureMode") else {
+        return;
+    };
+    // SAFETY: the driver's function of that name, prototype
+    // `CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode)`.
+    let exchange = unsafe { std::mem::transmute::<*mut c_void, Exchange>(address) };
+    let mut mode: CUstreamCaptureMode = crate::sys::cuda::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: a valid in/out pointer to a local.
+    unsafe { exchange(&mut mode) };
+}
+
+fn current_context() -> Option<CUcontext> {
+    let get = real::cuCtxGetCurrent()?;
+    let mut context: CUcontext = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer to a local.
+    let status = unsafe { get(&mut context) };
+    (status == CUDA_SUCCESS && !context.is_null()).then_some(context)
+}
+
+fn create_event() -> Option<usize> {
+    let create = real::cuEventCreate()?;
+    let mut event: CUevent = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer; default flags keep timing enabled.
+    let status = unsafe { create(&mut event, CU_EVENT_DEFAULT as c_uint) };
+    (status == CUDA_SUCCESS && !event.is_null()).then_some(event as usize)
+}
+
+/// A pinned, device-mapped word for the current context (portable: any context may wait on it).
+fn create_gate() -> Option<Gate> {
+    let (alloc, device_pointer) = (real::cuMemHostAlloc()?, real::cuMemHostGetDevicePointer_v2()?);
+    let mut host: *mut c_void = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer; 64 bytes, pinned, mapped into the device's address space.
+    let status = unsafe {
+        alloc(
+            &mut host,
+            64,
+            (CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP) as c_uint,
+        )
+    };
+    if status != CUDA_SUCCESS || host.is_null() || !(host as usize).is_multiple_of(4) {
+        return None;
+    }
+    // SAFETY: fresh, exclusively owned memory of at least 4 bytes.
+    unsafe { (host as *mut u32).write_volatile(0) };
+    let mut device: CUdeviceptr = 0;
+    // SAFETY: a valid out-pointer and the mapped allocation just made.
+    let status = unsafe { device_pointer(&mut device, host, 0) };
+    (status == CUDA_SUCCESS && device != 0).then_some(Gate {
+        host: host as usize,
+        device,
+    })
+}
+
+/// Makes `stream` wait until the gate's word reaches `sequence`.
+fn hold(stream: CUstream, gate: Gate, sequence: u32) -> bool {
+    type WaitValue = unsafe extern "C" fn(CUstream, CUdeviceptr, u32, c_uint) -> CUresult;
+    if !HOLDS_WORK.load(Ordering::Relaxed) {
+        return false;
+    }
+    let Some(address) = optional(c"cuStreamWaitValue32_v2") else {
+        HOLDS_WORK.store(false, Ordering::Relaxed);
+        return false;
+    };
+    // SAFETY: the driver's function of that name, prototype `CUresult cuStreamWaitValue32_v2(
+    // CUstream stream, CUdeviceptr addr, cuuint32_t value, unsigned int flags)`.
+    let wait = unsafe { std::mem::transmute::<*mut c_void, WaitValue>(address) };
+    // SAFETY: the application's stream and a mapped word that lives for the process.
+    let status = unsafe { wait(stream, gate.device, sequence, CU_STREAM_WAIT_VALUE_GEQ as c_uint) };
+    if status != CUDA_SUCCESS {
+        HOLDS_WORK.store(false, Ordering::Relaxed);
+        return false;
+    }
+    true
+}
+
+fn record(event: usize, stream: CUstream) -> bool {
+    let Some(record) = real::cuEventRecord() else {
+        return false;
+    };
+    // SAFETY: an event of this context's pool and the application's stream handle.
+    unsafe { record(event as CUevent, stream) == CUDA_SUCCESS }
+}
+
+fn stream_idle(stream: CUstream) -> bool {
+    let Some(query) = real::cuStreamQuery() else {
+        return false;
+    };
+    // SAFETY: the application's stream handle; the query does not block.
+    unsafe { query(stream) == CUDA_SUCCESS }
+}
+
+/// Outcome of polling one sample.
+enum Poll {
+    Done(u64),
+    NotReady,
+    Lost,
+}
+
+fn poll(start: usize, end: usize) -> Poll {
+    let (Some(query), Some(elapsed)) = (real::cuEventQuery(), real::cuEventElapsedTime()) else {
+        return Poll::Lost;
+    };
+    // SAFETY: events this library created and recorded.
+    match unsafe { query(end as CUevent) } {
+        CUDA_SUCCESS => {}
+        CUDA_ERROR_NOT_READY => return Poll::NotReady,
+        _ => return Poll::Lost,
+    }
+    let mut milliseconds = 0f32;
+    // SAFETY: a valid out-pointer and two events recorded with timing enabled.
+    match unsafe { elapsed(&mut milliseconds, start as CUevent, end as CUevent) } {
+        CUDA_SUCCESS if milliseconds.is_finite() && milliseconds >= 0.0 => {
+            Poll::Done((f64::from(milliseconds) * 1e6) as u64)
+        }
+        CUDA_ERROR_NOT_READY => Poll::NotReady,
+        _ => Poll::Lost,
+    }
+}
+
+fn now_ns() -> u64 {
+    super::now_ns()
+}
+
+/// What [`Sensor::take`] hands out for one sample.
+struct Taken {
+    start: usize,
+    end: usize,
+    hold: Option<(Gate, u32)>,
+}
+
+impl Sensor {
+    /// Samples in flight.
+    pub fn outstanding(&self) -> usize {
+        self.outstanding.load(Ordering::Relaxed)
+    }
+
+    fn take(&self, context: usize, id: u64) -> Option<Taken> {
+        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        state.uses += 1;
+        let uses = state.uses;
+        let position = match state.pools.iter().position(|p| p.context == context && p.id == id) {
+            Some(position) => position,
+            None => {
+                if state.pools.len() >= MAX_POOLS
+                    && let Some(oldest) = (0..state.pools.len()).min_by_key(|&i| state.pools[i].last_use)
+                {
+                    // Its events are forgotten, not destroyed: the context may be gone.
+                    state.pools.swap_remove(oldest);
+                }
+                state.pools.push(Pool {
+                    context,
+                    id,
+                    free: Vec::new(),
+                    created: 0,
+                    last_use: uses,
+                    gate: if HOLDS_WORK.load(Ordering::Relaxed) {
+                        create_gate()
+                    } else {
+                        None
+                    },
+                    issued: 0,
+                    issued_ns: 0,
+                });
+                state.pools.len() - 1
+            }
+        };
+        let pool = &mut state.pools[position];
+        pool.last_use = uses;
+        let mut take = || match pool.free.pop() {
+            Some(event) => Some(event),
+            None if pool.created < MAX_EVENTS_PER_POOL => {
+                let event = create_event()?;
+                pool.created += 1;
+                Some(event)
+            }
+            None => None,
+        };
+        let start = take()?;
+        let Some(end) = take() else {
+            pool.free.push(start);
+            return None;
+        };
+        let hold = pool.gate.map(|gate| {
+            pool.issued = pool.issued.wrapping_add(1);
+            pool.issued_ns = now_ns();
+            (gate, pool.issued)
+        });
+        Some(Taken { start, end, hold })
+    }
+
+    fn give_back(state: &mut State, pool: (usize, u64), events: [usize; 2]) {
+        if let Some(pool) = state.pools.iter_mut().find(|p| (p.context, p.id) == pool) {
+            pool.free.extend(events);
+        }
+    }
+
+    /// Holds `stream` and records the start event of a sampled launch on it, before the launch is
+    /// submitted. `None` when no sample can be taken (too many in flight, no events, no context).
+    pub fn begin(&self, stream: CUstream, info: SampleInfo) -> Option<InFlight> {
+        if self.outstanding.load(Ordering::Relaxed) >= MAX_PENDING {
+            return None;
+        }
+        let context = current_context()?;
+        let pool = (context as usize, context_id(context));
+        let taken = self.take(pool.0, pool.1)?;
+        let idle = stream_idle(stream);
+        let mut launch = InFlight {
+            info,
+            stream,
+            pool,
+            start: taken.start,
+            end: taken.end,
+            hold: taken.hold.filter(|&(gate, sequence)| hold(stream, gate, sequence)),
+            idle,
+            submitted_ns: 0,
+        };
+        if !record(launch.start, stream) {
+            launch.release();
+            let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            Self::give_back(&mut state, pool, [launch.start, launch.end]);
+            return None;
+        }
+        launch.submitted_ns = now_ns();
+        Some(launch)
+    }
+
+    /// Records the end event after the launch (whose status is `status`), releases the stream,
+    /// and queues the sample for the background thread. Returns whether a sample is in flight.
+    pub fn end(&self, mut launch: InFlight, status: CUresult) -> bool {
+        let host_ns = now_ns().saturating_sub(launch.submitted_ns);
+        let ended = status == CUDA_SUCCESS && record(launch.end, launch.stream);
+        let held = launch.hold.is_some();
+        launch.release();
+        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if !ended {
+            Self::give_back(&mut state, launch.pool, [launch.start, launch.end]);
+            return false;
+        }
+        self.outstanding.fetch_add(1, Ordering::Relaxed);
+        state.pending.push(Pending {
+            info: launch.info,
+            pool: launch.pool,
+            start: launch.start,
+            end: launch.end,
+            host_gap_ns: if launch.idle && !held { host_ns } else { 0 },
+        });
+        true
+    }
+
+    /// Releases every hold issued more than [`HOLD_RELEASE_NS`] ago. Normally the launching
+    /// thread has released it long before; this bounds how long a descheduled or blocked thread
+    /// can hold its stream.
+    pub fn release_stale_holds(&self, now: u64) {
+        let state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        for pool in &state.pools {
+            if let Some(gate) = pool.gate
+                && now.saturating_sub(pool.issued_ns) >= HOLD_RELEASE_NS
+            {
+                gate.release(pool.issued);
+            }
+        }
+    }
+
+    /// Releases every hold at once (process exit). Never waits for the lock.
+    pub fn release_all_holds(&self) {
+        if let Ok(state) = self.state.try_lock() {
+            for pool in &state.pools {
+                if let Some(gate) = pool.gate {
+                    gate.release(pool.issued);
+                }
+            }
+        }
+    }
+
+    /// Polls the samples in flight without blocking; returns the completed ones with their GPU
+    /// time in ns. The driver is called outside the lock, so launching threads never wait for it.
+    pub fn completed(&self) -> Vec<(SampleInfo, u64)> {
+        let batch = {
+            let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            std::mem::take(&mut state.pending)
+        };
+        if batch.is_empty() {
+            return Vec::new();
+        }
+        let total = batch.len();
+        let mut done = Vec::new();
+        let mut waiting = Vec::new();
+        let mut finished = Vec::new();
+        for sample in batch {
+            match poll(sample.start, sample.end) {
+                Poll::Done(elapsed) => {
+                    let gpu = if sample.host_gap_ns > 0 {
+                        // Never below a quarter of what the events saw: a host thread descheduled
+                        // right after its launch must not make the kernel look free.
+                        elapsed.saturating_sub(sample.host_gap_ns).max(elapsed / 4)
+                    } else {
+                        elapsed
+                    };
+                    done.push((sample.info, gpu));
+                    finished.push((sample.pool, [sample.start, sample.end]));
+                }
+                Poll::NotReady => waiting.push(sample),
+                // A destroyed context or a driver error: forget the sample and its events.
+                Poll::Lost => {}
+            }
+        }
+        self.outstanding.fetch_sub(total - waiting.len(), Ordering::Relaxed);
+        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        state.pending.extend(waiting);
+        for (pool, events) in finished {
+            Self::give_back(&mut state, pool, events);
+        }
+        drop(state);
+        done
+    }
+}

@@ -1,0 +1,23 @@
+//! `vgpu-smi`'s library: reads vgpu's shared regions without locking them and without a GPU or a
+//! driver, and turns what it reads into a table, a JSON report, Prometheus metrics or a plot; it
+//! also sets the per-process `suspend` flag that `libvgpu.so` honours.
+//!
+//! - [`read`]: finding region files and reading them lock-free (a read-only mapping, per-slot
+//!   seqlock retries, then [`vgpu_region::read_snapshot`]); a bad file is a one-line message.
+//! - [`report`]: the [`report::Report`] every output is made from; its JSON form is the stable
+//!   schema of `docs/monitoring.md`.
+//! - [`table`]: the human table (80 columns, binary units).
+//! - [`metrics`]: the Prometheus exposition (`prometheus-client`).
+//! - [`control`]: `suspend` / `resume`.
+//! - [`plot`]: PNG or SVG charts from a `--record` file (`plotters`).
+
+pub mod control;
+pub mod metrics;
+pub mod plot;
+pub mod read;
+pub mod report;
+pub mod table;
+pub mod units;
+
+pub use read::{RegionRead, RegionState, discover, read_region};
+pub use report::{Report, build_report};

@@ -1,0 +1,271 @@
+//! `vgpu-smi plot`: memory used and SM utilisation over time, one row of two charts per device of
+//! every region in a `--watch --record` file, drawn with `plotters` into a PNG or an SVG.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Once;
+
+use plotters::coord::Shift;
+use plotters::prelude::*;
+
+use crate::report::Report;
+
+const ROW_HEIGHT: u32 = 340;
+const WIDTH: u32 = 1280;
+const MIB: f64 = (1u64 << 20) as f64;
+const GIB: f64 = (1u64 << 30) as f64;
+const FONT: &str = "sans-serif";
+const USED_COLOUR: RGBColor = RGBColor(31, 90, 200);
+const MEASURED_COLOUR: RGBColor = RGBColor(20, 140, 60);
+const LIMIT_COLOUR: RGBColor = RGBColor(210, 40, 40);
+
+/// One device of one region over time.
+#[derive(Debug, Default)]
+struct DeviceSeries {
+    title: String,
+    /// (seconds since the first sample, bytes used, SM utilisation percent).
+    samples: Vec<(f64, u64, u64)>,
+    memory_limit: Option<u64>,
+    sm_limit: Option<u64>,
+}
+
+/// What was drawn.
+#[derive(Debug, PartialEq, Eq)]
+pub struct PlotSummary {
+    pub samples: usize,
+    pub devices: usize,
+    pub skipped_lines: usize,
+}
+
+/// Reads a record file: one JSON report per line; lines that are not reports (a line cut short
+/// by an interrupted recorder) are counted and skipped.
+pub fn read_record(text: &str) -> (Vec<Report>, usize) {
+    let mut reports = Vec::new();
+    let mut skipped = 0;
+    for line in text.lines().filter(|line| !line.trim().is_empty()) {
+        match serde_json::from_str::<Report>(line) {
+            Ok(report) => reports.push(report),
+            Err(_) => skipped += 1,
+        }
+    }
+    (reports, skipped)
+}
+
+fn collect_series(reports: &[Report]) -> Vec<DeviceSeries> {
+    let Some(start) = reports.iter().map(|report| report.time_unix_ms).min() else {
+        return Vec::new();
+    };
+    let several_regions = reports
+        .iter()
+        .flat_map(|report| report.regions.iter().map(|region| region.path.as_str()))
+        .collect::<std::collections::BTreeSet<_>>()
+        .len()
+        > 1;
+    let mut series: BTreeMap<(String, usize, String), DeviceSeries> = BTreeMap::new();
+    for report in reports {
+        let seconds = report.time_unix_ms.saturating_sub(start) as f64 / 1000.0;
+        for region in report.regions.iter().filter(|region| region.error.is_none()) {
+            for device in &region.devices {
+                let key = (region.path.clone(), device.index, device.uuid.clone());
+                let entry = series.entry(key).or_default();
+                if entry.title.is_empty() {
+                    let region_name = Path::new(&region.path)
+                        .file_name()
+                        .map_or_else(|| region.path.clone(), |name| name.to_string_lossy().into_owned());
+                    entry.title = if several_regions {
+                        format!("{region_name}: GPU {} ({})", device.index, device.uuid)
+                    } else {
+                        format!("GPU {} ({})", device.index, device.uuid)
+                    };
+                }
+                entry
+                    .samples
+                    .push((seconds, device.memory_used_bytes, device.sm_util_percent));
+                entry.memory_limit = device.memory_limit_bytes;
+                entry.sm_limit = device.sm_limit_percent;
+            }
+        }
+    }
+    series.into_values().collect()
+}
+
+/// Draws a record file's text into `output` (`.png` or `.svg`).
+pub fn plot_record(text: &str, output: &Path) -> Result<PlotSummary, String> {
+    let (reports, skipped_lines) = read_record(text);
+    let summary = plot(&reports, output)?;
+    Ok(PlotSummary {
+        skipped_lines,
+        ..summary
+    })
+}
+
+/// Draws the reports into `output` (`.png` or `.svg`).
+pub fn plot(reports: &[Report], output: &Path) -> Result<PlotSummary, String> {
+    let series = collect_series(reports);
+    if series.is_empty() {
+        return Err("the record holds no device samples (was the region readable while recording?)".into());
+    }
+    let size = (WIDTH, ROW_HEIGHT * series.len() as u32);
+    let extension = output
+        .extension()
+        .map(|extension| extension.to_string_lossy().to_ascii_lowercase());
+    // Both backends lay text out with the font's metrics.
+    register_font()?;
+    match extension.as_deref() {
+        Some("png") => draw(BitMapBackend::new(output, size).into_drawing_area(), &series)?,
+        Some("svg") => draw(SVGBackend::new(output, size).into_drawing_area(), &series)?,
+        _ => return Err(format!("{}: the output must end in .png or .svg", output.display())),
+    }
+    Ok(PlotSummary {
+        samples: reports.len(),
+        devices: series.len(),
+        skipped_lines: 0,
+    })
+}
+
+/// Text needs a font: DejaVu Sans, embedded, so no system font is needed.
+fn register_font() -> Result<(), String> {
+    static REGISTER: Once = Once::new();
+    let mut result = Ok(());
+    REGISTER.call_once(|| {
+        result = plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular())
+            .map_err(|_| "the embedded font could not be loaded".to_string());
+    });
+    result
+}
+
+fn draw<DB: DrawingBackend>(root: DrawingArea<DB, Shift>, series: &[DeviceSeries]) -> Result<(), String> {
+    let error = |error: DrawingAreaErrorKind<DB::ErrorType>| format!("drawing failed: {error}");
+    root.fill(&WHITE).map_err(error)?;
+    let cells = root.split_evenly((series.len(), 2));
+    for (device, areas) in series.iter().zip(cells.chunks(2)) {
+        let [memory_area, utilisation_area] = areas else {
+            continue;
+        };
+        draw_memory(memory_area, device).map_err(error)?;
+        draw_utilisation(utilisation_area, device).map_err(error)?;
+    }
+    root.present().map_err(error)
+}
+
+fn time_range(device: &DeviceSeries) -> f64 {
+    device
+        .samples
+        .iter()
+        .map(|&(seconds, _, _)| seconds)
+        .fold(0.0, f64::max)
+        .max(1.0)
+}
+
+fn draw_memory<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    device: &DeviceSeries,
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+    let highest = device
+        .samples
+        .iter()
+        .map(|&(_, used, _)| used)
+        .chain(device.memory_limit)
+        .max()
+        .unwrap_or(0) as f64;
+    let (unit, unit_name) = if highest >= 4.0 * GIB {
+        (GIB, "GiB")
+    } else {
+        (MIB, "MiB")
+    };
+    let top = (highest / unit * 1.1).max(1.0);
+    let end = time_range(device);
+    let mut chart = ChartBuilder::on(area)
+        .caption(format!("{}: memory", device.title), (FONT, 16))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(64)
+        .build_cartesian_2d(0.0..end, 0.0..top)?;
+    chart
+        .configure_mesh()
+        .x_desc("seconds")
+        .y_desc(format!("used ({unit_name})"))
+        .label_style((FONT, 12))
+        .draw()?;
+    chart
+        .draw_series(LineSeries::new(
+            device
+                .samples
+                .iter()
+                .map(|&(seconds, used, _)| (seconds, used as f64 / unit)),
+            USED_COLOUR.stroke_width(2),
+        ))?
+        .label("used")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], USED_COLOUR.stroke_width(2)));
+    if let Some(limit) = device.memory_limit {
+        let limit = limit as f64 / unit;
+        chart
+            .draw_series(LineSeries::new(
+                [(0.0, limit), (end, limit)],
+                LIMIT_COLOUR.stroke_width(1),
+            ))?
+            .label("limit")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], LIMIT_COLOUR));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .label_font((FONT, 12))
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+}
+
+fn draw_utilisation<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    device: &DeviceSeries,
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+    let highest = device
+        .samples
+        .iter()
+        .map(|&(_, _, utilisation)| utilisation)
+        .chain(device.sm_limit)
+        .max()
+        .unwrap_or(0)
+        .max(100) as f64;
+    let end = time_range(device);
+    let mut chart = ChartBuilder::on(area)
+        .caption(format!("{}: SM utilisation", device.title), (FONT, 16))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(48)
+        .build_cartesian_2d(0.0..end, 0.0..highest * 1.05)?;
+    chart
+        .configure_mesh()
+        .x_desc("seconds")
+        .y_desc("percent")
+        .label_style((FONT, 12))
+        .draw()?;
+    chart
+        .draw_series(LineSeries::new(
+            device
+                .samples
+                .iter()
+                .map(|&(seconds, _, utilisation)| (seconds, utilisation as f64)),
+            MEASURED_COLOUR.stroke_width(2),
+        ))?
+        .label("measured")
+        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], MEASURED_COLOUR.stroke_width(2)));
+    if let Some(limit) = device.sm_limit {
+        let limit = limit as f64;
+        chart
+            .draw_series(LineSeries::new(
+                [(0.0, limit), (end, limit)],
+                LIMIT_COLOUR.stroke_width(1),
+            ))?
+            .label("limit")
+            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], LIMIT_COLOUR));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .label_font((FONT, 12))
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+}

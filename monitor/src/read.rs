@@ -1,0 +1,335 @@
+//! Finding region files and reading them without ever blocking or slowing their writers.
+//!
+//! A region file of the full size is mapped read-only and copied word by word with atomic loads
+//! (the writers' fields are all atomics), only as far as the slots in use reach. Each slot is
+//! copied under its seqlock: a slot that changed during the copy is copied again (a bounded number
+//! of times; a writer killed mid-update leaves it odd for good, and it is then reported as torn).
+//! The copy is decoded by [`vgpu_region::read_snapshot`]. No lock of the region is ever taken,
+//! nothing is written, and the reader's only cost to the writers is reading their cache lines.
+//!
+//! A shorter file (HAMi-core's own layout, or a truncated one) is read with plain `read`, so a
+//! file that shrinks under the reader cannot fault it. Every problem is one line naming the path.
+
+use std::fs::File;
+use std::io::Read;
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering, fence};
+
+use vgpu_region::{
+    EXTENSION_OFFSET, HAMI_REGION_SIZE, LayoutError, MAX_SLOTS, ProcSlot, REGION_FILE_SIZE, RegionFile,
+    SLOT_EXTENSIONS_OFFSET, SharedRegion, SlotExtension, Snapshot, read_snapshot,
+};
+
+/// Where `libvgpu.so` puts the region when `CUDA_DEVICE_MEMORY_SHARED_CACHE` is unset.
+pub const DEFAULT_REGION_PATH: &str = "/tmp/cudevshr.cache";
+/// The variable naming the region file (HAMi-core's name).
+pub const REGION_PATH_VARIABLE: &str = "CUDA_DEVICE_MEMORY_SHARED_CACHE";
+
+/// How often a slot that a writer changed during the copy is copied again before it is reported
+/// as torn (the region crate's own readers use the same bound).
+const SLOT_COPY_ATTEMPTS: u32 = vgpu_region::snapshot::SEQLOCK_READ_ATTEMPTS;
+
+/// Bytes of the region file covered by one slot and by one slot extension.
+const SLOT_BYTES: usize = std::mem::size_of::<ProcSlot>();
+const SLOT_EXTENSION_BYTES: usize = std::mem::size_of::<SlotExtension>();
+/// Where `procs` starts and where the fields after it start.
+const PROCS_OFFSET: usize = std::mem::offset_of!(SharedRegion, procs);
+const AFTER_PROCS_OFFSET: usize = std::mem::offset_of!(SharedRegion, proc_num);
+const PROC_NUM_OFFSET: usize = std::mem::offset_of!(SharedRegion, proc_num);
+const SEQLOCK_OFFSET_IN_SLOT: usize = std::mem::offset_of!(ProcSlot, seqlock);
+const SUSPEND_OFFSET_IN_SLOT_EXTENSION: usize = std::mem::offset_of!(SlotExtension, suspend);
+
+const _: () =
+    assert!(PROCS_OFFSET.is_multiple_of(8) && SLOT_BYTES.is_multiple_of(8) && AFTER_PROCS_OFFSET.is_multiple_of(8));
+const _: () = assert!(
+    EXTENSION_OFFSET.is_multiple_of(8)
+        && SLOT_EXTENSIONS_OFFSET.is_multiple_of(8)
+        && SLOT_EXTENSION_BYTES.is_multiple_of(8)
+);
+const _: () = assert!(REGION_FILE_SIZE.is_multiple_of(8));
+
+/// A region decoded from one read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RegionState {
+    /// What `read_snapshot` decoded.
+    pub snapshot: Snapshot,
+    /// The `suspend` flag of each slot of `snapshot.processes` (same order); all false without
+    /// the vgpu extension.
+    pub suspended: Vec<bool>,
+}
+
+/// One region file and what reading it gave: the state, or a one-line reason (without the path).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RegionRead {
+    pub path: PathBuf,
+    pub result: Result<RegionState, String>,
+}
+
+/// The regions named by `path`: the file itself, or, for a directory, every region file in it and
+/// in its subdirectories one level down (HAMi's monitor keeps one directory per container, each
+/// holding one `*.cache` region), sorted by path. In a directory a file counts as a region when
+/// its name ends in `.cache` or it is at least as large as HAMi-core's region; shared objects
+/// (`*.so*`, HAMi puts `libvgpu.so` beside the region) never do.
+/// The error is one line without the path.
+pub fn discover(path: &Path) -> Result<Vec<PathBuf>, String> {
+    let metadata = std::fs::metadata(path).map_err(|error| error.to_string())?;
+    if !metadata.is_dir() {
+        return Ok(vec![path.to_path_buf()]);
+    }
+    let mut found = Vec::new();
+    for entry in read_dir_sorted(path)? {
+        match std::fs::metadata(&entry) {
+            Ok(metadata) if metadata.is_dir() => {
+                // A subdirectory that cannot be listed is skipped: it is not ours to report.
+                for inner in read_dir_sorted(&entry).unwrap_or_default() {
+                    if looks_like_region(&inner) {
+                        found.push(inner);
+                    }
+                }
+            }
+            Ok(_) if looks_like_region(&entry) => found.push(entry),
+            _ => {}
+        }
+    }
+    Ok(found)
+}
+
+fn read_dir_sorted(dir: &Path) -> Result<Vec<PathBuf>, String> {
+    let entries = std::fs::read_dir(dir).map_err(|error| format!("cannot list it: {error}"))?;
+    let mut paths: Vec<PathBuf> = entries
+        .filter_map(|entry| entry.ok().map(|entry| entry.path()))
+        .collect();
+    paths.sort();
+    Ok(paths)
+}
+
+fn looks_like_region(path: &Path) -> bool {
+    let Some(name) = path.file_name().map(|name| name.to_string_lossy().into_owned()) else {
+        return false;
+    };
+    if name.contains(".so") {
+        return false;
+    }
+    let Ok(metadata) = std::fs::metadata(path) else {
+        return false;
+    };
+    metadata.is_file() && (name.ends_with(".cache") || metadata.len() >= HAMI_REGION_SIZE as u64)
+}
+
+/// Reads one region file. Never panics and never blocks on the region's writers. The error is
+/// one line, without the path (the caller has it).
+pub fn read_region(path: &Path) -> RegionRead {
+    RegionRead {
+        path: path.to_path_buf(),
+        result: read_state(path),
+    }
+}
+
+fn read_state(path: &Path) -> Result<RegionState, String> {
+    let file = File::open(path).map_err(|error| format!("cannot open it: {error}"))?;
+    let metadata = file.metadata().map_err(|error| format!("cannot stat it: {error}"))?;
+    let file_type = metadata.file_type();
+    if !metadata.is_file() {
+        let what = if file_type.is_dir() {
+            "a directory"
+        } else if file_type.is_fifo() || file_type.is_socket() {
+            "a pipe or socket"
+        } else {
+            "not a regular file"
+        };
+        return Err(format!("it is {what}, not a region file"));
+    }
+    let image = if metadata.len() >= REGION_FILE_SIZE as u64 {
+        let mapping = Mapping::new(&file, false).map_err(|error| format!("cannot map it: {error}"))?;
+        consistent_copy(mapping.region())
+    } else {
+        let mut bytes = Vec::with_capacity(metadata.len() as usize);
+        file.take(REGION_FILE_SIZE as u64)
+            .read_to_end(&mut bytes)
+            .map_err(|error| format!("cannot read it: {error}"))?;
+        bytes
+    };
+    decode(&image)
+}
+
+/// Decodes an image copied from a region file.
+pub fn decode(image: &[u8]) -> Result<RegionState, String> {
+    let snapshot = read_snapshot(image).map_err(|problem| explain(&problem))?;
+    let suspended = snapshot
+        .processes
+        .iter()
+        .map(|process| snapshot.extension.is_some() && suspend_flag(image, process.slot) != 0)
+        .collect();
+    Ok(RegionState { snapshot, suspended })
+}
+
+/// The `suspend` field of a slot's extension in an image (0 when the image is too short).
+fn suspend_flag(image: &[u8], slot: usize) -> u32 {
+    let offset =
+        EXTENSION_OFFSET + SLOT_EXTENSIONS_OFFSET + slot * SLOT_EXTENSION_BYTES + SUSPEND_OFFSET_IN_SLOT_EXTENSION;
+    image
+        .get(offset..offset + 4)
+        .and_then(|bytes| <[u8; 4]>::try_from(bytes).ok())
+        .map_or(0, u32::from_le_bytes)
+}
+
+/// The layout problem with a hint at its usual cause.
+fn explain(problem: &LayoutError) -> String {
+    let hint = match problem {
+        LayoutError::TooShort { .. } => "truncated, or not a region",
+        LayoutError::NotInitialised { flag: 0 } => "being created, or not a region",
+        LayoutError::NotInitialised { .. } => "not a region, or corrupt",
+        LayoutError::WrongVersion { .. } => "written by another HAMi-core version",
+        _ => "corrupt",
+    };
+    format!("{problem} ({hint})")
+}
+
+/// A copy of the region's bytes in which every slot is seqlock-consistent or marked torn (its
+/// seqlock left odd). Covers the header, the slots below `proc_num`, the fields after them and
+/// the extension's header and slot entries below `proc_num`; the rest stays zero (decoding never
+/// reads it).
+pub fn consistent_copy(region: &RegionFile) -> Vec<u8> {
+    let words = region_words(region);
+    let mut image = vec![0u8; REGION_FILE_SIZE];
+    let raw_proc_num = region.hami.proc_num.load(Ordering::Acquire);
+    // An out-of-range count copies no slot and stays in the image for the decoder to report.
+    let proc_num = usize::try_from(raw_proc_num)
+        .ok()
+        .filter(|&count| count <= MAX_SLOTS)
+        .unwrap_or(0);
+    let seqlocks_before: Vec<u64> = region.hami.procs[..proc_num]
+        .iter()
+        .map(|slot| slot.seqlock.load(Ordering::Acquire))
+        .collect();
+    copy_words(words, &mut image, 0, PROCS_OFFSET + proc_num * SLOT_BYTES);
+    copy_words(
+        words,
+        &mut image,
+        AFTER_PROCS_OFFSET,
+        EXTENSION_OFFSET + SLOT_EXTENSIONS_OFFSET + proc_num * SLOT_EXTENSION_BYTES,
+    );
+    fence(Ordering::Acquire);
+    for (index, (slot, before)) in region.hami.procs[..proc_num].iter().zip(seqlocks_before).enumerate() {
+        let after = slot.seqlock.load(Ordering::Relaxed);
+        if before.is_multiple_of(2) && before == after {
+            continue;
+        }
+        copy_slot_again(region, words, &mut image, index);
+    }
+    // The decoder reads proc_num from the image: it must be the value the copy was made for.
+    image[PROC_NUM_OFFSET..PROC_NUM_OFFSET + 4].copy_from_slice(&raw_proc_num.to_le_bytes());
+    image
+}
+
+/// Copies one slot under its seqlock until a copy is consistent; after the last attempt the
+/// image's seqlock is left odd so the decoder reports the slot as torn.
+fn copy_slot_again(region: &RegionFile, words: &[AtomicU64], image: &mut [u8], index: usize) {
+    let slot = &region.hami.procs[index];
+    let start = PROCS_OFFSET + index * SLOT_BYTES;
+    for attempt in 0..SLOT_COPY_ATTEMPTS {
+        if attempt > 0 {
+            if attempt < 8 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        let before = slot.seqlock.load(Ordering::Acquire);
+        copy_words(words, image, start, start + SLOT_BYTES);
+        fence(Ordering::Acquire);
+        let after = slot.seqlock.load(Ordering::Relaxed);
+        if before.is_multiple_of(2) && before == after {
+            return;
+        }
+    }
+    let seqlock = start + SEQLOCK_OFFSET_IN_SLOT;
+    let odd = slot.seqlock.load(Ordering::Relaxed) | 1;
+    image[seqlock..seqlock + 8].copy_from_slice(&odd.to_le_bytes());
+}
+
+/// The whole region as 8-byte words.
+fn region_words(region: &RegionFile) -> &[AtomicU64] {
+    let start: *const AtomicU64 = std::ptr::from_ref(region).cast();
+    // SAFETY: RegionFile is REGION_FILE_SIZE bytes (a multiple of 8, asserted above), aligned to 8
+    // (it holds AtomicU64 fields), and made only of integers and opaque bytes, so viewing it as
+    // atomic words for loads is valid; the borrow keeps the memory alive.
+    unsafe { std::slice::from_raw_parts(start, REGION_FILE_SIZE / 8) }
+}
+
+/// Copies the words of `[start, end)` (8-aligned byte offsets) into the image with relaxed loads.
+fn copy_words(words: &[AtomicU64], image: &mut [u8], start: usize, end: usize) {
+    let end = end.min(REGION_FILE_SIZE);
+    if start >= end {
+        return;
+    }
+    let (Some(source), Some(destination)) = (words.get(start / 8..end / 8), image.get_mut(start..end)) else {
+        return;
+    };
+    for (word, bytes) in source.iter().zip(destination.chunks_exact_mut(8)) {
+        bytes.copy_from_slice(&word.load(Ordering::Relaxed).to_le_bytes());
+    }
+}
+
+/// A path for messages: as it is, or quoted when it holds control characters (one line always).
+pub fn shown(path: &Path) -> String {
+    let text = path.to_string_lossy();
+    if text.chars().any(char::is_control) {
+        format!("{text:?}")
+    } else {
+        text.into_owned()
+    }
+}
+
+/// A shared mapping of the first [`REGION_FILE_SIZE`] bytes of a file, unmapped on drop.
+pub(crate) struct Mapping {
+    address: NonNull<RegionFile>,
+}
+
+impl Mapping {
+    /// Maps the file (which must be at least [`REGION_FILE_SIZE`] bytes) read-only, or
+    /// read-write for the `suspend` flag.
+    pub(crate) fn new(file: &File, writable: bool) -> std::io::Result<Mapping> {
+        use std::os::fd::AsRawFd;
+        let protection = if writable {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        };
+        // SAFETY: a fresh shared mapping of an open file descriptor; the kernel picks the address.
+        let address = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                REGION_FILE_SIZE,
+                protection,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if address == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        NonNull::new(address.cast())
+            .map(|address| Mapping { address })
+            .ok_or_else(|| std::io::Error::other("mmap returned null"))
+    }
+
+    /// The mapped region. Loads are always valid; stores only through a writable mapping.
+    pub(crate) fn region(&self) -> &RegionFile {
+        // SAFETY: the mapping is REGION_FILE_SIZE bytes, page-aligned, alive until drop, and every
+        // bit pattern is a valid RegionFile (atomics and opaque bytes only). Atomic loads from a
+        // read-only mapping are valid for these lock-free sizes.
+        unsafe { self.address.as_ref() }
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the address and length are those of our own mmap, and no reference into it
+        // outlives `self` (they all borrow it).
+        unsafe { libc::munmap(self.address.as_ptr().cast(), REGION_FILE_SIZE) };
+    }
+}

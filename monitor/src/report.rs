@@ -1,0 +1,228 @@
+//! What `vgpu-smi` shows, made from region reads. The JSON form of [`Report`] is the documented,
+//! stable schema (`docs/monitoring.md`): fields are only ever added, never renamed or retyped, and
+//! [`SCHEMA_VERSION`] increases if that rule ever has to be broken.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use serde::{Deserialize, Serialize};
+use vgpu_region::{MAX_DEVICES, SLOT_LIVE};
+
+use crate::read::RegionRead;
+
+/// Version of the JSON schema.
+pub const SCHEMA_VERSION: u32 = 1;
+
+/// Every region read at one moment.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Report {
+    /// [`SCHEMA_VERSION`].
+    pub schema: u32,
+    /// When the regions were read, milliseconds since the Unix epoch.
+    pub time_unix_ms: u64,
+    pub regions: Vec<RegionReport>,
+}
+
+/// One region file: a container.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionReport {
+    pub path: String,
+    /// Why the region could not be read (one line); `null` when it was. When set, `devices` and
+    /// `processes` are empty and the other fields `null`.
+    pub error: Option<String>,
+    /// HAMi-core layout version, `"1.2"`.
+    pub layout_version: Option<String>,
+    /// vgpu extension version; `null` for a HAMi-core file (no suspend, no running totals).
+    pub extension_version: Option<u32>,
+    /// When the region was created (seconds since the epoch), from the vgpu extension.
+    pub created_unix_secs: Option<u64>,
+    pub devices: Vec<DeviceReport>,
+    pub processes: Vec<ProcessReport>,
+}
+
+/// One device of a region, summed over the region's live processes.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceReport {
+    /// Region device index (the position of the UUID in the region, not a CUDA ordinal).
+    pub index: usize,
+    pub uuid: String,
+    /// Memory limit in bytes; `null` when unlimited.
+    pub memory_limit_bytes: Option<u64>,
+    /// Bytes charged by the region's processes (the running total the limit is checked against).
+    pub memory_used_bytes: u64,
+    /// `limit - used` (0 when over); `null` when unlimited.
+    pub memory_free_bytes: Option<u64>,
+    /// Of the used bytes: CUDA contexts, loaded modules, data allocations (sums over live slots).
+    pub memory_context_bytes: u64,
+    pub memory_module_bytes: u64,
+    pub memory_data_bytes: u64,
+    /// Compute limit in percent; `null` when unlimited.
+    pub sm_limit_percent: Option<u64>,
+    /// Measured SM utilisation: the sum of the live processes' `device_util[d].sm_util`.
+    pub sm_util_percent: u64,
+    /// Processes holding memory or utilisation on the device: slots in use, including a dead
+    /// process whose slot has not been reaped yet (its memory is still counted in `used`).
+    pub process_count: usize,
+}
+
+/// One process slot of a region.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessReport {
+    pub slot: usize,
+    /// Pid in the container's pid namespace.
+    pub pid: i32,
+    /// Pid on the host when HAMi's monitor filled it in; `null` otherwise.
+    pub host_pid: Option<i32>,
+    /// `"live"` or `"dead"` (the slot is in use but its process has exited and the slot has not
+    /// been reaped yet), as seen from the monitor's pid namespace.
+    pub status: String,
+    /// The vgpu `suspend` flag is set: its launches and copies wait.
+    pub suspended: bool,
+    /// False when a writer was mid-update on every attempt: the figures may be torn.
+    pub consistent: bool,
+    /// Devices on which the process holds memory or utilisation.
+    pub devices: Vec<ProcessDeviceReport>,
+}
+
+/// One process on one device.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessDeviceReport {
+    pub index: usize,
+    pub uuid: String,
+    pub context_bytes: u64,
+    pub module_bytes: u64,
+    pub data_bytes: u64,
+    pub total_bytes: u64,
+    pub sm_util_percent: u64,
+}
+
+/// Whether a slot's process is alive, from the monitor's pid namespace: `kill(pid, 0)` and
+/// `/proc/<pid>/stat` (a zombie is dead; a different start time from the one recorded at attach
+/// means the pid was reused).
+pub fn process_is_alive(pid: i32, recorded_start_time: Option<u64>) -> bool {
+    if pid <= 0 {
+        return false;
+    }
+    // SAFETY: kill with signal 0 only checks for existence and permission.
+    if unsafe { libc::kill(pid, 0) } != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+        return false;
+    }
+    match vgpu_region::process::read_proc_stat(pid) {
+        Some(stat) => {
+            let exited = matches!(stat.state, b'Z' | b'X' | b'x');
+            let reused = recorded_start_time.is_some_and(|recorded| recorded != 0 && recorded != stat.start_time);
+            !exited && !reused
+        }
+        None => true,
+    }
+}
+
+/// Milliseconds since the Unix epoch now.
+pub fn now_unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |since| u64::try_from(since.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// Builds the report from region reads; `is_alive(pid, recorded start time)` decides each
+/// slot's status.
+pub fn build_report(reads: &[RegionRead], time_unix_ms: u64, is_alive: impl Fn(i32, Option<u64>) -> bool) -> Report {
+    let regions = reads.iter().map(|read| region_report(read, &is_alive)).collect();
+    Report {
+        schema: SCHEMA_VERSION,
+        time_unix_ms,
+        regions,
+    }
+}
+
+fn region_report(read: &RegionRead, is_alive: &impl Fn(i32, Option<u64>) -> bool) -> RegionReport {
+    let path = read.path.to_string_lossy().into_owned();
+    let state = match &read.result {
+        Ok(state) => state,
+        Err(message) => {
+            return RegionReport {
+                path,
+                error: Some(message.clone()),
+                layout_version: None,
+                extension_version: None,
+                created_unix_secs: None,
+                devices: Vec::new(),
+                processes: Vec::new(),
+            };
+        }
+    };
+    let snapshot = &state.snapshot;
+    let device_count = snapshot.uuids.len().min(MAX_DEVICES);
+    let processes: Vec<ProcessReport> = snapshot
+        .processes
+        .iter()
+        .zip(state.suspended.iter().copied().chain(std::iter::repeat(false)))
+        .map(|(process, suspended)| {
+            let alive = process.status == SLOT_LIVE && is_alive(process.pid, process.start_time);
+            let devices = (0..device_count)
+                .filter(|&device| process.memory[device].total > 0 || process.sm_util[device] > 0)
+                .map(|device| {
+                    let memory = process.memory[device];
+                    ProcessDeviceReport {
+                        index: device,
+                        uuid: snapshot.uuids[device].clone(),
+                        context_bytes: memory.context,
+                        module_bytes: memory.module,
+                        data_bytes: memory.data,
+                        total_bytes: memory.total,
+                        sm_util_percent: process.sm_util[device],
+                    }
+                })
+                .collect();
+            ProcessReport {
+                slot: process.slot,
+                pid: process.pid,
+                host_pid: (process.hostpid != 0).then_some(process.hostpid),
+                status: if alive { "live" } else { "dead" }.to_string(),
+                suspended,
+                consistent: process.consistent,
+                devices,
+            }
+        })
+        .collect();
+    let live_slots: Vec<_> = snapshot
+        .processes
+        .iter()
+        .filter(|process| process.status == SLOT_LIVE)
+        .collect();
+    let devices = (0..device_count)
+        .map(|device| {
+            let sum = |field: fn(&vgpu_region::ProcessSnapshot, usize) -> u64| {
+                live_slots
+                    .iter()
+                    .fold(0u64, |total, process| total.saturating_add(field(process, device)))
+            };
+            let limit = (snapshot.limits[device] != 0).then_some(snapshot.limits[device]);
+            let used = snapshot.device_used(device);
+            DeviceReport {
+                index: device,
+                uuid: snapshot.uuids[device].clone(),
+                memory_limit_bytes: limit,
+                memory_used_bytes: used,
+                memory_free_bytes: limit.map(|limit| limit.saturating_sub(used)),
+                memory_context_bytes: sum(|process, device| process.memory[device].context),
+                memory_module_bytes: sum(|process, device| process.memory[device].module),
+                memory_data_bytes: sum(|process, device| process.memory[device].data),
+                sm_limit_percent: (snapshot.sm_limits[device] != 0).then_some(snapshot.sm_limits[device]),
+                sm_util_percent: sum(|process, device| process.sm_util[device]),
+                process_count: live_slots
+                    .iter()
+                    .filter(|process| process.memory[device].total > 0 || process.sm_util[device] > 0)
+                    .count(),
+            }
+        })
+        .collect();
+    RegionReport {
+        path,
+        error: None,
+        layout_version: Some(format!("{}.{}", snapshot.major_version, snapshot.minor_version)),
+        extension_version: snapshot.extension.as_ref().map(|extension| extension.version),
+        created_unix_secs: snapshot.extension.as_ref().map(|extension| extension.created_unix_secs),
+        devices,
+        processes,
+    }
+}
