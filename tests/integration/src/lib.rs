@@ -344,3 +344,38 @@ impl Drop for Session {
         }
     }
 }
+
+/// A fresh folder for one test's files (regions, truth files), removed afterwards unless the test
+/// failed, so a failure leaves its files for inspection.
+pub struct ScratchDir(PathBuf);
+
+impl ScratchDir {
+    pub fn new(label: &str) -> ScratchDir {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        static COUNTER: AtomicUsize = AtomicUsize::new(0);
+        let path = std::env::temp_dir().join(format!(
+            "vgpu-{label}-{}-{}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(&path).expect("create the test folder");
+        ScratchDir(path)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    pub fn join(&self, name: impl AsRef<Path>) -> PathBuf {
+        self.0.join(name)
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}

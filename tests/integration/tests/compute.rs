@@ -14,11 +14,11 @@ mod truth;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use vgpu_integration::{Run, Session, c_program};
+use vgpu_integration::{Run, ScratchDir, Session, c_program};
 use vgpu_region::{COMPUTE_OFFSET, EXTENSION_OFFSET, InitParams, Region, SLOT_LIVE, read_snapshot};
 
 /// Simulated duration of the test kernel.
@@ -41,19 +41,11 @@ fn program() -> PathBuf {
 }
 
 /// A fresh folder for one test's region and truth, removed afterwards unless the test failed.
-struct TestDir(PathBuf);
+struct TestDir(ScratchDir);
 
 impl TestDir {
     fn new(name: &str) -> TestDir {
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        let path = std::env::temp_dir().join(format!(
-            "vgpu-compute-{name}-{}-{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path).expect("create the test folder");
-        TestDir(path)
+        TestDir(ScratchDir::new(&format!("compute-{name}")))
     }
 
     fn region(&self) -> PathBuf {
@@ -62,14 +54,6 @@ impl TestDir {
 
     fn truth(&self) -> truth::Truth {
         truth::Truth::open(&self.0.join("truth")).expect("open the ground truth")
-    }
-}
-
-impl Drop for TestDir {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
     }
 }
 

@@ -15,12 +15,11 @@ mod truth;
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use vgpu_codegen::table::{Class, Table};
-use vgpu_integration::{Run, Session, c_program, workspace_root};
+use vgpu_integration::{Run, ScratchDir, Session, c_program, workspace_root};
 use vgpu_region::{
     EXTENSION_OFFSET, InitParams, MemoryUsage, OpenKind, REGION_FILE_SIZE, Region, SLOT_LIVE, Snapshot, read_snapshot,
 };
@@ -56,19 +55,11 @@ fn heavy() -> MutexGuard<'static, ()> {
 
 /// A fresh folder for one test's region and truth files, removed afterwards unless the test
 /// failed (then it is kept for inspection).
-struct TestDir(PathBuf);
+struct TestDir(ScratchDir);
 
 impl TestDir {
     fn new(name: &str) -> TestDir {
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        let path = std::env::temp_dir().join(format!(
-            "vgpu-memory-{name}-{}-{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path).expect("create the test folder");
-        TestDir(path)
+        TestDir(ScratchDir::new(&format!("memory-{name}")))
     }
 
     fn region(&self) -> PathBuf {
@@ -81,14 +72,6 @@ impl TestDir {
 
     fn truth(&self) -> truth::Truth {
         truth::Truth::open(&self.truth_path()).expect("open the ground truth")
-    }
-}
-
-impl Drop for TestDir {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
     }
 }
 

@@ -12,11 +12,11 @@ use std::mem::size_of;
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::Output;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use vgpu_integration::{Run, Session, c_program, profile_dir};
+use vgpu_integration::{Run, ScratchDir, Session, c_program, profile_dir};
 use vgpu_region::{InitParams, Region};
 
 const MIB: u64 = 1 << 20;
@@ -55,19 +55,13 @@ fn vgpu_smi() -> PathBuf {
 
 /// A fresh folder for one test's region and truth files, removed afterwards unless the test
 /// failed.
-struct TestDir(PathBuf);
+struct TestDir(ScratchDir);
 
 impl TestDir {
     fn new(name: &str) -> TestDir {
-        static COUNTER: AtomicUsize = AtomicUsize::new(0);
-        let path = std::env::temp_dir().join(format!(
-            "vgpu-monitor-{name}-{}-{}",
-            std::process::id(),
-            COUNTER.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(path.join("regions")).expect("create the test folder");
-        TestDir(path)
+        let dir = TestDir(ScratchDir::new(&format!("monitor-{name}")));
+        std::fs::create_dir_all(dir.0.join("regions")).expect("create the test folder");
+        dir
     }
 
     /// The region file of container `name`.
@@ -77,14 +71,6 @@ impl TestDir {
 
     fn regions(&self) -> PathBuf {
         self.0.join("regions")
-    }
-}
-
-impl Drop for TestDir {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
     }
 }
 
@@ -189,7 +175,7 @@ struct Redactions {
 impl Redactions {
     fn new(dir: &TestDir, sessions: &[&Session]) -> Redactions {
         Redactions {
-            dir: dir.0.display().to_string(),
+            dir: dir.0.path().display().to_string(),
             pids: sessions
                 .iter()
                 .enumerate()
@@ -252,7 +238,7 @@ impl Redactions {
 }
 
 fn every_line_fits_80_columns(text: &str, dir: &TestDir) {
-    for line in text.replace(&dir.0.display().to_string(), "<dir>").lines() {
+    for line in text.replace(&dir.0.path().display().to_string(), "<dir>").lines() {
         let width = line.chars().count();
         assert!(width <= 80 || line.starts_with("Region "), "{width} columns: {line:?}");
     }
