@@ -164,10 +164,16 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
             let real = unsafe { ::core::mem::transmute::<*mut ::core::ffi::c_void, #real_type>(address) };
             unsafe { real(#(#param_names),*) }
         };
+        // Launches while nothing is limited: a check and a tail call, nothing that needs the
+        // arguments saved (an unresolved slot takes the handler's path, which resolves it).
         let fast_path = if function.launch {
             quote! {
-                if crate::throttle::fast_path() {
-                    return { #passthrough };
+                if crate::throttle::fast_path()
+                    && let Some(address) = EXPORTS[#index].resolved()
+                {
+                    // SAFETY: as below: the real function of this name and prototype.
+                    let real = unsafe { ::core::mem::transmute::<*mut ::core::ffi::c_void, #real_type>(address) };
+                    return unsafe { real(#(#param_names),*) };
                 }
             }
         } else {
@@ -175,17 +181,32 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
         };
         let body = match &function.handler {
             None => passthrough,
-            Some((path, args)) => quote! {
-                #fast_path
-                crate::real::guard(#name_text, #panicked, move || {
-                    let Some(address) = EXPORTS[#index].real_address() else {
-                        return #not_found;
-                    };
-                    // SAFETY: as for passthrough functions: the real function of this name.
-                    let real = unsafe { ::core::mem::transmute::<*mut ::core::ffi::c_void, #real_type>(address) };
-                    #path(#name_text, move || unsafe { real(#(#param_names),*) }, #(#args),*)
-                })
-            },
+            Some((path, args)) => {
+                let handled = quote! {
+                    crate::real::guard(#name_text, #panicked, move || {
+                        let Some(address) = EXPORTS[#index].real_address() else {
+                            return #not_found;
+                        };
+                        // SAFETY: as for passthrough functions: the real function of this name.
+                        let real = unsafe { ::core::mem::transmute::<*mut ::core::ffi::c_void, #real_type>(address) };
+                        #path(#name_text, move || unsafe { real(#(#param_names),*) }, #(#args),*)
+                    })
+                };
+                if function.launch {
+                    // The handler in a function of its own, so the fast path needs no frame.
+                    quote! {
+                        #fast_path
+                        #[inline(never)]
+                        #[allow(non_snake_case, clippy::too_many_arguments)]
+                        unsafe extern "C" fn handled(#(#param_names: #param_types),*) -> #ret {
+                            #handled
+                        }
+                        unsafe { handled(#(#param_names),*) }
+                    }
+                } else {
+                    handled
+                }
+            }
         };
         wrappers.push(quote! {
             #[allow(non_snake_case, clippy::too_many_arguments, clippy::missing_safety_doc)]
