@@ -157,6 +157,18 @@ fn time_range(device: &DeviceSeries) -> f64 {
         .max(1.0)
 }
 
+/// One panel: a measured series against time, and its limit as a flat line.
+struct Panel {
+    caption: String,
+    y_desc: String,
+    y_label_width: u32,
+    top: f64,
+    series_label: &'static str,
+    colour: RGBColor,
+    points: Vec<(f64, f64)>,
+    limit: Option<f64>,
+}
+
 fn draw_memory<DB: DrawingBackend>(
     area: &DrawingArea<DB, Shift>,
     device: &DeviceSeries,
@@ -173,47 +185,24 @@ fn draw_memory<DB: DrawingBackend>(
     } else {
         (MIB, "MiB")
     };
-    let top = (highest / unit * 1.1).max(1.0);
-    let end = time_range(device);
-    let mut chart = ChartBuilder::on(area)
-        .caption(format!("{}: memory", device.title), (FONT, 16))
-        .margin(12)
-        .x_label_area_size(36)
-        .y_label_area_size(64)
-        .build_cartesian_2d(0.0..end, 0.0..top)?;
-    chart
-        .configure_mesh()
-        .x_desc("seconds")
-        .y_desc(format!("used ({unit_name})"))
-        .label_style((FONT, 12))
-        .draw()?;
-    chart
-        .draw_series(LineSeries::new(
-            device
+    draw_panel(
+        area,
+        time_range(device),
+        Panel {
+            caption: format!("{}: memory", device.title),
+            y_desc: format!("used ({unit_name})"),
+            y_label_width: 64,
+            top: (highest / unit * 1.1).max(1.0),
+            series_label: "used",
+            colour: USED_COLOUR,
+            points: device
                 .samples
                 .iter()
-                .map(|&(seconds, used, _)| (seconds, used as f64 / unit)),
-            USED_COLOUR.stroke_width(2),
-        ))?
-        .label("used")
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], USED_COLOUR.stroke_width(2)));
-    if let Some(limit) = device.memory_limit {
-        let limit = limit as f64 / unit;
-        chart
-            .draw_series(LineSeries::new(
-                [(0.0, limit), (end, limit)],
-                LIMIT_COLOUR.stroke_width(1),
-            ))?
-            .label("limit")
-            .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], LIMIT_COLOUR));
-    }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .label_font((FONT, 12))
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
+                .map(|&(seconds, used, _)| (seconds, used as f64 / unit))
+                .collect(),
+            limit: device.memory_limit.map(|limit| limit as f64 / unit),
+        },
+    )
 }
 
 fn draw_utilisation<DB: DrawingBackend>(
@@ -228,31 +217,49 @@ fn draw_utilisation<DB: DrawingBackend>(
         .max()
         .unwrap_or(0)
         .max(100) as f64;
-    let end = time_range(device);
+    draw_panel(
+        area,
+        time_range(device),
+        Panel {
+            caption: format!("{}: SM utilisation", device.title),
+            y_desc: "percent".to_string(),
+            y_label_width: 48,
+            top: highest * 1.05,
+            series_label: "measured",
+            colour: MEASURED_COLOUR,
+            points: device
+                .samples
+                .iter()
+                .map(|&(seconds, _, utilisation)| (seconds, utilisation as f64))
+                .collect(),
+            limit: device.sm_limit.map(|limit| limit as f64),
+        },
+    )
+}
+
+fn draw_panel<DB: DrawingBackend>(
+    area: &DrawingArea<DB, Shift>,
+    end: f64,
+    panel: Panel,
+) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
     let mut chart = ChartBuilder::on(area)
-        .caption(format!("{}: SM utilisation", device.title), (FONT, 16))
+        .caption(panel.caption, (FONT, 16))
         .margin(12)
         .x_label_area_size(36)
-        .y_label_area_size(48)
-        .build_cartesian_2d(0.0..end, 0.0..highest * 1.05)?;
+        .y_label_area_size(panel.y_label_width)
+        .build_cartesian_2d(0.0..end, 0.0..panel.top)?;
     chart
         .configure_mesh()
         .x_desc("seconds")
-        .y_desc("percent")
+        .y_desc(panel.y_desc)
         .label_style((FONT, 12))
         .draw()?;
+    let colour = panel.colour;
     chart
-        .draw_series(LineSeries::new(
-            device
-                .samples
-                .iter()
-                .map(|&(seconds, _, utilisation)| (seconds, utilisation as f64)),
-            MEASURED_COLOUR.stroke_width(2),
-        ))?
-        .label("measured")
-        .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], MEASURED_COLOUR.stroke_width(2)));
-    if let Some(limit) = device.sm_limit {
-        let limit = limit as f64;
+        .draw_series(LineSeries::new(panel.points, colour.stroke_width(2)))?
+        .label(panel.series_label)
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], colour.stroke_width(2)));
+    if let Some(limit) = panel.limit {
         chart
             .draw_series(LineSeries::new(
                 [(0.0, limit), (end, limit)],
