@@ -21,6 +21,9 @@ pub fn hooks_input(routed: &[Routed]) -> String {
             if !function.args.is_empty() {
                 let _ = write!(attr, ", args({})", function.args.join(", "));
             }
+            if let Some(fast_path) = &function.fast_path {
+                let _ = write!(attr, ", fast_path = crate::{fast_path}");
+            }
         }
         let params: Vec<String> = function
             .prototype

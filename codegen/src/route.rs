@@ -13,6 +13,7 @@ pub struct Routed {
     pub class: Class,
     pub handler: Option<String>,
     pub args: Vec<String>,
+    pub fast_path: Option<String>,
 }
 
 /// Routes every function of `header`; functions the table does not name are passthrough.
@@ -26,6 +27,7 @@ pub fn join(header: &Header, table: &Table, library: Library, version: u32) -> R
                 class: Class::Passthrough,
                 handler: None,
                 args: vec![],
+                fast_path: None,
             });
             continue;
         };
@@ -55,6 +57,7 @@ pub fn join(header: &Header, table: &Table, library: Library, version: u32) -> R
             class: entry.class,
             handler: entry.handler.clone(),
             args: entry.args.clone(),
+            fast_path: entry.fast_path.clone(),
         });
     }
     Ok(routed)

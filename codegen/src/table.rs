@@ -44,6 +44,10 @@ pub struct Entry {
     /// The parameters the handler receives, by their header names, after the call itself.
     #[serde(default)]
     pub args: Vec<String>,
+    /// A `fn() -> bool` below the hook crate's root: while it returns true the wrapper calls the
+    /// real function directly, skipping the handler (e.g. launches while nothing is limited).
+    #[serde(default)]
+    pub fast_path: Option<String>,
     pub functions: Vec<String>,
     /// First CUDA version (as in `CUDA_VERSION`, e.g. 12030) whose headers have these functions.
     #[serde(default)]
@@ -93,6 +97,13 @@ impl Table {
             let label = entry.label(index);
             if entry.functions.is_empty() {
                 return Err(Error(format!("{label} lists no functions")));
+            }
+            if let Some(fast_path) = &entry.fast_path
+                && (entry.handler.is_none() || !is_handler_path(fast_path))
+            {
+                return Err(Error(format!(
+                    "{label}: fast_path `{fast_path}` needs a handler and a path like module::function"
+                )));
             }
             match (entry.class, &entry.handler) {
                 (Class::Passthrough, Some(_)) => {
@@ -192,11 +203,28 @@ mod tests {
     }
 
     #[test]
+    fn fast_path_needs_a_handler() {
+        let without_handler = "[[entry]]\nclass = \"passthrough\"\nfast_path = \"a::b\"\nfunctions = [\"cuInit\"]\n";
+        assert!(Table::parse(without_handler).is_err());
+        let with_handler =
+            "[[entry]]\nclass = \"overridden\"\nhandler = \"a::b\"\nfast_path = \"a::c\"\nfunctions = [\"cuInit\"]\n";
+        assert_eq!(
+            Table::parse(with_handler)
+                .map(|t| t.entries[0].fast_path.clone())
+                .ok()
+                .flatten()
+                .as_deref(),
+            Some("a::c")
+        );
+    }
+
+    #[test]
     fn version_ranges() {
         let entry = Entry {
             class: Class::Passthrough,
             handler: None,
             args: vec![],
+            fast_path: None,
             functions: vec!["x".into()],
             since: Some(12030),
             until: Some(13000),

@@ -20,8 +20,8 @@ struct Function {
     item: ForeignItemFn,
     library: Ident,
     handler: Option<(Path, Vec<Ident>)>,
-    /// Launch entry points go straight to the driver while `crate::throttle::fast_path()` holds.
-    launch: bool,
+    /// While this `fn() -> bool` holds, the wrapper calls the real function without the handler.
+    fast_path: Option<Path>,
 }
 
 struct Input {
@@ -40,6 +40,7 @@ impl Parse for Input {
             let mut class = None;
             let mut handler_path = None;
             let mut handler_args = Vec::new();
+            let mut fast_path = None;
             let attrs = std::mem::take(&mut item.attrs);
             for attr in attrs {
                 if !attr.path().is_ident("vgpu") {
@@ -53,6 +54,8 @@ impl Parse for Input {
                         class = Some(meta.value()?.parse::<Ident>()?);
                     } else if meta.path.is_ident("handler") {
                         handler_path = Some(meta.value()?.parse::<Path>()?);
+                    } else if meta.path.is_ident("fast_path") {
+                        fast_path = Some(meta.value()?.parse::<Path>()?);
                     } else if meta.path.is_ident("args") {
                         meta.parse_nested_meta(|arg| {
                             handler_args.push(arg.path.require_ident()?.clone());
@@ -78,12 +81,11 @@ impl Parse for Input {
                 (_, Some(path)) => Some((path, handler_args)),
                 (_, None) => return Err(syn::Error::new_spanned(class, "this class needs a handler")),
             };
-            let launch = class == "launch_throttled";
             functions.push(Function {
                 item,
                 library,
                 handler,
-                launch,
+                fast_path,
             });
         }
         Ok(Input { functions })
@@ -164,11 +166,12 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
             let real = unsafe { ::core::mem::transmute::<*mut ::core::ffi::c_void, #real_type>(address) };
             unsafe { real(#(#param_names),*) }
         };
-        // Launches while nothing is limited: a check and a tail call, nothing that needs the
-        // arguments saved (an unresolved slot takes the handler's path, which resolves it).
-        let fast_path = if function.launch {
+        // The table's fast path (e.g. launches while nothing is limited): a check and a call,
+        // nothing that needs the arguments saved (an unresolved slot takes the handler's path,
+        // which resolves it).
+        let fast_path = if let Some(fast_path) = &function.fast_path {
             quote! {
-                if crate::throttle::fast_path()
+                if #fast_path()
                     && let Some(address) = EXPORTS[#index].resolved()
                 {
                     // SAFETY: as below: the real function of this name and prototype.
@@ -192,7 +195,7 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
                         #path(#name_text, move || unsafe { real(#(#param_names),*) }, #(#args),*)
                     })
                 };
-                if function.launch {
+                if function.fast_path.is_some() {
                     // The handler in a function of its own, so the fast path needs no frame.
                     quote! {
                         #fast_path

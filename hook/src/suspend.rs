@@ -30,6 +30,12 @@ pub fn suspended() -> bool {
     !flag.is_null() && unsafe { &*flag }.load(Ordering::Acquire) != 0
 }
 
+/// The table's fast path for copies: while not suspended they go straight to the driver.
+#[inline(always)]
+pub fn running() -> bool {
+    !suspended()
+}
+
 /// Returns at once unless this process's slot is suspended; otherwise sleeps until it is resumed.
 /// A process that has not initialised CUDA (no region, no slot) is never suspended.
 #[inline(always)]
