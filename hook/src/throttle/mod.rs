@@ -12,6 +12,7 @@
 //! `docs/compute-limit.md` describes the design and its constants.
 
 mod bucket;
+mod crosscheck;
 mod estimates;
 mod runtime;
 mod sensor;

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use vgpu_region::{ComputeDevice, MAX_DEVICES, SharedRegion};
 
+use super::crosscheck::{self, CrossCheck, Report};
 use super::estimates::Estimates;
 use super::sensor::{InFlight, SampleInfo, Sensor};
 use super::{MODE, OFF, ON, UNDECIDED, bucket, now_ns};
@@ -38,6 +39,8 @@ const POLL_IDLE: Duration = Duration::from_millis(20);
 /// (4 x 250 ms: the last second).
 const PUBLISH_PERIOD_NS: u64 = 250_000_000;
 const PUBLISH_WINDOW: usize = 4;
+/// How often the measured share is compared with NVML's utilisation ([`crosscheck`]).
+const CROSS_CHECK_PERIOD_NS: u64 = 1_000_000_000;
 /// HAMi-core writes this into `recent_kernel` at each limited launch; HAMi's monitor counts it
 /// down to tell active containers from idle ones.
 const RECENT_KERNEL_ACTIVE: i32 = 2;
@@ -414,6 +417,8 @@ impl Runtime {
         let mut flushed = [(0i64, 0u64); MAX_DEVICES];
         let mut last_publish = now_ns();
         let mut publications = 0usize;
+        let mut cross_check = CrossCheck::default();
+        let mut last_cross_check = now_ns();
         loop {
             std::thread::sleep(if self.sensor.outstanding() > 0 {
                 POLL_BUSY
@@ -440,6 +445,14 @@ impl Runtime {
                 last_publish = now;
                 self.publish(&mut history, publications % PUBLISH_WINDOW, now);
                 publications += 1;
+            }
+            if now.saturating_sub(last_cross_check) >= CROSS_CHECK_PERIOD_NS {
+                last_cross_check = now;
+                POLLER_IN_DRIVER.store(true, Ordering::SeqCst);
+                if !SHUTDOWN.load(Ordering::SeqCst) {
+                    self.cross_check(&mut cross_check, now);
+                }
+                POLLER_IN_DRIVER.store(false, Ordering::SeqCst);
             }
         }
     }
@@ -480,6 +493,49 @@ impl Runtime {
         };
         if let Some(bucket) = accounting.region().extension().compute.get(info.region_index) {
             self.charge(bucket, info.region_index, correction);
+        }
+    }
+
+    /// Compares the region's measured share of each device this process uses with NVML's
+    /// utilisation of the GPU, and logs what [`crosscheck`] finds.
+    fn cross_check(&self, check: &mut CrossCheck, now: u64) {
+        let Some(accounting) = crate::memory::accounting() else {
+            return;
+        };
+        let hami = accounting.region().hami();
+        for ordinal in 0..MAX_DEVICES as CUdevice {
+            let Some(device) = accounting.device(ordinal) else {
+                break;
+            };
+            let index = device.region_index;
+            if !self
+                .touched
+                .get(index)
+                .is_some_and(|touched| touched.load(Ordering::Relaxed))
+            {
+                continue;
+            }
+            // The region's share: every live process of the container on this device.
+            let measured = hami
+                .procs
+                .iter()
+                .filter(|slot| slot.status.load(Ordering::Relaxed) == vgpu_region::SLOT_LIVE)
+                .map(|slot| slot.device_util[index].sm_util.load(Ordering::Relaxed))
+                .fold(0u64, u64::saturating_add)
+                .min(100) as u32;
+            let nvml = crosscheck::nvml_utilisation(&device.uuid);
+            match check.record(index, crosscheck::judge(measured, nvml), now) {
+                Report::Nothing => {}
+                Report::Unavailable => tracing::debug!(
+                    "NVML cannot cross-check the compute limiter here: it reports {} while the container's kernels use {measured}% of device {ordinal}",
+                    nvml.map_or_else(|| "no utilisation".to_owned(), |value| format!("{value}%"))
+                ),
+                Report::Warning => tracing::warn!(
+                    "compute limiter: the container measured {measured}% of device {ordinal} but NVML reports {}% for the whole GPU; the sensor may over-count (checked for {} s)",
+                    nvml.unwrap_or(0),
+                    crosscheck::PERSISTENCE
+                ),
+            }
         }
     }
 

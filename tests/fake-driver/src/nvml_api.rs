@@ -416,7 +416,14 @@ pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
 ) -> nvmlReturn_t {
     nv(|| {
         let index = index_of(device)?;
-        let gpu = truth()?.device(index).utilisation_percent();
+        // FAKE_NVML_UTILIZATION pins the answer (a GPU whose NVML disagrees with the truth).
+        let pinned = std::env::var("FAKE_NVML_UTILIZATION")
+            .ok()
+            .and_then(|value| value.parse().ok());
+        let gpu = match pinned {
+            Some(percent) => percent,
+            None => truth()?.device(index).utilisation_percent(),
+        };
         // SAFETY: out-pointer from the caller.
         unsafe { put(utilization, nvmlUtilization_t { gpu, memory: 0 }) }
     })

@@ -462,3 +462,49 @@ fn switching_the_limit_off_releases_a_waiting_launch() {
     finish(session);
     assert!(share > 90.0, "after the switch went off: busy share {share:.1}");
 }
+
+/// Starts the loop at limit 50 for 7.5 s with the fake's NVML utilisation pinned (or, with
+/// `None`, taken from the truth), logging at debug level.
+fn cross_checked_run(dir: &TestDir, nvml_utilisation: Option<&str>) -> Session {
+    let mut env = vec![("CUDA_DEVICE_SM_LIMIT", "50"), ("LIBCUDA_LOG_LEVEL", "4")];
+    if let Some(percent) = nvml_utilisation {
+        env.push(("FAKE_NVML_UTILIZATION", percent));
+    }
+    start(compute_loop(dir, &env, &["kernel", KERNEL, "7.5"]))
+}
+
+fn log_of(mut session: Session) -> String {
+    let output = session.finish();
+    assert!(output.status.success(), "the program failed: {output:?}");
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+#[test]
+fn nvml_cross_checks_the_sensor_where_it_works() {
+    const OVER_COUNT: &str = "the sensor may over-count";
+    const BLIND: &str = "NVML cannot cross-check";
+    let dirs = ["nvml-agrees", "nvml-disagrees", "nvml-blind"].map(TestDir::new);
+    // NVML sees the GPU (the truth's utilisation, about 50%); NVML claims 20% of the whole GPU
+    // while the container measures 50%; NVML blind (0% while kernels run, as on the H200 VM).
+    let sessions = [
+        cross_checked_run(&dirs[0], None),
+        cross_checked_run(&dirs[1], Some("20")),
+        cross_checked_run(&dirs[2], Some("0")),
+    ];
+    let [agreeing, disagreeing, blind] = sessions.map(log_of);
+    assert!(!agreeing.contains(OVER_COUNT), "{agreeing}");
+    assert!(!agreeing.contains(BLIND), "{agreeing}");
+    assert_eq!(
+        disagreeing.matches(OVER_COUNT).count(),
+        1,
+        "one warning a minute: {disagreeing}"
+    );
+    assert!(
+        ["measured 49%", "measured 50%", "measured 51%"]
+            .iter()
+            .any(|figure| disagreeing.contains(figure)),
+        "{disagreeing}"
+    );
+    assert!(!blind.contains(OVER_COUNT), "{blind}");
+    assert_eq!(blind.matches(BLIND).count(), 1, "{blind}");
+}

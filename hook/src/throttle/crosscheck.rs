@@ -1,0 +1,168 @@
+//! NVML as a cross-check of the sensor, where NVML works.
+//!
+//! The limiter never feeds on NVML (on the H200 VM it reports 0% while a GEMM runs), but where
+//! NVML does measure the GPU, its device utilisation bounds what the container can have used: the
+//! container's kernels are a subset of the GPU's. Once a second the background thread compares
+//! the region's measured share of a device (the sum of its processes' `sm_util`) with NVML's
+//! `nvmlDeviceGetUtilizationRates`. A measured share above NVML's figure by more than
+//! [`TOLERANCE`] points for [`PERSISTENCE`] checks in a row means the sensor over-counts: that is
+//! logged as a warning (at most once a minute per device). NVML reporting 0% while the container
+//! measures work means NVML does not see this GPU's work: said once, at debug level.
+
+use vgpu_region::MAX_DEVICES;
+
+/// Points by which the measured share may exceed NVML's: the two figures cover slightly
+/// different windows (NVML's sample period is 1/6 s to 1 s depending on the GPU).
+pub const TOLERANCE: u32 = 10;
+/// Consecutive disagreeing checks (one a second) before a warning.
+pub const PERSISTENCE: u32 = 5;
+/// Shortest time between two warnings for one device.
+const WARNING_INTERVAL_NS: u64 = 60_000_000_000;
+
+/// One comparison.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// NVML's figure bounds the measured share.
+    Agrees,
+    /// NVML gives no figure, or 0% while the container measures work: it cannot check here.
+    Unavailable,
+    /// The measured share exceeds NVML's by more than the tolerance.
+    OverCounts,
+}
+
+pub fn judge(measured: u32, nvml: Option<u32>) -> Verdict {
+    match nvml {
+        None => Verdict::Unavailable,
+        Some(0) if measured > 0 => Verdict::Unavailable,
+        Some(nvml) if measured > nvml.saturating_add(TOLERANCE) => Verdict::OverCounts,
+        Some(_) => Verdict::Agrees,
+    }
+}
+
+/// What the background thread should log after a check.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Report {
+    Nothing,
+    /// NVML cannot check on this machine (said once per process).
+    Unavailable,
+    /// The sensor has over-counted for [`PERSISTENCE`] checks in a row.
+    Warning,
+}
+
+/// The cross-check's memory: disagreeing checks in a row and the last warning, per device.
+#[derive(Default)]
+pub struct CrossCheck {
+    disagreeing: [u32; MAX_DEVICES],
+    warned_ns: [u64; MAX_DEVICES],
+    said_unavailable: bool,
+}
+
+impl CrossCheck {
+    /// Records one comparison for a region device index at time `now` (monotonic ns).
+    pub fn record(&mut self, index: usize, verdict: Verdict, now: u64) -> Report {
+        let Some(disagreeing) = self.disagreeing.get_mut(index) else {
+            return Report::Nothing;
+        };
+        match verdict {
+            Verdict::Agrees => {
+                *disagreeing = 0;
+                Report::Nothing
+            }
+            Verdict::Unavailable => {
+                *disagreeing = 0;
+                if std::mem::replace(&mut self.said_unavailable, true) {
+                    Report::Nothing
+                } else {
+                    Report::Unavailable
+                }
+            }
+            Verdict::OverCounts => {
+                *disagreeing = disagreeing.saturating_add(1);
+                let warned = &mut self.warned_ns[index];
+                if *disagreeing >= PERSISTENCE && (*warned == 0 || now.saturating_sub(*warned) >= WARNING_INTERVAL_NS) {
+                    *warned = now.max(1);
+                    Report::Warning
+                } else {
+                    Report::Nothing
+                }
+            }
+        }
+    }
+}
+
+/// NVML's utilisation of the GPU with this UUID, in percent; `None` where NVML cannot say.
+pub fn nvml_utilisation(uuid: &str) -> Option<u32> {
+    use crate::hooks::real;
+    use crate::sys::nvml::{NVML_SUCCESS, nvmlDevice_t, nvmlUtilization_t};
+    let init = real::nvmlInit_v2()?;
+    let by_uuid = real::nvmlDeviceGetHandleByUUID()?;
+    let rates = real::nvmlDeviceGetUtilizationRates()?;
+    let uuid = std::ffi::CString::new(uuid).ok()?;
+    let mut device: nvmlDevice_t = std::ptr::null_mut();
+    let mut utilisation = nvmlUtilization_t::default();
+    // SAFETY: NVML's init is reference counted; the out-pointers are locals; uuid is NUL-terminated.
+    unsafe {
+        (init() == NVML_SUCCESS
+            && by_uuid(uuid.as_ptr(), &mut device) == NVML_SUCCESS
+            && rates(device, &mut utilisation) == NVML_SUCCESS)
+            .then_some(utilisation.gpu)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nvml_bounds_the_measured_share() {
+        assert_eq!(judge(50, Some(52)), Verdict::Agrees);
+        assert_eq!(judge(50, Some(40)), Verdict::Agrees, "within the tolerance");
+        assert_eq!(judge(50, Some(39)), Verdict::OverCounts);
+        assert_eq!(judge(20, Some(95)), Verdict::Agrees, "others may use the GPU too");
+        assert_eq!(
+            judge(50, Some(0)),
+            Verdict::Unavailable,
+            "NVML blind, as on the H200 VM"
+        );
+        assert_eq!(judge(0, Some(0)), Verdict::Agrees);
+        assert_eq!(judge(50, None), Verdict::Unavailable);
+    }
+
+    #[test]
+    fn a_warning_needs_persistence_and_is_rate_limited() {
+        let mut check = CrossCheck::default();
+        let second = 1_000_000_000;
+        for i in 1..PERSISTENCE {
+            assert_eq!(
+                check.record(0, Verdict::OverCounts, u64::from(i) * second),
+                Report::Nothing
+            );
+        }
+        assert_eq!(check.record(0, Verdict::OverCounts, 5 * second), Report::Warning);
+        assert_eq!(
+            check.record(0, Verdict::OverCounts, 6 * second),
+            Report::Nothing,
+            "once a minute"
+        );
+        // One agreeing check resets the count.
+        check.record(0, Verdict::Agrees, 7 * second);
+        for i in 0..PERSISTENCE {
+            assert_eq!(check.record(0, Verdict::OverCounts, (70 + u64::from(i)) * second), {
+                if i + 1 == PERSISTENCE {
+                    Report::Warning
+                } else {
+                    Report::Nothing
+                }
+            });
+        }
+        // Other devices are independent; an index out of range is ignored.
+        assert_eq!(check.record(MAX_DEVICES, Verdict::OverCounts, 0), Report::Nothing);
+    }
+
+    #[test]
+    fn unavailable_is_said_once() {
+        let mut check = CrossCheck::default();
+        assert_eq!(check.record(0, Verdict::Unavailable, 1), Report::Unavailable);
+        assert_eq!(check.record(1, Verdict::Unavailable, 2), Report::Nothing);
+    }
+}
