@@ -6,7 +6,8 @@
 # each limit in 10, 25, 50, 75, 100, the throughput as % of the unlimited run of the same call and
 # the error against min(limit, natural share); the mean absolute and the largest error; then two
 # processes of one region at 50 and two regions at 30 and 70. About 5 minutes. The report is also
-# written to $OUT/compute.txt. COMPUTE_SECONDS, COMPUTE_WARMUP, COMPUTE_WORKLOADS and
+# written to $OUT/compute.txt ($OUT/compute-$COMPUTE_TAG.txt with COMPUTE_TAG). VGPU_HOOK runs
+# another library (HAMi-core's: tests/gpu/hami_core_build.sh, with COMPUTE_POLICY=FORCE). COMPUTE_SECONDS, COMPUTE_WARMUP, COMPUTE_WORKLOADS and
 # COMPUTE_LIMITS shorten it (see compute_bench.py).
 set -u
 root=$(pwd)
@@ -17,5 +18,6 @@ work=/tmp/vgpu-compute; rm -rf "$work"; mkdir -p "$work"
 nvcc -O2 -arch=sm_90 -o "$work/compute_small" tests/gpu/compute_small.cu -lcuda || exit 1
 {
   echo "# compute limit benchmark, $(date -u +%F), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
+  echo "# library: $hook${COMPUTE_POLICY:+, GPU_CORE_UTILIZATION_POLICY=$COMPUTE_POLICY}"
   python3 tests/gpu/compute_bench.py "$hook" "$work/compute_small" "$work"
-} 2>&1 | tee "$out/compute.txt"
+} 2>&1 | tee "$out/compute${COMPUTE_TAG:+-$COMPUTE_TAG}.txt"

@@ -16,7 +16,8 @@ GPU 0's SM clock and power over the measured part: the GPU boosts when it is not
 limited GEMM does more work per GPU-second than the unlimited one. Then two processes of one
 region at 50, and two regions at 30 and 70, running the GEMM at the same time.
 
-Environment: COMPUTE_SECONDS (measured seconds per point, default 3), COMPUTE_WARMUP (1),
+Environment: COMPUTE_POLICY (GPU_CORE_UTILIZATION_POLICY for the limited runs, e.g. FORCE for
+HAMi-core, whose limiter is off until its watcher has read the switch), COMPUTE_SECONDS (measured seconds per point, default 3), COMPUTE_WARMUP (1),
 COMPUTE_WORKLOADS (default "gemm small graph pause"), COMPUTE_LIMITS (default "10 25 50 75 100").
 """
 import os
@@ -31,6 +32,7 @@ SECONDS = float(os.environ.get("COMPUTE_SECONDS", "3"))
 WARM_UP = float(os.environ.get("COMPUTE_WARMUP", "1"))
 WORKLOADS = os.environ.get("COMPUTE_WORKLOADS", "gemm small graph pause").split()
 LIMITS = [int(v) for v in os.environ.get("COMPUTE_LIMITS", "10 25 50 75 100").split()]
+POLICY = os.environ.get("COMPUTE_POLICY", "")
 PAUSE_PRODUCTS = 20
 # Launches per iteration of each workload (a product is one kernel; a graph replay one launch).
 LAUNCHES_PER_ITERATION = {"gemm": 1, "small": 1, "graph": 1, "pause": PAUSE_PRODUCTS}
@@ -58,6 +60,8 @@ def command(workload, start_at=0.0, pin=True):
 def environment(limit, region):
     env = dict(CLEAN_ENV)
     if limit is not None:
+        if POLICY:
+            env["GPU_CORE_UTILIZATION_POLICY"] = POLICY
         env.update(
             LD_PRELOAD=HOOK,
             CUDA_DEVICE_SM_LIMIT=str(limit),
@@ -125,8 +129,8 @@ def stats(region):
         with open(os.path.join(WORK, region + ".cache"), "rb") as f:
             f.seek(COMPUTE_AT)
             budget, refilled, busy, wait, launches = struct.unpack("<qQQQQ", f.read(40))
-    except OSError:
-        return None
+    except (OSError, struct.error):
+        return None  # not our region (HAMi-core's has no extension)
     return launches, (busy / launches / 1e3 if launches else 0.0), wait / 1e9
 
 

@@ -248,11 +248,13 @@ impl Runtime {
         self.start_poller();
 
         let now = now_ns();
+        // A positive budget admits the launch at once (refilling only adds to it).
+        let steady = bucket.budget_ns.load(Ordering::Relaxed) > 0;
         let plan = self
             .estimates
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .plan(key, now);
+            .plan(key, now, steady);
         // A launch into a stream being captured does not run now: it must neither wait nor be
         // measured (an event recorded there would join the graph). Asking the driver costs about
         // as much as the rest of this path, so it is asked only when the launch would wait or be
