@@ -5,6 +5,14 @@
 //! key also stands for the launches of that key charged since the previous measurement (they were
 //! not measured, at the sampling ratio), so when it arrives the charges of all of them are
 //! corrected to the new estimate: the accounting stays unbiased however rarely a key is sampled.
+//!
+//! Which launches are measured is decided by count, not by time. A limited loop runs in bursts:
+//! the first launch after the limiter's pause finds an idle GPU and takes longer than the ones
+//! queued behind it (on the H200 about 10% for a 3 us kernel). Picking "the first launch after
+//! 50 ms" would pick that one about as often as the GPU is paused, and over-charge the key, while
+//! skipping launches that waited would under-charge a GEMM loop, where nearly every launch waits.
+//! So after each sample a key counts down a random number of launches, centred on about 50 ms
+//! worth at its current rate: every launch is equally likely to be measured.
 
 /// Launches of a new key that are all measured, so its estimate settles at once.
 pub const YOUNG_SAMPLES: u32 = 4;
@@ -34,6 +42,10 @@ struct Entry {
     /// Measurements received for this key.
     received: u32,
     last_sample_ns: u64,
+    /// Launches of this key since its last sample.
+    since_sample: u32,
+    /// Launches to let pass before the next sample.
+    countdown: u32,
     last_use_ns: u64,
     /// Launches charged since the last measurement arrived and not themselves measured.
     uncorrected: u64,
@@ -53,6 +65,8 @@ pub struct Estimates {
     /// Smoothed cost over all keys: the charge of a key not measured yet.
     overall: u64,
     last_global_sample_ns: u64,
+    /// State of the generator that spreads the samples (xorshift64).
+    random: u64,
 }
 
 impl Default for Estimates {
@@ -61,6 +75,7 @@ impl Default for Estimates {
             entries: vec![Entry::default(); TABLE_SIZE],
             overall: 0,
             last_global_sample_ns: 0,
+            random: 0x2545_f491_4f6c_dd1d,
         }
     }
 }
@@ -105,24 +120,46 @@ impl Estimates {
         Some(&mut self.entries[index])
     }
 
+    /// A random number in `[0, bound)` (0 when `bound` is 0).
+    fn random_below(&mut self, bound: u64) -> u64 {
+        self.random ^= self.random << 13;
+        self.random ^= self.random >> 7;
+        self.random ^= self.random << 17;
+        if bound == 0 { 0 } else { self.random % bound }
+    }
+
     /// The charge of a launch of `key` now, and whether to measure it. A launch that is not
     /// measured is recorded for correction; one that is must be followed by [`Self::measured`]
     /// or, if the measurement could not be set up, [`Self::not_measured`].
-    ///
-    /// `steady` says the launch will not wait for the bucket. Only such launches are resampled: a
-    /// launch that waited finds a GPU the limiter let go idle, and runs slower than the launches
-    /// behind it (on the H200 about 10% for a 3 us kernel); sampling by time would pick it about
-    /// as often as the limiter keeps the GPU idle, and over-charge the whole key.
-    pub fn plan(&mut self, key: u64, now: u64, steady: bool) -> Plan {
+    pub fn plan(&mut self, key: u64, now: u64) -> Plan {
         let prior = if self.overall > 0 { self.overall } else { PRIOR_NS };
         let global_due = now.saturating_sub(self.last_global_sample_ns) >= GLOBAL_SAMPLE_INTERVAL_NS;
+        let spread = self.random_below(u64::MAX);
         let entry = self.slot(key, now);
         let charge = if entry.estimate > 0 { entry.estimate } else { prior };
-        let sample = entry.issued < YOUNG_SAMPLES
-            || (steady && global_due && now.saturating_sub(entry.last_sample_ns) >= KEY_RESAMPLE_NS);
+        entry.since_sample = entry.since_sample.saturating_add(1);
+        let sample = if entry.issued < YOUNG_SAMPLES {
+            true
+        } else if entry.countdown > 0 {
+            entry.countdown -= 1;
+            false
+        } else if global_due {
+            true
+        } else {
+            // Another key was measured less than the interval ago: a few launches later, at random.
+            entry.countdown = (spread % 4) as u32 + 1;
+            false
+        };
         if sample {
+            // About KEY_RESAMPLE_NS worth of launches at the rate since the last sample, spread
+            // uniformly over half to one and a half times that.
+            let elapsed = now.saturating_sub(entry.last_sample_ns).max(1);
+            let per_interval = u128::from(entry.since_sample) * u128::from(KEY_RESAMPLE_NS) / u128::from(elapsed);
+            let stride = per_interval.min(u128::from(u32::MAX / 2)) as u64;
+            entry.countdown = (stride / 2 + spread % (stride + 1)) as u32;
             entry.issued = entry.issued.saturating_add(1);
             entry.last_sample_ns = now;
+            entry.since_sample = 0;
         } else {
             entry.uncorrected += 1;
             entry.uncorrected_charged = entry.uncorrected_charged.saturating_add(charge);
@@ -131,6 +168,21 @@ impl Estimates {
             self.last_global_sample_ns = now;
         }
         Plan { charge, sample }
+    }
+
+    /// A planned launch that will not run now (its stream is being captured, or the limit was
+    /// lifted while it waited): as if it had not been planned, so that a young key still gets its
+    /// first measurements and no correction counts it.
+    pub fn forget(&mut self, key: u64, plan: Plan) {
+        if let Some(entry) = self.find(key) {
+            if plan.sample {
+                entry.issued = entry.issued.saturating_sub(1);
+                entry.countdown = 0;
+            } else {
+                entry.uncorrected = entry.uncorrected.saturating_sub(1);
+                entry.uncorrected_charged = entry.uncorrected_charged.saturating_sub(plan.charge);
+            }
+        }
     }
 
     /// A planned sample that could not be taken: the launch joins the uncorrected ones.
@@ -190,7 +242,7 @@ mod tests {
     fn a_new_key_is_charged_the_prior_and_measured_while_young() {
         let mut estimates = Estimates::default();
         for i in 0..YOUNG_SAMPLES {
-            let plan = estimates.plan(7, u64::from(i), true);
+            let plan = estimates.plan(7, u64::from(i));
             assert_eq!(
                 plan,
                 Plan {
@@ -199,7 +251,7 @@ mod tests {
                 }
             );
         }
-        let plan = estimates.plan(7, 10, true);
+        let plan = estimates.plan(7, 10);
         assert!(!plan.sample, "old enough, and the global interval has not passed");
     }
 
@@ -207,11 +259,11 @@ mod tests {
     fn a_measurement_corrects_the_launches_it_stands_for() {
         let mut estimates = Estimates::default();
         for i in 0..YOUNG_SAMPLES {
-            estimates.plan(7, u64::from(i), true);
+            estimates.plan(7, u64::from(i));
         }
         // Ten launches charged the prior, not measured.
         for i in 0..10 {
-            assert!(!estimates.plan(7, 100 + i, true).sample);
+            assert!(!estimates.plan(7, 100 + i).sample);
         }
         // The first sample comes back: 2 ms.
         let correction = estimates.measured(7, PRIOR_NS, 2_000_000);
@@ -222,16 +274,16 @@ mod tests {
         );
         assert_eq!(estimates.estimate(7), 2_000_000);
         // The next launches are charged the estimate.
-        assert_eq!(estimates.plan(7, 200, true).charge, 2_000_000);
+        assert_eq!(estimates.plan(7, 200).charge, 2_000_000);
         // Another key is charged the overall average rather than the prior now.
-        assert_eq!(estimates.plan(8, 201, true).charge, 2_000_000);
+        assert_eq!(estimates.plan(8, 201).charge, 2_000_000);
     }
 
     #[test]
     fn outliers_of_a_settled_key_count_for_a_quarter_more_at_most() {
         let mut estimates = Estimates::default();
         for i in 0..SETTLED_SAMPLES {
-            let plan = estimates.plan(7, u64::from(i), true);
+            let plan = estimates.plan(7, u64::from(i));
             estimates.measured(7, plan.charge, 200_000);
         }
         // A sample stretched by another context's time slice.
@@ -251,7 +303,7 @@ mod tests {
         // One launch every 10 us for one second.
         for _ in 0..100_000 {
             now += 10_000;
-            let plan = estimates.plan(7, now, true);
+            let plan = estimates.plan(7, now);
             if plan.sample {
                 samples += 1;
                 estimates.measured(7, plan.charge, 5_000);
@@ -265,29 +317,68 @@ mod tests {
     }
 
     #[test]
-    fn launches_that_wait_are_not_resampled() {
+    fn every_launch_is_equally_likely_to_be_measured() {
+        // Bursts of 15 launches 3 us apart, then a 100 us pause, for 20 s: the position in the
+        // burst of each sample must be spread evenly, not stuck on the first launch of a burst.
+        let mut estimates = Estimates::default();
+        let mut now = 0;
+        let mut positions = [0u32; 15];
+        for _burst in 0..(20_000_000_000u64 / 145_000) {
+            now += 100_000;
+            for count in positions.iter_mut() {
+                now += 3_000;
+                let plan = estimates.plan(7, now);
+                if plan.sample {
+                    *count += 1;
+                    estimates.measured(7, plan.charge, 3_000);
+                }
+            }
+        }
+        let total: u32 = positions.iter().sum();
+        assert!((300..=500).contains(&total), "{total} samples in 20 s: {positions:?}");
+        let expected = f64::from(total) / 15.0;
+        for (position, count) in positions.iter().enumerate() {
+            assert!(
+                (f64::from(*count) - expected).abs() < expected * 0.6,
+                "position {position}: {count} samples of {total}: {positions:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_cancelled_sample_is_taken_again() {
         let mut estimates = Estimates::default();
         for i in 0..YOUNG_SAMPLES {
-            let plan = estimates.plan(7, u64::from(i), false);
-            assert!(plan.sample, "young keys are measured whatever happens");
-            estimates.measured(7, plan.charge, 5_000);
+            let plan = estimates.plan(7, u64::from(i));
+            assert!(plan.sample);
+            estimates.forget(7, plan);
         }
-        let due = KEY_RESAMPLE_NS * 2;
-        assert!(
-            !estimates.plan(7, due, false).sample,
-            "a launch that waits is not resampled"
+        assert!(estimates.plan(7, 10).sample, "still young: nothing was measured");
+        // A forgotten launch that was not to be measured is not corrected either.
+        let mut estimates = Estimates::default();
+        for i in 0..YOUNG_SAMPLES {
+            let plan = estimates.plan(7, u64::from(i));
+            estimates.measured(7, plan.charge, 1_000);
+        }
+        let plan = estimates.plan(7, 20);
+        assert!(!plan.sample);
+        estimates.forget(7, plan);
+        let plan = estimates.plan(7, 21);
+        assert_eq!(
+            estimates.measured(7, plan.charge, plan.charge),
+            0,
+            "nothing else to correct"
         );
-        assert!(estimates.plan(7, due + 1, true).sample, "the next steady one is");
     }
 
     #[test]
     fn a_full_table_forgets_the_least_recently_used_key() {
         let mut estimates = Estimates::default();
         for key in 1..=(TABLE_SIZE as u64 * 4) {
-            estimates.plan(key, key, true);
+            estimates.plan(key, key);
         }
         // Every recent key is still found or re-created without panicking, and charges are sane.
-        let plan = estimates.plan(3, 1 << 40, true);
+        let plan = estimates.plan(3, 1 << 40);
         assert!(plan.charge > 0);
     }
 }

@@ -14,7 +14,7 @@ use std::time::Duration;
 use vgpu_region::{ComputeDevice, MAX_DEVICES, SharedRegion};
 
 use super::crosscheck::{self, CrossCheck, Report};
-use super::estimates::Estimates;
+use super::estimates::{Estimates, Plan};
 use super::sensor::{InFlight, SampleInfo, Sensor};
 use super::{MODE, OFF, ON, UNDECIDED, bucket, now_ns};
 use crate::config::{Config, UtilizationPolicy};
@@ -248,13 +248,11 @@ impl Runtime {
         self.start_poller();
 
         let now = now_ns();
-        // A positive budget admits the launch at once (refilling only adds to it).
-        let steady = bucket.budget_ns.load(Ordering::Relaxed) > 0;
         let plan = self
             .estimates
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .plan(key, now, steady);
+            .plan(key, now);
         // A launch into a stream being captured does not run now: it must neither wait nor be
         // measured (an event recorded there would join the graph). Asking the driver costs about
         // as much as the rest of this path, so it is asked only when the launch would wait or be
@@ -268,17 +266,24 @@ impl Runtime {
         let (waited, checked) = match first {
             Ok(()) => (0, false),
             Err(wait) => {
-                if capturing(stream) {
+                // None from admit: the limit was lifted while the launch waited.
+                let admitted = if capturing(stream) {
+                    None
+                } else {
+                    self.admit(hami, bucket, limit, plan.charge, wait, now)
+                };
+                let Some(waited) = admitted else {
+                    self.forget(key, plan);
                     return None;
-                }
-                // None: the limit was lifted while the launch waited.
-                (self.admit(hami, bucket, limit, plan.charge, wait, now)?, true)
+                };
+                (waited, true)
             }
         };
         self.account(hami, bucket, region_index, plan.charge as i64, waited, now);
         let sample = if plan.sample && measurable {
             if !checked && capturing(stream) {
                 self.charge(bucket, region_index, -(plan.charge as i64));
+                self.forget(key, plan);
                 return None;
             }
             let info = SampleInfo {
@@ -298,6 +303,14 @@ impl Runtime {
             planned_sample: plan.sample,
             sample,
         })
+    }
+
+    /// A planned launch that is not limited after all: the estimates forget it.
+    fn forget(&self, key: u64, plan: Plan) {
+        self.estimates
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .forget(key, plan);
     }
 
     fn after(&self, ticket: Ticket, status: CUresult) {
