@@ -11,6 +11,7 @@
 //!
 //! `docs/compute-limit.md` describes the design and its constants.
 
+mod boost;
 mod bucket;
 mod crosscheck;
 mod estimates;

@@ -7,12 +7,13 @@
 //! may be held by threads the child does not have, and its background thread is gone, so the
 //! child builds fresh state on its first limited launch.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicPtr, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicPtr, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, Once};
 use std::time::Duration;
 
 use vgpu_region::{ComputeDevice, MAX_DEVICES, SharedRegion};
 
+use super::boost;
 use super::crosscheck::{self, CrossCheck, Report};
 use super::estimates::{Estimates, Plan};
 use super::sensor::{InFlight, SampleInfo, Sensor};
@@ -39,8 +40,11 @@ const POLL_IDLE: Duration = Duration::from_millis(20);
 /// (4 x 250 ms: the last second).
 const PUBLISH_PERIOD_NS: u64 = 250_000_000;
 const PUBLISH_WINDOW: usize = 4;
-/// How often the measured share is compared with NVML's utilisation ([`crosscheck`]).
-const CROSS_CHECK_PERIOD_NS: u64 = 1_000_000_000;
+/// How often NVML is read: the measured share is compared with its utilisation ([`crosscheck`])
+/// and the boost factor follows its power readings ([`boost`]).
+const NVML_PERIOD_NS: u64 = 1_000_000_000;
+/// The boost factor's unit: it is kept in thousandths.
+const BOOST_UNIT: u32 = 1000;
 /// HAMi-core writes this into `recent_kernel` at each limited launch; HAMi's monitor counts it
 /// down to tell active containers from idle ones.
 const RECENT_KERNEL_ACTIVE: i32 = 2;
@@ -59,6 +63,8 @@ pub struct Runtime {
     /// GPU time charged by this process per region device index (estimates plus corrections),
     /// for the utilisation it publishes.
     charged: [AtomicI64; MAX_DEVICES],
+    /// The boost compensation factor per region device index, in thousandths ([`boost`]).
+    boost: [AtomicU32; MAX_DEVICES],
     /// Launches admitted by this process per region device index.
     launches: [AtomicU64; MAX_DEVICES],
     touched: [AtomicBool; MAX_DEVICES],
@@ -118,6 +124,7 @@ fn create() -> Option<&'static Runtime> {
         estimates: Mutex::new(Estimates::default()),
         sensor: Sensor::default(),
         charged: std::array::from_fn(|_| AtomicI64::new(0)),
+        boost: std::array::from_fn(|_| AtomicU32::new(BOOST_UNIT)),
         launches: std::array::from_fn(|_| AtomicU64::new(0)),
         touched: std::array::from_fn(|_| AtomicBool::new(false)),
         kernel_time_written_ns: AtomicU64::new(0),
@@ -146,6 +153,9 @@ fn create() -> Option<&'static Runtime> {
 pub struct Ticket {
     runtime: &'static Runtime,
     key: u64,
+    /// What the estimates planned (GPU time at the clock the kernels run at).
+    planned: u64,
+    /// What the bucket was charged (the plan times the boost factor).
     charge: u64,
     region_index: usize,
     /// The limiter planned to measure this launch.
@@ -253,6 +263,7 @@ impl Runtime {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .plan(key, now);
+        let charge = self.boosted(region_index, plan.charge as i64) as u64;
         // A launch into a stream being captured does not run now: it must neither wait nor be
         // measured (an event recorded there would join the graph). Asking the driver costs about
         // as much as the rest of this path, so it is asked only when the launch would wait or be
@@ -261,7 +272,7 @@ impl Runtime {
         let first = if hami.recent_kernel.load(Ordering::Relaxed) < 0 {
             Err(BLOCKED_POLL_NS)
         } else {
-            bucket::try_take(bucket, now, limit, plan.charge)
+            bucket::try_take(bucket, now, limit, charge)
         };
         let (waited, checked) = match first {
             Ok(()) => (0, false),
@@ -270,7 +281,7 @@ impl Runtime {
                 let admitted = if capturing(stream) {
                     None
                 } else {
-                    self.admit(hami, bucket, limit, plan.charge, wait, now)
+                    self.admit(hami, bucket, limit, charge, wait, now)
                 };
                 let Some(waited) = admitted else {
                     self.forget(key, plan);
@@ -279,10 +290,10 @@ impl Runtime {
                 (waited, true)
             }
         };
-        self.account(hami, bucket, region_index, plan.charge as i64, waited, now);
+        self.account(hami, bucket, region_index, charge as i64, waited, now);
         let sample = if plan.sample && measurable {
             if !checked && capturing(stream) {
-                self.charge(bucket, region_index, -(plan.charge as i64));
+                self.charge(bucket, region_index, -(charge as i64));
                 self.forget(key, plan);
                 return None;
             }
@@ -298,7 +309,8 @@ impl Runtime {
         Some(Ticket {
             runtime: self,
             key,
-            charge: plan.charge,
+            planned: plan.charge,
+            charge,
             region_index,
             planned_sample: plan.sample,
             sample,
@@ -319,7 +331,7 @@ impl Runtime {
             self.estimates
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .not_measured(ticket.key, ticket.charge);
+                .not_measured(ticket.key, ticket.planned);
         }
         if status != CUDA_SUCCESS {
             // A launch the driver refused takes no GPU time.
@@ -433,7 +445,8 @@ impl Runtime {
         let mut last_publish = now_ns();
         let mut publications = 0usize;
         let mut cross_check = CrossCheck::default();
-        let mut last_cross_check = now_ns();
+        let mut last_nvml = now_ns();
+        let mut busy_seen = [(0u64, 0u64); MAX_DEVICES];
         loop {
             std::thread::sleep(if self.sensor.outstanding() > 0 {
                 POLL_BUSY
@@ -461,10 +474,11 @@ impl Runtime {
                 self.publish(&mut history, publications % PUBLISH_WINDOW, now);
                 publications += 1;
             }
-            if now.saturating_sub(last_cross_check) >= CROSS_CHECK_PERIOD_NS {
-                last_cross_check = now;
+            if now.saturating_sub(last_nvml) >= NVML_PERIOD_NS {
+                last_nvml = now;
                 POLLER_IN_DRIVER.store(true, Ordering::SeqCst);
                 if !SHUTDOWN.load(Ordering::SeqCst) {
+                    self.follow_boost(&mut busy_seen, now);
                     self.cross_check(&mut cross_check, now);
                 }
                 POLLER_IN_DRIVER.store(false, Ordering::SeqCst);
@@ -493,6 +507,52 @@ impl Runtime {
         }
     }
 
+    /// `ns` of GPU time at the clock the kernels run at, as charged: times the device's boost
+    /// factor.
+    fn boosted(&self, region_index: usize, ns: i64) -> i64 {
+        let factor = self
+            .boost
+            .get(region_index)
+            .map_or(BOOST_UNIT, |factor| factor.load(Ordering::Relaxed));
+        (i128::from(ns) * i128::from(factor) / i128::from(BOOST_UNIT)) as i64
+    }
+
+    /// Moves each device's boost factor towards what NVML's power readings call for, given the
+    /// container's share of the device over the last period (the region's charged time, which
+    /// every process of the container adds to, divided by the factor it was charged at).
+    fn follow_boost(&self, busy_seen: &mut [(u64, u64); MAX_DEVICES], now: u64) {
+        let Some(accounting) = crate::memory::accounting() else {
+            return;
+        };
+        let compute = &accounting.region().extension().compute;
+        for ordinal in 0..MAX_DEVICES as CUdevice {
+            let Some(device) = accounting.device(ordinal) else {
+                break;
+            };
+            let index = device.region_index;
+            if !self
+                .touched
+                .get(index)
+                .is_some_and(|touched| touched.load(Ordering::Relaxed))
+            {
+                continue;
+            }
+            let busy = compute[index].busy_ns.load(Ordering::Relaxed);
+            let (then, busy_then) = std::mem::replace(&mut busy_seen[index], (now, busy));
+            if then == 0 {
+                continue;
+            }
+            let current = f64::from(self.boost[index].load(Ordering::Relaxed)) / f64::from(BOOST_UNIT);
+            let share = busy.saturating_sub(busy_then) as f64 / now.saturating_sub(then).max(1) as f64 / current;
+            let target = boost::read(&device.uuid).map_or(1.0, |reading| boost::target_factor(reading, share));
+            let next = boost::smoothed(current, target);
+            self.boost[index].store((next * f64::from(BOOST_UNIT)).round() as u32, Ordering::Relaxed);
+            if (next - current).abs() >= 0.01 {
+                tracing::debug!("compute limiter: device {ordinal} boost factor {next:.3} (busy share {share:.3})");
+            }
+        }
+    }
+
     /// A measurement came back: correct the charges it stands for.
     fn correct(&self, info: SampleInfo, measured: u64) {
         let correction = self
@@ -500,6 +560,7 @@ impl Runtime {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
             .measured(info.key, info.charged, measured);
+        let correction = self.boosted(info.region_index, correction);
         if correction == 0 {
             return;
         }
@@ -537,7 +598,10 @@ impl Runtime {
                 .filter(|slot| slot.status.load(Ordering::Relaxed) == vgpu_region::SLOT_LIVE)
                 .map(|slot| slot.device_util[index].sm_util.load(Ordering::Relaxed))
                 .fold(0u64, u64::saturating_add)
-                .min(100) as u32;
+                .min(100);
+            // What the kernels took, before the boost compensation ([`boost`]) scaled the charges.
+            let factor = u64::from(self.boost[index].load(Ordering::Relaxed).max(1));
+            let measured = (measured * u64::from(BOOST_UNIT) / factor) as u32;
             let nvml = crosscheck::nvml_utilisation(&device.uuid);
             match check.record(index, crosscheck::judge(measured, nvml), now) {
                 Report::Nothing => {}

@@ -445,6 +445,67 @@ pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
     })
 }
 
+/// The simulated power model, set by FAKE_NVML_BUSY_WATTS (the GPU's power were it busy all the
+/// time; without it the fake has no power readings, like a GPU whose NVML lacks them),
+/// FAKE_NVML_IDLE_WATTS (default 120) and FAKE_NVML_POWER_LIMIT_WATTS (default 700). The power is
+/// idle + utilisation x (busy - idle), from the truth's utilisation.
+struct PowerModel {
+    busy_watts: f64,
+    idle_watts: f64,
+    limit_watts: f64,
+}
+
+fn power_model() -> NvResult<PowerModel> {
+    let watts = |name: &str, default: Option<f64>| -> NvResult<f64> {
+        match std::env::var(name) {
+            Ok(value) => value.parse().map_err(|_| NVML_ERROR_INVALID_ARGUMENT),
+            Err(_) => default.ok_or(NVML_ERROR_NOT_SUPPORTED),
+        }
+    };
+    Ok(PowerModel {
+        busy_watts: watts("FAKE_NVML_BUSY_WATTS", None)?,
+        idle_watts: watts("FAKE_NVML_IDLE_WATTS", Some(120.0))?,
+        limit_watts: watts("FAKE_NVML_POWER_LIMIT_WATTS", Some(700.0))?,
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetPowerUsage(device: nvmlDevice_t, power: *mut c_uint) -> nvmlReturn_t {
+    nv(|| {
+        let index = index_of(device)?;
+        let model = power_model()?;
+        let busy = f64::from(truth()?.device(index).utilisation_percent()) / 100.0;
+        let watts = model.idle_watts + busy * (model.busy_watts - model.idle_watts);
+        // SAFETY: out-pointer from the caller.
+        unsafe { put(power, (watts * 1000.0) as c_uint) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetEnforcedPowerLimit(device: nvmlDevice_t, limit: *mut c_uint) -> nvmlReturn_t {
+    nv(|| {
+        index_of(device)?;
+        let model = power_model()?;
+        // SAFETY: out-pointer from the caller.
+        unsafe { put(limit, (model.limit_watts * 1000.0) as c_uint) }
+    })
+}
+
+/// FAKE_NVML_SLOWDOWN=1 reports a power-cap slowdown (0x4).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetCurrentClocksEventReasons(
+    device: nvmlDevice_t,
+    reasons: *mut c_ulonglong,
+) -> nvmlReturn_t {
+    nv(|| {
+        index_of(device)?;
+        power_model()?;
+        let slowed = std::env::var("FAKE_NVML_SLOWDOWN").is_ok_and(|value| value == "1");
+        // SAFETY: out-pointer from the caller.
+        unsafe { put(reasons, if slowed { 0x4 } else { 0 }) }
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,187 @@
+//! Compensation for the GPU's boost clock.
+//!
+//! A GPU that a workload keeps busy all the time runs at the clock its power limit allows (a bf16
+//! GEMM on the H200: about 1600 MHz at 690 W). Held to half of its time by the limiter, the same
+//! GPU stays under its power limit and runs at its highest clock (1980 MHz), so each kernel takes
+//! less time (178 us instead of 205 us) and half of the GPU's time does 58% of the unlimited
+//! work. The limit is a share of the GPU; so that it holds in work done, and not only in time,
+//! a kernel is charged what it would take on the GPU busy with this container's work alone.
+//!
+//! That time comes from a model of the GPU's power, fed by NVML once a second:
+//!
+//! - the GPU's power `P` (NVML's average), its enforced power limit `P_cap`, an idle power of
+//!   [`IDLE_SHARE`] of the limit (the clocks stay up between kernels), and the share `s` of the GPU's time the container's kernels take
+//!   (measured by the sensor, before compensation);
+//! - the GPU's dynamic power were it busy all the time at this clock: `(P - P_idle) / s`;
+//! - dynamic power grows as the clock to the power [`ALPHA`], a kernel's time shrinks as the clock
+//!   to the power [`BETA`] (both measured on the H200: a GEMM's time is not all compute); so a
+//!   GPU over its limit at full load would run each kernel slower by
+//!   `((P - P_idle) / s / (P_cap - P_idle)) ^ (BETA / ALPHA)`, which is the factor charged.
+//!
+//! Safeguards, because NVML cannot tell whose work the GPU's power is for:
+//!
+//! - while the GPU reports a power or thermal clock slowdown, the kernels already run at the
+//!   clock the power limit allows: the factor is 1;
+//! - the factor never exceeds [`MAX_FACTOR`], the H200's whole boost range (1980 MHz over 1470
+//!   MHz, to the power [`BETA`]). Another container's work counted as ours (when the GPU is shared
+//!   but not at its limit) can then over-charge by that much at most, and in that case the GPU
+//!   does boost, so part of the factor is due;
+//! - without NVML's power readings the factor stays 1 (time share).
+
+/// Idle power with the clocks up, as a share of the power limit (H200: the GEMM held to 10, 25
+/// and 50% of the time draws 204, 316 and 521 W, a line through about 120 W of 700 W at 0%).
+pub const IDLE_SHARE: f64 = 0.17;
+/// Dynamic power ~ clock^ALPHA over the boost range (H200: 555 W at 1554 MHz, 793 W at 1980 MHz).
+pub const ALPHA: f64 = 1.5;
+/// Kernel time ~ clock^-BETA (H200 bf16 GEMM: 209 us at 1552 MHz, 178 us at 1980 MHz).
+pub const BETA: f64 = 0.66;
+/// The largest factor charged.
+pub const MAX_FACTOR: f64 = 1.25;
+/// Below this busy share the power says nothing about the container's work.
+const MIN_SHARE: f64 = 0.02;
+/// Weight of a new reading in the factor (readings come once a second; NVML's power is itself
+/// averaged over about a second).
+const SMOOTHING: f64 = 0.5;
+
+/// NVML's clock event reasons that mean the clock is held down by power or heat.
+pub const SLOWDOWN_REASONS: u64 = 0x4 | 0x8 | 0x20 | 0x40 | 0x80;
+
+/// One NVML reading of a GPU.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PowerReading {
+    pub watts: f64,
+    pub limit_watts: f64,
+    /// The GPU reports a power or thermal slowdown now.
+    pub slowed: bool,
+}
+
+/// The factor for one reading, given the share of the GPU's time the container's kernels took
+/// (0..=1, before compensation).
+pub fn target_factor(reading: PowerReading, busy_share: f64) -> f64 {
+    let unusable = |value: f64, least: f64| value.is_nan() || value < least;
+    if reading.slowed || unusable(busy_share, MIN_SHARE) || unusable(reading.limit_watts, f64::MIN_POSITIVE) {
+        return 1.0;
+    }
+    if !reading.watts.is_finite() {
+        return 1.0;
+    }
+    let idle = IDLE_SHARE * reading.limit_watts;
+    let full_load_dynamic = (reading.watts - idle).max(0.0) / busy_share.min(1.0);
+    let over_limit = full_load_dynamic / (reading.limit_watts - idle);
+    if over_limit <= 1.0 {
+        1.0
+    } else {
+        over_limit.powf(BETA / ALPHA).min(MAX_FACTOR)
+    }
+}
+
+/// The factor applied now, moved a step towards the target at each reading.
+pub fn smoothed(previous: f64, target: f64) -> f64 {
+    let next = previous + SMOOTHING * (target - previous);
+    next.clamp(1.0, MAX_FACTOR)
+}
+
+/// NVML's reading of the GPU with this UUID; `None` where NVML has no power readings.
+pub fn read(uuid: &str) -> Option<PowerReading> {
+    use crate::hooks::real;
+    use crate::sys::nvml::{NVML_SUCCESS, nvmlDevice_t};
+    let init = real::nvmlInit_v2()?;
+    let by_uuid = real::nvmlDeviceGetHandleByUUID()?;
+    let power = real::nvmlDeviceGetPowerUsage()?;
+    let limit = real::nvmlDeviceGetEnforcedPowerLimit()?;
+    let uuid = std::ffi::CString::new(uuid).ok()?;
+    let mut device: nvmlDevice_t = std::ptr::null_mut();
+    let (mut milliwatts, mut limit_milliwatts) = (0u32, 0u32);
+    // SAFETY: NVML's init is reference counted; the out-pointers are locals; uuid is NUL-terminated.
+    let read = unsafe {
+        init() == NVML_SUCCESS
+            && by_uuid(uuid.as_ptr(), &mut device) == NVML_SUCCESS
+            && power(device, &mut milliwatts) == NVML_SUCCESS
+            && limit(device, &mut limit_milliwatts) == NVML_SUCCESS
+    };
+    if !read || limit_milliwatts == 0 {
+        return None;
+    }
+    let mut reasons = 0u64;
+    let slowed = real::nvmlDeviceGetCurrentClocksEventReasons().is_some_and(|get_reasons| {
+        // SAFETY: a device handle NVML just gave and a local out-pointer.
+        unsafe { get_reasons(device, &mut reasons) == NVML_SUCCESS && reasons & SLOWDOWN_REASONS != 0 }
+    });
+    Some(PowerReading {
+        watts: f64::from(milliwatts) / 1000.0,
+        limit_watts: f64::from(limit_milliwatts) / 1000.0,
+        slowed,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h200(watts: f64) -> PowerReading {
+        PowerReading {
+            watts,
+            limit_watts: 700.0,
+            slowed: false,
+        }
+    }
+
+    #[test]
+    fn a_boosted_gemm_is_charged_its_time_at_full_load() {
+        // The H200 GEMM held to half its time: 521 W at 1980 MHz, 178 us per product against
+        // 205 us unlimited (a factor of 1.15).
+        let factor = target_factor(h200(521.0), 0.5);
+        assert!((1.12..=1.19).contains(&factor), "{factor}");
+        // The same GPU at a tenth and at a quarter of its time: the same full-load power, so
+        // about the same factor.
+        for (watts, share) in [(204.0, 0.1), (316.0, 0.25)] {
+            let other = target_factor(h200(watts), share);
+            assert!(
+                (other - factor).abs() < 0.06,
+                "{watts} W at {share}: {other} against {factor}"
+            );
+        }
+    }
+
+    #[test]
+    fn light_work_and_slowed_gpus_are_charged_their_time() {
+        // Small kernels: 130 W at half the time is far below the limit at full load.
+        assert_eq!(target_factor(h200(130.0), 0.5), 1.0);
+        // A GPU held down by its power limit already runs at the full-load clock.
+        let slowed = PowerReading {
+            slowed: true,
+            ..h200(690.0)
+        };
+        assert_eq!(target_factor(slowed, 0.7), 1.0);
+    }
+
+    #[test]
+    fn the_factor_is_bounded_whatever_the_readings() {
+        // Another container's power counted as ours: at most MAX_FACTOR.
+        assert_eq!(target_factor(h200(650.0), 0.05), MAX_FACTOR);
+        for reading in [
+            h200(f64::NAN),
+            h200(-5.0),
+            PowerReading {
+                limit_watts: 0.0,
+                ..h200(300.0)
+            },
+        ] {
+            assert_eq!(target_factor(reading, 0.5), 1.0, "{reading:?}");
+        }
+        assert_eq!(target_factor(h200(500.0), f64::NAN), 1.0);
+        assert_eq!(target_factor(h200(500.0), 0.0), 1.0);
+        assert!(target_factor(h200(5000.0), 1.5) <= MAX_FACTOR);
+    }
+
+    #[test]
+    fn smoothing_moves_towards_the_target_within_bounds() {
+        let mut factor = 1.0;
+        for _ in 0..20 {
+            factor = smoothed(factor, 1.15);
+        }
+        assert!((factor - 1.15).abs() < 0.01, "{factor}");
+        assert_eq!(smoothed(1.0, 0.5), 1.0);
+        assert_eq!(smoothed(1.2, 9.0), MAX_FACTOR);
+    }
+}
