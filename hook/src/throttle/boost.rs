@@ -10,8 +10,9 @@
 //! That time comes from a model of the GPU's power, fed by NVML once a second:
 //!
 //! - the GPU's power `P` (NVML's average), its enforced power limit `P_cap`, an idle power of
-//!   [`IDLE_SHARE`] of the limit (the clocks stay up between kernels), and the share `s` of the GPU's time the container's kernels take
-//!   (measured by the sensor, before compensation);
+//!   [`IDLE_SHARE`] of the limit (the clocks stay up between kernels), and the share `s` of the
+//!   GPU's time that kernels take: the container's own (measured by the sensor, before
+//!   compensation), or NVML's utilisation of the whole GPU where NVML measures it and it is more;
 //! - the GPU's dynamic power were it busy all the time at this clock: `(P - P_idle) / s`;
 //! - dynamic power grows as the clock to the power [`ALPHA`], a kernel's time shrinks as the clock
 //!   to the power [`BETA`] (both measured on the H200: a GEMM's time is not all compute); so a
@@ -23,9 +24,9 @@
 //! - while the GPU reports a power or thermal clock slowdown, the kernels already run at the
 //!   clock the power limit allows: the factor is 1;
 //! - the factor never exceeds [`MAX_FACTOR`], the H200's whole boost range (1980 MHz over 1470
-//!   MHz, to the power [`BETA`]). Another container's work counted as ours (when the GPU is shared
-//!   but not at its limit) can then over-charge by that much at most, and in that case the GPU
-//!   does boost, so part of the factor is due;
+//!   MHz, to the power [`BETA`]). Where NVML reports no utilisation (the H200 VM), another
+//!   container's work is counted as this one's when the GPU is shared but not at its limit: the
+//!   over-charge is then bounded by that, and since such a GPU does boost, part of it is due;
 //! - without NVML's power readings the factor stays 1 (time share).
 
 /// Idle power with the clocks up, as a share of the power limit (H200: the GEMM held to 10, 25

@@ -543,7 +543,12 @@ impl Runtime {
                 continue;
             }
             let current = f64::from(self.boost[index].load(Ordering::Relaxed)) / f64::from(BOOST_UNIT);
-            let share = busy.saturating_sub(busy_then) as f64 / now.saturating_sub(then).max(1) as f64 / current;
+            let own = busy.saturating_sub(busy_then) as f64 / now.saturating_sub(then).max(1) as f64 / current;
+            // Where NVML measures the GPU's utilisation, it counts other containers' kernels too:
+            // the power is then not all this container's (on a VM where NVML reports 0%, only
+            // the container's own share is known).
+            let gpu = crosscheck::nvml_utilisation(&device.uuid).map_or(0.0, |percent| f64::from(percent) / 100.0);
+            let share = own.max(gpu);
             let target = boost::read(&device.uuid).map_or(1.0, |reading| boost::target_factor(reading, share));
             let next = boost::smoothed(current, target);
             self.boost[index].store((next * f64::from(BOOST_UNIT)).round() as u32, Ordering::Relaxed);
