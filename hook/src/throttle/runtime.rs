@@ -447,7 +447,6 @@ impl Runtime {
         let mut cross_check = CrossCheck::default();
         let mut last_nvml = now_ns();
         let mut busy_seen = [(0u64, 0u64); MAX_DEVICES];
-        let mut models = [boost::BoostModel::default(); MAX_DEVICES];
         loop {
             std::thread::sleep(if self.sensor.outstanding() > 0 {
                 POLL_BUSY
@@ -479,7 +478,7 @@ impl Runtime {
                 last_nvml = now;
                 POLLER_IN_DRIVER.store(true, Ordering::SeqCst);
                 if !SHUTDOWN.load(Ordering::SeqCst) {
-                    self.follow_boost(&mut busy_seen, &mut models, now);
+                    self.follow_boost(&mut busy_seen, now);
                     self.cross_check(&mut cross_check, now);
                 }
                 POLLER_IN_DRIVER.store(false, Ordering::SeqCst);
@@ -521,12 +520,7 @@ impl Runtime {
     /// Moves each device's boost factor towards what NVML's power readings call for, given the
     /// container's share of the device over the last period (the region's charged time, which
     /// every process of the container adds to, divided by the factor it was charged at).
-    fn follow_boost(
-        &self,
-        busy_seen: &mut [(u64, u64); MAX_DEVICES],
-        models: &mut [boost::BoostModel; MAX_DEVICES],
-        now: u64,
-    ) {
+    fn follow_boost(&self, busy_seen: &mut [(u64, u64); MAX_DEVICES], now: u64) {
         let Some(accounting) = crate::memory::accounting() else {
             return;
         };
@@ -555,7 +549,7 @@ impl Runtime {
             // the container's own share is known).
             let gpu = crosscheck::nvml_utilisation(&device.uuid).map_or(0.0, |percent| f64::from(percent) / 100.0);
             let share = own.max(gpu);
-            let target = boost::read(&device.uuid).map_or(1.0, |reading| models[index].target(reading, share));
+            let target = boost::read(&device.uuid).map_or(1.0, |reading| boost::target_factor(reading, share));
             let next = boost::smoothed(current, target);
             self.boost[index].store((next * f64::from(BOOST_UNIT)).round() as u32, Ordering::Relaxed);
             if (next - current).abs() >= 0.01 {

@@ -491,19 +491,7 @@ pub unsafe extern "C" fn nvmlDeviceGetEnforcedPowerLimit(device: nvmlDevice_t, l
     })
 }
 
-/// Clock event reasons queried so far: FAKE_NVML_SLOWDOWN_AFTER=<n> reports a slowdown from the
-/// (n+1)th reading on.
-static REASON_QUERIES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-
-/// Whether the GPU reports a power-cap slowdown at reading `index`: FAKE_NVML_SLOWDOWN=1 always,
-/// FAKE_NVML_SLOWDOWN_AFTER=<n> from reading n on.
-fn slowed_at(index: u32) -> bool {
-    let after = std::env::var("FAKE_NVML_SLOWDOWN_AFTER")
-        .ok()
-        .and_then(|value| value.parse::<u32>().ok());
-    std::env::var("FAKE_NVML_SLOWDOWN").is_ok_and(|value| value == "1") || after.is_some_and(|after| index >= after)
-}
-
+/// FAKE_NVML_SLOWDOWN=1 reports a power-cap slowdown (0x4).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetCurrentClocksEventReasons(
     device: nvmlDevice_t,
@@ -512,50 +500,9 @@ pub unsafe extern "C" fn nvmlDeviceGetCurrentClocksEventReasons(
     nv(|| {
         index_of(device)?;
         power_model()?;
-        let index = REASON_QUERIES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let slowed = std::env::var("FAKE_NVML_SLOWDOWN").is_ok_and(|value| value == "1");
         // SAFETY: out-pointer from the caller.
-        unsafe { put(reasons, if slowed_at(index) { 0x4 } else { 0 }) }
-    })
-}
-
-/// The SM clock: 1980 MHz, or FAKE_NVML_SLOWED_MHZ (default 1600) while slowed down.
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetClockInfo(
-    device: nvmlDevice_t,
-    kind: nvmlClockType_t,
-    mhz: *mut c_uint,
-) -> nvmlReturn_t {
-    nv(|| {
-        index_of(device)?;
-        power_model()?;
-        if kind != NVML_CLOCK_SM {
-            return Err(NVML_ERROR_NOT_SUPPORTED);
-        }
-        let slowed = slowed_at(REASON_QUERIES.load(std::sync::atomic::Ordering::Relaxed));
-        let slowed_mhz = std::env::var("FAKE_NVML_SLOWED_MHZ")
-            .ok()
-            .and_then(|value| value.parse().ok());
-        // SAFETY: out-pointer from the caller.
-        unsafe { put(mhz, if slowed { slowed_mhz.unwrap_or(1600) } else { MAX_SM_MHZ }) }
-    })
-}
-
-const MAX_SM_MHZ: c_uint = 1980;
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn nvmlDeviceGetMaxClockInfo(
-    device: nvmlDevice_t,
-    kind: nvmlClockType_t,
-    mhz: *mut c_uint,
-) -> nvmlReturn_t {
-    nv(|| {
-        index_of(device)?;
-        power_model()?;
-        if kind != NVML_CLOCK_SM {
-            return Err(NVML_ERROR_NOT_SUPPORTED);
-        }
-        // SAFETY: out-pointer from the caller.
-        unsafe { put(mhz, MAX_SM_MHZ) }
+        unsafe { put(reasons, if slowed { 0x4 } else { 0 }) }
     })
 }
 

@@ -509,27 +509,23 @@ fn nvml_cross_checks_the_sensor_where_it_works() {
     assert_eq!(blind.matches(BLIND).count(), 1, "{blind}");
 }
 
-/// The fake GPU draws 900 W when busy all the time (limit 700 W, idle 120 W, 1980 MHz): at limit
-/// 50 the boost compensation charges each kernel about 1.14 times its time, so the kernels take
-/// about 44% of the device. A GPU slowed down from the start (the model never learns the work) is
-/// charged the plain time, and so is one whose NVML says it is fully busy (other containers' work:
-/// the power is not all ours). A GPU that slows down to 1700 MHz after the first reading keeps
-/// only the part of the boost its clock shows (a factor of about 1.03: 48.5%).
+/// The fake GPU draws 900 W when busy all the time (limit 700 W, idle 120 W): at limit 50 the
+/// boost compensation charges each kernel about 1.14 times its time, so the kernels take about
+/// 44% of the device. A GPU that reports a power slowdown is charged the plain time, and so is
+/// one whose NVML says it is fully busy (other containers' work: the power is not all ours).
 #[test]
 fn boost_compensation_follows_the_power_readings() {
-    let names = ["boost-compensated", "boost-slowed", "boost-shared", "boost-learnt"];
-    let dirs = names.map(TestDir::new);
+    let dirs = ["boost-compensated", "boost-slowed", "boost-shared"].map(TestDir::new);
     let power = [("CUDA_DEVICE_SM_LIMIT", "50"), ("FAKE_NVML_BUSY_WATTS", "900")];
-    let with = |extra: &[(&'static str, &'static str)]| {
+    let with = |extra: (&'static str, &'static str)| {
         let mut env = power.to_vec();
-        env.extend_from_slice(extra);
+        env.push(extra);
         env
     };
     let envs = [
         power.to_vec(),
-        with(&[("FAKE_NVML_SLOWDOWN", "1")]),
-        with(&[("FAKE_NVML_UTILIZATION", "100")]),
-        with(&[("FAKE_NVML_SLOWDOWN_AFTER", "1"), ("FAKE_NVML_SLOWED_MHZ", "1700")]),
+        with(("FAKE_NVML_SLOWDOWN", "1")),
+        with(("FAKE_NVML_UTILIZATION", "100")),
     ];
     let sessions: Vec<Session> = dirs
         .iter()
@@ -547,18 +543,12 @@ fn boost_compensation_follows_the_power_readings() {
     sessions.into_iter().for_each(|session| {
         finish(session);
     });
-    let [compensated, slowed, shared, learnt] = [0, 1, 2, 3].map(|i| (after[i] - before[i]) as f64 * 100.0 / elapsed);
-    eprintln!(
-        "boost compensation: {compensated:.1}% compensated, {slowed:.1}% slowed, {shared:.1}% shared, {learnt:.1}% learnt then slowed"
-    );
+    let [compensated, slowed, shared] = [0, 1, 2].map(|i| (after[i] - before[i]) as f64 * 100.0 / elapsed);
+    eprintln!("boost compensation: {compensated:.1}% compensated, {slowed:.1}% slowed, {shared:.1}% shared");
     assert!(
         (41.0..=47.0).contains(&compensated),
         "compensated share {compensated:.1}%, expected about 44%"
     );
     assert_share("power-capped GPU at limit 50", slowed, 50.0);
     assert_share("GPU busy with others at limit 50", shared, 50.0);
-    assert!(
-        (47.0..=50.5).contains(&learnt) && learnt > compensated + 2.0,
-        "learnt then slowed to 1700 MHz: {learnt:.1}%, expected about 48.5% (compensated: {compensated:.1}%)"
-    );
 }
