@@ -11,6 +11,18 @@ use crate::hooks::real;
 use crate::sys::nvml::{NVML_SUCCESS, nvmlDevice_t, nvmlMemory_t, nvmlMemory_v2_t, nvmlReturn_t};
 
 /// The two result structs of the memory query.
+/// NVML's handle of the GPU with this UUID, for the library's own queries (NVML initialised
+/// first: its init is reference counted). `None` where NVML is missing or does not know the GPU.
+pub fn device_handle(uuid: &str) -> Option<nvmlDevice_t> {
+    let init = real::nvmlInit_v2()?;
+    let by_uuid = real::nvmlDeviceGetHandleByUUID()?;
+    let uuid = std::ffi::CString::new(uuid).ok()?;
+    let mut device: nvmlDevice_t = std::ptr::null_mut();
+    // SAFETY: plain calls with a NUL-terminated string and a local out-pointer.
+    let found = unsafe { init() == NVML_SUCCESS && by_uuid(uuid.as_ptr(), &mut device) == NVML_SUCCESS };
+    found.then_some(device)
+}
+
 pub trait MemoryReport {
     fn physical(&self) -> (u64, u64);
     fn set(&mut self, total: u64, used: u64, free: u64);

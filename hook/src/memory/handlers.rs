@@ -113,19 +113,10 @@ struct NvmlUsage {
 }
 
 fn nvml_usage(uuid: &str) -> Option<NvmlUsage> {
-    use crate::sys::nvml::{NVML_ERROR_INSUFFICIENT_SIZE, NVML_SUCCESS, nvmlDevice_t, nvmlProcessInfo_t};
-    let device_used = nvml_used(uuid)?;
-    let by_uuid = real::nvmlDeviceGetHandleByUUID()?;
+    use crate::sys::nvml::{NVML_ERROR_INSUFFICIENT_SIZE, NVML_SUCCESS, nvmlProcessInfo_t};
+    let device = crate::nvml::device_handle(uuid)?;
+    let device_used = nvml_used(device)?;
     let processes = real::nvmlDeviceGetComputeRunningProcesses_v3()?;
-    let uuid = std::ffi::CString::new(uuid).ok()?;
-    let mut device: nvmlDevice_t = std::ptr::null_mut();
-    // SAFETY: uuid is NUL-terminated; the out-pointer is a local.
-    if unsafe { by_uuid(uuid.as_ptr(), &mut device) } != NVML_SUCCESS {
-        return Some(NvmlUsage {
-            device: device_used,
-            own: None,
-        });
-    }
     let mut count: std::ffi::c_uint = 0;
     // SAFETY: a zero count with a null array asks for the count.
     let status = unsafe { processes(device, &mut count, std::ptr::null_mut()) };
@@ -150,21 +141,12 @@ fn nvml_usage(uuid: &str) -> Option<NvmlUsage> {
 }
 
 /// Device memory used on a device according to NVML (what the driver really took, whoever asked).
-fn nvml_used(uuid: &str) -> Option<u64> {
-    use crate::sys::nvml::{NVML_SUCCESS, nvmlDevice_t, nvmlMemory_t};
-    let init = real::nvmlInit_v2()?;
-    let by_uuid = real::nvmlDeviceGetHandleByUUID()?;
+fn nvml_used(device: crate::sys::nvml::nvmlDevice_t) -> Option<u64> {
+    use crate::sys::nvml::{NVML_SUCCESS, nvmlMemory_t};
     let memory_info = real::nvmlDeviceGetMemoryInfo()?;
-    let uuid = std::ffi::CString::new(uuid).ok()?;
-    let mut device: nvmlDevice_t = std::ptr::null_mut();
     let mut memory = nvmlMemory_t::default();
-    // SAFETY: NVML's init is reference counted; the out-pointers are locals; uuid is NUL-terminated.
-    unsafe {
-        (init() == NVML_SUCCESS
-            && by_uuid(uuid.as_ptr(), &mut device) == NVML_SUCCESS
-            && memory_info(device, &mut memory) == NVML_SUCCESS)
-            .then_some(memory.used)
-    }
+    // SAFETY: a handle NVML gave and a local out-pointer.
+    (unsafe { memory_info(device, &mut memory) } == NVML_SUCCESS).then_some(memory.used)
 }
 
 /// Upper bound for one measured context or module, so a concurrent allocation by another process

@@ -9,5 +9,6 @@ mod ledger;
 mod sizes;
 mod units;
 
-pub use accounting::{accounting, start};
+pub use accounting::{Accounting, accounting, start};
+pub use devices::DeviceEntry;
 pub use handlers::*;

@@ -85,20 +85,16 @@ pub fn smoothed(previous: f64, target: f64) -> f64 {
 /// NVML's reading of the GPU with this UUID; `None` where NVML has no power readings.
 pub fn read(uuid: &str) -> Option<PowerReading> {
     use crate::hooks::real;
-    use crate::sys::nvml::{NVML_SUCCESS, nvmlDevice_t};
-    let init = real::nvmlInit_v2()?;
-    let by_uuid = real::nvmlDeviceGetHandleByUUID()?;
-    let power = real::nvmlDeviceGetPowerUsage()?;
-    let limit = real::nvmlDeviceGetEnforcedPowerLimit()?;
-    let uuid = std::ffi::CString::new(uuid).ok()?;
-    let mut device: nvmlDevice_t = std::ptr::null_mut();
+    use crate::sys::nvml::NVML_SUCCESS;
+    let device = crate::nvml::device_handle(uuid)?;
+    let (power, limit) = (
+        real::nvmlDeviceGetPowerUsage()?,
+        real::nvmlDeviceGetEnforcedPowerLimit()?,
+    );
     let (mut milliwatts, mut limit_milliwatts) = (0u32, 0u32);
-    // SAFETY: NVML's init is reference counted; the out-pointers are locals; uuid is NUL-terminated.
+    // SAFETY: a handle NVML just gave and local out-pointers.
     let read = unsafe {
-        init() == NVML_SUCCESS
-            && by_uuid(uuid.as_ptr(), &mut device) == NVML_SUCCESS
-            && power(device, &mut milliwatts) == NVML_SUCCESS
-            && limit(device, &mut limit_milliwatts) == NVML_SUCCESS
+        power(device, &mut milliwatts) == NVML_SUCCESS && limit(device, &mut limit_milliwatts) == NVML_SUCCESS
     };
     if !read || limit_milliwatts == 0 {
         return None;

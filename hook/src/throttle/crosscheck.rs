@@ -92,21 +92,12 @@ impl CrossCheck {
 
 /// NVML's utilisation of the GPU with this UUID, in percent; `None` where NVML cannot say.
 pub fn nvml_utilisation(uuid: &str) -> Option<u32> {
-    use crate::hooks::real;
-    use crate::sys::nvml::{NVML_SUCCESS, nvmlDevice_t, nvmlUtilization_t};
-    let init = real::nvmlInit_v2()?;
-    let by_uuid = real::nvmlDeviceGetHandleByUUID()?;
-    let rates = real::nvmlDeviceGetUtilizationRates()?;
-    let uuid = std::ffi::CString::new(uuid).ok()?;
-    let mut device: nvmlDevice_t = std::ptr::null_mut();
+    use crate::sys::nvml::{NVML_SUCCESS, nvmlUtilization_t};
+    let device = crate::nvml::device_handle(uuid)?;
+    let rates = crate::hooks::real::nvmlDeviceGetUtilizationRates()?;
     let mut utilisation = nvmlUtilization_t::default();
-    // SAFETY: NVML's init is reference counted; the out-pointers are locals; uuid is NUL-terminated.
-    unsafe {
-        (init() == NVML_SUCCESS
-            && by_uuid(uuid.as_ptr(), &mut device) == NVML_SUCCESS
-            && rates(device, &mut utilisation) == NVML_SUCCESS)
-            .then_some(utilisation.gpu)
-    }
+    // SAFETY: a handle NVML just gave and a local out-pointer.
+    (unsafe { rates(device, &mut utilisation) } == NVML_SUCCESS).then_some(utilisation.gpu)
 }
 
 #[cfg(test)]

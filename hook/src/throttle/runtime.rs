@@ -517,6 +517,20 @@ impl Runtime {
         (i128::from(ns) * i128::from(factor) / i128::from(BOOST_UNIT)) as i64
     }
 
+    /// The visible devices this process has launched on, with their ordinals.
+    fn devices_in_use<'a>(
+        &'a self,
+        accounting: &'a crate::memory::Accounting,
+    ) -> impl Iterator<Item = (CUdevice, &'a crate::memory::DeviceEntry)> + 'a {
+        (0..MAX_DEVICES as CUdevice)
+            .map_while(move |ordinal| Some((ordinal, accounting.device(ordinal)?)))
+            .filter(|(_, device)| {
+                self.touched
+                    .get(device.region_index)
+                    .is_some_and(|touched| touched.load(Ordering::Relaxed))
+            })
+    }
+
     /// Moves each device's boost factor towards what NVML's power readings call for, given the
     /// container's share of the device over the last period (the region's charged time, which
     /// every process of the container adds to, divided by the factor it was charged at).
@@ -525,18 +539,8 @@ impl Runtime {
             return;
         };
         let compute = &accounting.region().extension().compute;
-        for ordinal in 0..MAX_DEVICES as CUdevice {
-            let Some(device) = accounting.device(ordinal) else {
-                break;
-            };
+        for (ordinal, device) in self.devices_in_use(accounting) {
             let index = device.region_index;
-            if !self
-                .touched
-                .get(index)
-                .is_some_and(|touched| touched.load(Ordering::Relaxed))
-            {
-                continue;
-            }
             let busy = compute[index].busy_ns.load(Ordering::Relaxed);
             let (then, busy_then) = std::mem::replace(&mut busy_seen[index], (now, busy));
             if then == 0 {
@@ -584,18 +588,8 @@ impl Runtime {
             return;
         };
         let hami = accounting.region().hami();
-        for ordinal in 0..MAX_DEVICES as CUdevice {
-            let Some(device) = accounting.device(ordinal) else {
-                break;
-            };
+        for (ordinal, device) in self.devices_in_use(accounting) {
             let index = device.region_index;
-            if !self
-                .touched
-                .get(index)
-                .is_some_and(|touched| touched.load(Ordering::Relaxed))
-            {
-                continue;
-            }
             // The region's share: every live process of the container on this device.
             let measured = hami
                 .procs
