@@ -10,19 +10,40 @@ use vgpu_region::{InitParams, Region};
 use crate::hooks::real;
 use crate::sys::nvml::{NVML_SUCCESS, nvmlDevice_t, nvmlMemory_t, nvmlMemory_v2_t, nvmlReturn_t};
 
-/// The two result structs of the memory query.
-/// NVML's handle of the GPU with this UUID, for the library's own queries (NVML initialised
-/// first: its init is reference counted). `None` where NVML is missing or does not know the GPU.
+/// Whether NVML is initialised for the library's own queries: 0 not tried, 1 ready, 2 failed.
+/// Initialised once (its init is reference counted, and never shut down: the application may use
+/// NVML too). An atomic rather than a once-cell, so a child forked in the middle cannot block.
+static NVML_STATE: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(0);
+
+fn nvml_ready() -> bool {
+    use std::sync::atomic::Ordering;
+    match NVML_STATE.load(Ordering::Acquire) {
+        1 => true,
+        2 => false,
+        _ => {
+            // SAFETY: nvmlInit_v2 takes no arguments; racing threads each add one reference.
+            let ready = real::nvmlInit_v2().is_some_and(|init| unsafe { init() } == NVML_SUCCESS);
+            NVML_STATE.store(if ready { 1 } else { 2 }, Ordering::Release);
+            ready
+        }
+    }
+}
+
+/// NVML's handle of the GPU with this UUID, for the library's own queries. `None` where NVML is
+/// missing or does not know the GPU.
 pub fn device_handle(uuid: &str) -> Option<nvmlDevice_t> {
-    let init = real::nvmlInit_v2()?;
+    if !nvml_ready() {
+        return None;
+    }
     let by_uuid = real::nvmlDeviceGetHandleByUUID()?;
     let uuid = std::ffi::CString::new(uuid).ok()?;
     let mut device: nvmlDevice_t = std::ptr::null_mut();
-    // SAFETY: plain calls with a NUL-terminated string and a local out-pointer.
-    let found = unsafe { init() == NVML_SUCCESS && by_uuid(uuid.as_ptr(), &mut device) == NVML_SUCCESS };
+    // SAFETY: a NUL-terminated string and a local out-pointer.
+    let found = unsafe { by_uuid(uuid.as_ptr(), &mut device) } == NVML_SUCCESS;
     found.then_some(device)
 }
 
+/// The two result structs of the memory query.
 pub trait MemoryReport {
     fn physical(&self) -> (u64, u64);
     fn set(&mut self, total: u64, used: u64, free: u64);

@@ -99,11 +99,20 @@ pub fn read(uuid: &str) -> Option<PowerReading> {
     if !read || limit_milliwatts == 0 {
         return None;
     }
+    // The reasons' newer name (R535 on); older drivers have the same function as
+    // ...ThrottleReasons. Without either, the slowdown safeguard cannot work: no compensation.
+    type Reasons = unsafe extern "C" fn(crate::sys::nvml::nvmlDevice_t, *mut u64) -> crate::sys::nvml::nvmlReturn_t;
+    let address = crate::real::optional(c"nvmlDeviceGetCurrentClocksEventReasons")
+        .or_else(|| crate::real::optional(c"nvmlDeviceGetCurrentClocksThrottleReasons"))?;
+    // SAFETY: both names have the prototype `nvmlReturn_t f(nvmlDevice_t device, unsigned long
+    // long *reasons)` in nvml.h.
+    let get_reasons = unsafe { std::mem::transmute::<*mut std::ffi::c_void, Reasons>(address) };
     let mut reasons = 0u64;
-    let slowed = real::nvmlDeviceGetCurrentClocksEventReasons().is_some_and(|get_reasons| {
-        // SAFETY: a device handle NVML just gave and a local out-pointer.
-        unsafe { get_reasons(device, &mut reasons) == NVML_SUCCESS && reasons & SLOWDOWN_REASONS != 0 }
-    });
+    // SAFETY: a device handle NVML just gave and a local out-pointer.
+    if unsafe { get_reasons(device, &mut reasons) } != NVML_SUCCESS {
+        return None;
+    }
+    let slowed = reasons & SLOWDOWN_REASONS != 0;
     Some(PowerReading {
         watts: f64::from(milliwatts) / 1000.0,
         limit_watts: f64::from(limit_milliwatts) / 1000.0,

@@ -7,7 +7,8 @@
 //! `nvmlDeviceGetUtilizationRates`. A measured share above NVML's figure by more than
 //! [`TOLERANCE`] points for [`PERSISTENCE`] checks in a row means the sensor over-counts: that is
 //! logged as a warning (at most once a minute per device). NVML reporting 0% while the container
-//! measures work means NVML does not see this GPU's work: said once, at debug level.
+//! measures work, for [`PERSISTENCE`] checks in a row, means NVML does not see this GPU's work:
+//! said once, at debug level.
 
 use vgpu_region::MAX_DEVICES;
 
@@ -53,6 +54,8 @@ pub enum Report {
 #[derive(Default)]
 pub struct CrossCheck {
     disagreeing: [u32; MAX_DEVICES],
+    /// Blind verdicts in a row: one can be a transient (a burst that NVML's shorter window missed).
+    blind: [u32; MAX_DEVICES],
     warned_ns: [u64; MAX_DEVICES],
     said_unavailable: bool,
 }
@@ -60,9 +63,12 @@ pub struct CrossCheck {
 impl CrossCheck {
     /// Records one comparison for a region device index at time `now` (monotonic ns).
     pub fn record(&mut self, index: usize, verdict: Verdict, now: u64) -> Report {
-        let Some(disagreeing) = self.disagreeing.get_mut(index) else {
+        let (Some(disagreeing), Some(blind)) = (self.disagreeing.get_mut(index), self.blind.get_mut(index)) else {
             return Report::Nothing;
         };
+        if verdict != Verdict::Unavailable {
+            *blind = 0;
+        }
         match verdict {
             Verdict::Agrees => {
                 *disagreeing = 0;
@@ -70,7 +76,8 @@ impl CrossCheck {
             }
             Verdict::Unavailable => {
                 *disagreeing = 0;
-                if std::mem::replace(&mut self.said_unavailable, true) {
+                *blind = blind.saturating_add(1);
+                if *blind < PERSISTENCE || std::mem::replace(&mut self.said_unavailable, true) {
                     Report::Nothing
                 } else {
                     Report::Unavailable
@@ -146,14 +153,37 @@ mod tests {
                 }
             });
         }
-        // Other devices are independent; an index out of range is ignored.
+        // Another device keeps its own count: four over-counts there, then one on device 0 (whose
+        // count the agreeing check reset) warn nowhere.
+        for i in 0..PERSISTENCE - 1 {
+            assert_eq!(
+                check.record(1, Verdict::OverCounts, (200 + u64::from(i)) * second),
+                Report::Nothing
+            );
+        }
+        assert_eq!(check.record(0, Verdict::Agrees, 210 * second), Report::Nothing);
+        assert_eq!(check.record(0, Verdict::OverCounts, 211 * second), Report::Nothing);
+        assert_eq!(check.record(1, Verdict::OverCounts, 212 * second), Report::Warning);
+        // An index out of range is ignored.
         assert_eq!(check.record(MAX_DEVICES, Verdict::OverCounts, 0), Report::Nothing);
     }
 
     #[test]
-    fn unavailable_is_said_once() {
+    fn unavailable_is_said_once_when_it_persists() {
         let mut check = CrossCheck::default();
-        assert_eq!(check.record(0, Verdict::Unavailable, 1), Report::Unavailable);
-        assert_eq!(check.record(1, Verdict::Unavailable, 2), Report::Nothing);
+        // A transient 0% (one reading) is not blindness.
+        assert_eq!(check.record(0, Verdict::Unavailable, 1), Report::Nothing);
+        assert_eq!(check.record(0, Verdict::Agrees, 2), Report::Nothing);
+        for i in 1..PERSISTENCE {
+            assert_eq!(check.record(0, Verdict::Unavailable, 2 + u64::from(i)), Report::Nothing);
+        }
+        assert_eq!(check.record(0, Verdict::Unavailable, 10), Report::Unavailable);
+        for i in 0..2 * PERSISTENCE {
+            assert_eq!(
+                check.record(1, Verdict::Unavailable, 20 + u64::from(i)),
+                Report::Nothing,
+                "said once"
+            );
+        }
     }
 }

@@ -149,6 +149,35 @@ fn create() -> Option<&'static Runtime> {
     Some(unsafe { &*winner })
 }
 
+/// The background thread's own state between periods.
+struct PollState {
+    history: [[(u64, i64); PUBLISH_WINDOW]; MAX_DEVICES],
+    flushed: [(i64, u64); MAX_DEVICES],
+    last_publish: u64,
+    publications: usize,
+    cross_check: CrossCheck,
+    last_nvml: u64,
+    busy_seen: [(u64, u64); MAX_DEVICES],
+    /// A step has panicked (said once).
+    panicked: bool,
+}
+
+impl PollState {
+    fn new() -> PollState {
+        let now = now_ns();
+        PollState {
+            history: [[(0, 0); PUBLISH_WINDOW]; MAX_DEVICES],
+            flushed: [(0, 0); MAX_DEVICES],
+            last_publish: now,
+            publications: 0,
+            cross_check: CrossCheck::default(),
+            last_nvml: now,
+            busy_seen: [(0, 0); MAX_DEVICES],
+            panicked: false,
+        }
+    }
+}
+
 /// What the limited path decided before a launch, finished by [`after`].
 pub struct Ticket {
     runtime: &'static Runtime,
@@ -440,13 +469,7 @@ impl Runtime {
 
     fn poll_loop(&'static self) {
         super::sensor::relax_capture_mode();
-        let mut history = [[(0u64, 0i64); PUBLISH_WINDOW]; MAX_DEVICES];
-        let mut flushed = [(0i64, 0u64); MAX_DEVICES];
-        let mut last_publish = now_ns();
-        let mut publications = 0usize;
-        let mut cross_check = CrossCheck::default();
-        let mut last_nvml = now_ns();
-        let mut busy_seen = [(0u64, 0u64); MAX_DEVICES];
+        let mut state = PollState::new();
         loop {
             std::thread::sleep(if self.sensor.outstanding() > 0 {
                 POLL_BUSY
@@ -456,33 +479,63 @@ impl Runtime {
             if !std::ptr::eq(RUNTIME.load(Ordering::Acquire), self) {
                 return;
             }
+            // A panic here must not end the limiter silently: the step is skipped, said once.
+            let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.poll_once(&mut state)));
+            POLLER_IN_DRIVER.store(false, Ordering::SeqCst);
+            match step {
+                Ok(true) => {}
+                Ok(false) => return,
+                Err(_) => {
+                    if !std::mem::replace(&mut state.panicked, true) {
+                        tracing::error!("compute limiter: a background step failed; skipping it");
+                    }
+                }
+            }
+        }
+    }
+
+    /// One period of the background thread: collects measurements, corrects and flushes the
+    /// charges, publishes the utilisation, and once a second reads NVML. False at exit.
+    fn poll_once(&self, state: &mut PollState) -> bool {
+        POLLER_IN_DRIVER.store(true, Ordering::SeqCst);
+        if SHUTDOWN.load(Ordering::SeqCst) {
+            return false;
+        }
+        let completed = self.sensor.completed();
+        POLLER_IN_DRIVER.store(false, Ordering::SeqCst);
+        self.sensor.release_stale_holds(now_ns());
+        for (info, measured) in completed {
+            self.correct(info, measured);
+        }
+        self.flush(&mut state.flushed);
+        let now = now_ns();
+        if now.saturating_sub(state.last_publish) >= PUBLISH_PERIOD_NS {
+            state.last_publish = now;
+            self.publish(&mut state.history, state.publications % PUBLISH_WINDOW, now);
+            state.publications += 1;
+        }
+        if now.saturating_sub(state.last_nvml) >= NVML_PERIOD_NS {
+            state.last_nvml = now;
+            self.nvml_step(state, now);
+        }
+        true
+    }
+
+    /// Reads NVML for each device in use: the boost factor follows its power, and its utilisation
+    /// cross-checks the sensor. Marked as inside the driver, and stopped at exit between devices.
+    fn nvml_step(&self, state: &mut PollState, now: u64) {
+        let Some(accounting) = crate::memory::accounting() else {
+            return;
+        };
+        for (ordinal, device) in self.devices_in_use(accounting) {
             POLLER_IN_DRIVER.store(true, Ordering::SeqCst);
             if SHUTDOWN.load(Ordering::SeqCst) {
-                POLLER_IN_DRIVER.store(false, Ordering::SeqCst);
                 return;
             }
-            let completed = self.sensor.completed();
+            let utilisation = crosscheck::nvml_utilisation(&device.uuid);
+            self.follow_boost(accounting, ordinal, device, utilisation, &mut state.busy_seen, now);
+            self.cross_check(accounting, ordinal, device, utilisation, &mut state.cross_check, now);
             POLLER_IN_DRIVER.store(false, Ordering::SeqCst);
-            self.sensor.release_stale_holds(now_ns());
-            for (info, measured) in completed {
-                self.correct(info, measured);
-            }
-            self.flush(&mut flushed);
-            let now = now_ns();
-            if now.saturating_sub(last_publish) >= PUBLISH_PERIOD_NS {
-                last_publish = now;
-                self.publish(&mut history, publications % PUBLISH_WINDOW, now);
-                publications += 1;
-            }
-            if now.saturating_sub(last_nvml) >= NVML_PERIOD_NS {
-                last_nvml = now;
-                POLLER_IN_DRIVER.store(true, Ordering::SeqCst);
-                if !SHUTDOWN.load(Ordering::SeqCst) {
-                    self.follow_boost(&mut busy_seen, now);
-                    self.cross_check(&mut cross_check, now);
-                }
-                POLLER_IN_DRIVER.store(false, Ordering::SeqCst);
-            }
         }
     }
 
@@ -531,34 +584,43 @@ impl Runtime {
             })
     }
 
-    /// Moves each device's boost factor towards what NVML's power readings call for, given the
+    /// Moves a device's boost factor towards what NVML's power readings call for, given the
     /// container's share of the device over the last period (the region's charged time, which
     /// every process of the container adds to, divided by the factor it was charged at).
-    fn follow_boost(&self, busy_seen: &mut [(u64, u64); MAX_DEVICES], now: u64) {
-        let Some(accounting) = crate::memory::accounting() else {
+    fn follow_boost(
+        &self,
+        accounting: &crate::memory::Accounting,
+        ordinal: CUdevice,
+        device: &crate::memory::DeviceEntry,
+        utilisation: Option<u32>,
+        busy_seen: &mut [(u64, u64); MAX_DEVICES],
+        now: u64,
+    ) {
+        let index = device.region_index;
+        let (Some(compute), Some(seen), Some(boost)) = (
+            accounting.region().extension().compute.get(index),
+            busy_seen.get_mut(index),
+            self.boost.get(index),
+        ) else {
             return;
         };
-        let compute = &accounting.region().extension().compute;
-        for (ordinal, device) in self.devices_in_use(accounting) {
-            let index = device.region_index;
-            let busy = compute[index].busy_ns.load(Ordering::Relaxed);
-            let (then, busy_then) = std::mem::replace(&mut busy_seen[index], (now, busy));
-            if then == 0 {
-                continue;
-            }
-            let current = f64::from(self.boost[index].load(Ordering::Relaxed)) / f64::from(BOOST_UNIT);
-            let own = busy.saturating_sub(busy_then) as f64 / now.saturating_sub(then).max(1) as f64 / current;
-            // Where NVML measures the GPU's utilisation, it counts other containers' kernels too:
-            // the power is then not all this container's (on a VM where NVML reports 0%, only
-            // the container's own share is known).
-            let gpu = crosscheck::nvml_utilisation(&device.uuid).map_or(0.0, |percent| f64::from(percent) / 100.0);
-            let share = own.max(gpu);
-            let target = boost::read(&device.uuid).map_or(1.0, |reading| boost::target_factor(reading, share));
-            let next = boost::smoothed(current, target);
-            self.boost[index].store((next * f64::from(BOOST_UNIT)).round() as u32, Ordering::Relaxed);
-            if (next - current).abs() >= 0.01 {
-                tracing::debug!("compute limiter: device {ordinal} boost factor {next:.3} (busy share {share:.3})");
-            }
+        let busy = compute.busy_ns.load(Ordering::Relaxed);
+        let (then, busy_then) = std::mem::replace(seen, (now, busy));
+        if then == 0 {
+            return;
+        }
+        let current = f64::from(boost.load(Ordering::Relaxed)) / f64::from(BOOST_UNIT);
+        let own = busy.saturating_sub(busy_then) as f64 / now.saturating_sub(then).max(1) as f64 / current;
+        // Where NVML measures the GPU's utilisation, it counts other containers' kernels too: the
+        // power is then not all this container's (on a VM where NVML reports 0%, only the
+        // container's own share is known).
+        let gpu = utilisation.map_or(0.0, |percent| f64::from(percent) / 100.0);
+        let share = own.max(gpu);
+        let target = boost::read(&device.uuid).map_or(1.0, |reading| boost::target_factor(reading, share));
+        let next = boost::smoothed(current, target);
+        boost.store((next * f64::from(BOOST_UNIT)).round() as u32, Ordering::Relaxed);
+        if (next - current).abs() >= 0.01 {
+            tracing::debug!("compute limiter: device {ordinal} boost factor {next:.3} (busy share {share:.3})");
         }
     }
 
@@ -581,39 +643,46 @@ impl Runtime {
         }
     }
 
-    /// Compares the region's measured share of each device this process uses with NVML's
-    /// utilisation of the GPU, and logs what [`crosscheck`] finds.
-    fn cross_check(&self, check: &mut CrossCheck, now: u64) {
-        let Some(accounting) = crate::memory::accounting() else {
+    /// Compares the region's measured share of a device with NVML's utilisation of the GPU, and
+    /// logs what [`crosscheck`] finds.
+    fn cross_check(
+        &self,
+        accounting: &crate::memory::Accounting,
+        ordinal: CUdevice,
+        device: &crate::memory::DeviceEntry,
+        nvml: Option<u32>,
+        check: &mut CrossCheck,
+        now: u64,
+    ) {
+        let index = device.region_index;
+        let Some(boost) = self.boost.get(index) else {
             return;
         };
-        let hami = accounting.region().hami();
-        for (ordinal, device) in self.devices_in_use(accounting) {
-            let index = device.region_index;
-            // The region's share: every live process of the container on this device.
-            let measured = hami
-                .procs
-                .iter()
-                .filter(|slot| slot.status.load(Ordering::Relaxed) == vgpu_region::SLOT_LIVE)
-                .map(|slot| slot.device_util[index].sm_util.load(Ordering::Relaxed))
-                .fold(0u64, u64::saturating_add)
-                .min(100);
-            // What the kernels took, before the boost compensation ([`boost`]) scaled the charges.
-            let factor = u64::from(self.boost[index].load(Ordering::Relaxed).max(1));
-            let measured = (measured * u64::from(BOOST_UNIT) / factor) as u32;
-            let nvml = crosscheck::nvml_utilisation(&device.uuid);
-            match check.record(index, crosscheck::judge(measured, nvml), now) {
-                Report::Nothing => {}
-                Report::Unavailable => tracing::debug!(
-                    "NVML cannot cross-check the compute limiter here: it reports {} while the container's kernels use {measured}% of device {ordinal}",
-                    nvml.map_or_else(|| "no utilisation".to_owned(), |value| format!("{value}%"))
-                ),
-                Report::Warning => tracing::warn!(
-                    "compute limiter: the container measured {measured}% of device {ordinal} but NVML reports {}% for the whole GPU; the sensor may over-count (checked for {} s)",
-                    nvml.unwrap_or(0),
-                    crosscheck::PERSISTENCE
-                ),
-            }
+        // The region's share: every live process of the container on this device.
+        let measured = accounting
+            .region()
+            .hami()
+            .procs
+            .iter()
+            .filter(|slot| slot.status.load(Ordering::Relaxed) == vgpu_region::SLOT_LIVE)
+            .filter_map(|slot| slot.device_util.get(index))
+            .map(|util| util.sm_util.load(Ordering::Relaxed))
+            .fold(0u64, u64::saturating_add)
+            .min(100);
+        // What the kernels took, before the boost compensation ([`boost`]) scaled the charges.
+        let factor = u64::from(boost.load(Ordering::Relaxed).max(1));
+        let measured = (measured * u64::from(BOOST_UNIT) / factor) as u32;
+        match check.record(index, crosscheck::judge(measured, nvml), now) {
+            Report::Nothing => {}
+            Report::Unavailable => tracing::debug!(
+                "NVML cannot cross-check the compute limiter here: it reports {} while the container's kernels use {measured}% of device {ordinal}",
+                nvml.map_or_else(|| "no utilisation".to_owned(), |value| format!("{value}%"))
+            ),
+            Report::Warning => tracing::warn!(
+                "compute limiter: the container measured {measured}% of device {ordinal} but NVML reports {}% for the whole GPU; the sensor may over-count (checked for {} s)",
+                nvml.unwrap_or(0),
+                crosscheck::PERSISTENCE
+            ),
         }
     }
 

@@ -22,7 +22,7 @@
 //! then never be recorded again. Events of destroyed contexts are forgotten, never destroyed (their
 //! handles may already name someone else's events), and so is their pinned word.
 
-use std::ffi::{CStr, c_uint, c_void};
+use std::ffi::{c_uint, c_void};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 
@@ -143,13 +143,7 @@ pub struct Sensor {
     outstanding: AtomicUsize,
 }
 
-/// Looks a driver function up without reporting it missing (for functions newer drivers have).
-fn optional(name: &CStr) -> Option<*mut c_void> {
-    let index = crate::hooks::EXPORTS
-        .binary_search_by(|export| export.name.cmp(name))
-        .ok()?;
-    crate::hooks::EXPORTS[index].probe()
-}
+use crate::real::optional;
 
 /// The unique id of `context` (0 when the driver predates `cuCtxGetId`).
 fn context_id(context: CUcontext) -> u64 {
