@@ -173,6 +173,11 @@ impl Estimates {
     /// A planned launch that will not run now (its stream is being captured, or the limit was
     /// lifted while it waited): as if it had not been planned, so that a young key still gets its
     /// first measurements and no correction counts it.
+    ///
+    /// The process-wide sample slot and the key's rate window are not given back, and a
+    /// measurement that arrived in between has already settled the uncorrected launches (then
+    /// the next batch is reduced instead): both are off by one launch at most, and forgotten
+    /// launches are rare.
     pub fn forget(&mut self, key: u64, plan: Plan) {
         if let Some(entry) = self.find(key) {
             if plan.sample {
