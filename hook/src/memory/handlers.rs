@@ -653,15 +653,18 @@ pub fn mipmapped_array_destroy(
 
 // ------------------------------------------------------------------ graph memory
 
+/// Charges an allocation node of `bytes` in the pool at `location` to `graph`.
 fn graph_alloc_node(
     call: impl FnOnce() -> CUresult,
     graph: CUgraph,
-    bytes: u64,
-    ordinal: Option<CUdevice>,
+    bytes: usize,
+    location: CUmemLocation,
 ) -> CUresult {
+    let bytes = bytes as u64;
     if bytes == 0 {
         return call();
     }
+    let ordinal = (location.type_ == CU_MEM_LOCATION_TYPE_DEVICE).then_some(location.id);
     charged(ordinal, MemoryKind::Data, bytes, call, Family::Graph, || {
         Some(graph as u64)
     })
@@ -679,9 +682,7 @@ pub fn graph_add_mem_alloc_node(
     let Some(params) = (unsafe { read(params) }) else {
         return call();
     };
-    let ordinal =
-        (params.poolProps.location.type_ == CU_MEM_LOCATION_TYPE_DEVICE).then_some(params.poolProps.location.id);
-    graph_alloc_node(call, graph, params.bytesize as u64, ordinal)
+    graph_alloc_node(call, graph, params.bytesize, params.poolProps.location)
 }
 
 /// `cuGraphAddNode` and `_v2`: charged like `cuGraphAddMemAllocNode` for memory allocation nodes.
@@ -701,9 +702,7 @@ pub fn graph_add_node(
     }
     // SAFETY: the type says the union holds allocation parameters.
     let alloc = unsafe { params.__bindgen_anon_1.alloc };
-    let ordinal =
-        (alloc.poolProps.location.type_ == CU_MEM_LOCATION_TYPE_DEVICE).then_some(alloc.poolProps.location.id);
-    graph_alloc_node(call, graph, alloc.bytesize as u64, ordinal)
+    graph_alloc_node(call, graph, alloc.bytesize, alloc.poolProps.location)
 }
 
 /// The `cuGraphInstantiate` family: the memory was charged when its nodes were added.

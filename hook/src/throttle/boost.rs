@@ -32,9 +32,13 @@
 /// Idle power with the clocks up, as a share of the power limit (H200: the GEMM held to 10, 25
 /// and 50% of the time draws 204, 316 and 521 W, a line through about 120 W of 700 W at 0%).
 pub const IDLE_SHARE: f64 = 0.17;
-/// Dynamic power ~ clock^ALPHA over the boost range (H200: 555 W at 1554 MHz, 793 W at 1980 MHz).
+/// Dynamic power ~ clock^ALPHA over the boost range, fitted to the H200 GEMM: held to 10-50% of
+/// the time at 1980 MHz it draws about 800 W of dynamic power were it busy all the time (the line
+/// of the idle-power note), unlimited about 530-570 W (650-690 W less the idle) at 1470-1650
+/// MHz (docs/gpu/2026-11-30-compute*.txt and -boost-probe.txt).
 pub const ALPHA: f64 = 1.5;
-/// Kernel time ~ clock^-BETA (H200 bf16 GEMM: 209 us at 1552 MHz, 178 us at 1980 MHz).
+/// Kernel time ~ clock^-BETA (H200 bf16 GEMM: 178 us at 1980 MHz, the limiter's mean charge at
+/// limit 50, against 205-208 us per product unlimited at 1578-1645 MHz, from the rate).
 pub const BETA: f64 = 0.66;
 /// The largest factor charged.
 pub const MAX_FACTOR: f64 = 1.25;
