@@ -19,14 +19,22 @@
 //!   GPU over its limit at full load would run each kernel slower by
 //!   `((P - P_idle) / s / (P_cap - P_idle)) ^ (BETA / ALPHA)`, which is the factor charged.
 //!
-//! Safeguards, because NVML cannot tell whose work the GPU's power is for:
+//! NVML cannot tell whose work the GPU's power is for: where it reports no utilisation (the H200
+//! VM), another container's work is counted as this one's, and the power alone would charge a
+//! container sharing a saturated GPU for a boost it does not get. The clock bounds that:
 //!
-//! - while the GPU reports a power or thermal clock slowdown, the kernels already run at the
-//!   clock the power limit allows: the factor is 1;
+//! - no work draws more than [`HEAVIEST_WORK`] times the power limit in dynamic power at the
+//!   highest clock `f_max` (were the GPU busy all the time), so no GPU busy all the time settles
+//!   below `f_floor = f_max * ((P_cap - P_idle) / (HEAVIEST_WORK * P_cap))^(1 / ALPHA)`
+//!   (H200: 1549 MHz), and a kernel running at the present clock `f` takes at most
+//!   `(f / f_floor)^BETA` less time than it would at full load: the factor never exceeds that.
+//!   A GPU saturated by several containers runs near `f_floor` (the H200 GEMM: 1625 MHz, a bound
+//!   of 1.03), and one that alternates between a power slowdown and none (a GEMM held to 75% of
+//!   the time on the H200: 1860 MHz, 1.13) keeps the part of the boost its clock shows;
+//! - without the clock readings, while the GPU reports a power or thermal slowdown the factor is
+//!   1 (the kernels may already run at the clock the power limit allows);
 //! - the factor never exceeds [`MAX_FACTOR`], the H200's whole boost range (1980 MHz over 1470
-//!   MHz, to the power [`BETA`]). Where NVML reports no utilisation (the H200 VM), another
-//!   container's work is counted as this one's when the GPU is shared but not at its limit: the
-//!   over-charge is then bounded by that, and since such a GPU does boost, part of it is due;
+//!   MHz, to the power [`BETA`]);
 //! - without NVML's power readings the factor stays 1 (time share).
 
 /// Idle power with the clocks up, as a share of the power limit (H200: the GEMM held to 10, 25
@@ -42,6 +50,12 @@ pub const ALPHA: f64 = 1.5;
 pub const BETA: f64 = 0.66;
 /// The largest factor charged.
 pub const MAX_FACTOR: f64 = 1.25;
+/// The most dynamic power any work draws were the GPU busy all the time at its highest clock, as
+/// a share of the power limit. The H200 bf16 GEMM, as power-hungry as work gets, draws 740-790 W
+/// for a 700 W limit (1.06-1.13): `(P - 119 W) / share / (f / 1980 MHz)^ALPHA` from its power
+/// and clock held to 10-75% of the time (1980 and 1878 MHz) and unlimited (1629 MHz), in
+/// docs/gpu/2026-11-30-compute-boost-clock-branch.txt.
+pub const HEAVIEST_WORK: f64 = 1.2;
 /// Below this busy share the power says nothing about the container's work.
 const MIN_SHARE: f64 = 0.02;
 /// Weight of a new reading in the factor (readings come once a second; NVML's power is itself
@@ -58,25 +72,52 @@ pub struct PowerReading {
     pub limit_watts: f64,
     /// The GPU reports a power or thermal slowdown now.
     pub slowed: bool,
+    /// The SM clock now and its highest (MHz), where NVML gives them.
+    pub clock: Option<ClockReading>,
+}
+
+/// The SM clock, in MHz.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ClockReading {
+    pub sm_mhz: f64,
+    pub max_sm_mhz: f64,
+}
+
+impl ClockReading {
+    /// The most a kernel can run faster at this clock than on a GPU busy all the time:
+    /// `(f / f_floor)^BETA`, at least 1; `None` for a clock no GPU reports.
+    fn bound(&self, idle_share: f64) -> Option<f64> {
+        let positive = |value: f64| value.is_finite() && value > 0.0;
+        if !positive(self.sm_mhz) || !positive(self.max_sm_mhz) {
+            return None;
+        }
+        let floor_ratio = ((1.0 - idle_share) / HEAVIEST_WORK).powf(1.0 / ALPHA);
+        let ratio = (self.sm_mhz / self.max_sm_mhz).min(1.0);
+        Some((ratio / floor_ratio).powf(BETA).max(1.0))
+    }
 }
 
 /// The factor for one reading, given the share of the GPU's time the container's kernels took
 /// (0..=1, before compensation).
 pub fn target_factor(reading: PowerReading, busy_share: f64) -> f64 {
     let unusable = |value: f64, least: f64| value.is_nan() || value < least;
-    if reading.slowed || unusable(busy_share, MIN_SHARE) || unusable(reading.limit_watts, f64::MIN_POSITIVE) {
+    if unusable(busy_share, MIN_SHARE) || unusable(reading.limit_watts, f64::MIN_POSITIVE) || !reading.watts.is_finite()
+    {
         return 1.0;
     }
-    if !reading.watts.is_finite() {
-        return 1.0;
-    }
+    let clock_bound = reading.clock.and_then(|clock| clock.bound(IDLE_SHARE));
+    let bound = match (clock_bound, reading.slowed) {
+        (Some(bound), _) => bound,
+        (None, true) => return 1.0,
+        (None, false) => MAX_FACTOR,
+    };
     let idle = IDLE_SHARE * reading.limit_watts;
     let full_load_dynamic = (reading.watts - idle).max(0.0) / busy_share.min(1.0);
     let over_limit = full_load_dynamic / (reading.limit_watts - idle);
     if over_limit <= 1.0 {
         1.0
     } else {
-        over_limit.powf(BETA / ALPHA).min(MAX_FACTOR)
+        over_limit.powf(BETA / ALPHA).min(bound).min(MAX_FACTOR)
     }
 }
 
@@ -121,6 +162,24 @@ pub fn read(uuid: &str) -> Option<PowerReading> {
         watts: f64::from(milliwatts) / 1000.0,
         limit_watts: f64::from(limit_milliwatts) / 1000.0,
         slowed,
+        clock: read_clock(device),
+    })
+}
+
+/// NVML's SM clock and highest SM clock; `None` where NVML does not give them.
+fn read_clock(device: crate::sys::nvml::nvmlDevice_t) -> Option<ClockReading> {
+    use crate::hooks::real;
+    use crate::sys::nvml::{NVML_CLOCK_SM, NVML_SUCCESS};
+    let (clock, max_clock) = (real::nvmlDeviceGetClockInfo()?, real::nvmlDeviceGetMaxClockInfo()?);
+    let (mut sm_mhz, mut max_sm_mhz) = (0u32, 0u32);
+    // SAFETY: a handle NVML gave and local out-pointers.
+    let read = unsafe {
+        clock(device, NVML_CLOCK_SM, &mut sm_mhz) == NVML_SUCCESS
+            && max_clock(device, NVML_CLOCK_SM, &mut max_sm_mhz) == NVML_SUCCESS
+    };
+    read.then_some(ClockReading {
+        sm_mhz: f64::from(sm_mhz),
+        max_sm_mhz: f64::from(max_sm_mhz),
     })
 }
 
@@ -133,6 +192,18 @@ mod tests {
             watts,
             limit_watts: 700.0,
             slowed: false,
+            clock: None,
+        }
+    }
+
+    fn at_clock(watts: f64, sm_mhz: f64, slowed: bool) -> PowerReading {
+        PowerReading {
+            slowed,
+            clock: Some(ClockReading {
+                sm_mhz,
+                max_sm_mhz: 1980.0,
+            }),
+            ..h200(watts)
         }
     }
 
@@ -142,6 +213,7 @@ mod tests {
         // 205 us unlimited (a factor of 1.15).
         let factor = target_factor(h200(521.0), 0.5);
         assert!((1.12..=1.19).contains(&factor), "{factor}");
+        assert_eq!(target_factor(at_clock(521.0, 1980.0, false), 0.5), factor);
         // The same GPU at a tenth and at a quarter of its time: the same full-load power, so
         // about the same factor.
         for (watts, share) in [(204.0, 0.1), (316.0, 0.25)] {
@@ -154,15 +226,42 @@ mod tests {
     }
 
     #[test]
-    fn light_work_and_slowed_gpus_are_charged_their_time() {
+    fn a_gpu_at_its_power_limit_keeps_the_boost_its_clock_shows() {
+        // The H200 GEMM held to 75%: 658 W at 1860 MHz with a power-cap slowdown; unlimited it
+        // runs at 1625 MHz, so each product takes (1860 / 1625)^0.66 = 1.09 less time.
+        let factor = target_factor(at_clock(658.0, 1860.0, true), 0.75);
+        assert!((1.07..=1.13).contains(&factor), "{factor}");
+        // Without the clock, a slowed GPU is charged its time.
+        assert_eq!(
+            target_factor(
+                PowerReading {
+                    slowed: true,
+                    ..h200(658.0)
+                },
+                0.75
+            ),
+            1.0
+        );
+    }
+
+    #[test]
+    fn a_saturated_shared_gpu_is_charged_about_its_time() {
+        // Two containers saturate the GPU at 1625 MHz and 671 W; NVML gives no utilisation, so
+        // the one with 30% of the time sees all the power as its own. The clock bounds the
+        // over-charge, the same for both containers.
+        let small = target_factor(at_clock(671.0, 1625.0, true), 0.3);
+        let large = target_factor(at_clock(671.0, 1625.0, true), 0.7);
+        assert!(small < 1.04, "{small}");
+        assert_eq!(small, large);
+        // Without the clock the power alone charges the whole range.
+        assert_eq!(target_factor(h200(671.0), 0.3), MAX_FACTOR);
+    }
+
+    #[test]
+    fn light_work_is_charged_its_time() {
         // Small kernels: 130 W at half the time is far below the limit at full load.
         assert_eq!(target_factor(h200(130.0), 0.5), 1.0);
-        // A GPU held down by its power limit already runs at the full-load clock.
-        let slowed = PowerReading {
-            slowed: true,
-            ..h200(690.0)
-        };
-        assert_eq!(target_factor(slowed, 0.7), 1.0);
+        assert_eq!(target_factor(at_clock(130.0, 1980.0, false), 0.5), 1.0);
     }
 
     #[test]
@@ -176,12 +275,25 @@ mod tests {
                 limit_watts: 0.0,
                 ..h200(300.0)
             },
+            at_clock(600.0, 0.0, true),
+            at_clock(600.0, f64::NAN, true),
+            at_clock(600.0, 1900.0, true).with_max_clock(0.0),
         ] {
             assert_eq!(target_factor(reading, 0.5), 1.0, "{reading:?}");
         }
         assert_eq!(target_factor(h200(500.0), f64::NAN), 1.0);
         assert_eq!(target_factor(h200(500.0), 0.0), 1.0);
         assert!(target_factor(h200(5000.0), 1.5) <= MAX_FACTOR);
+        // A clock above the highest counts as the highest.
+        let over = target_factor(at_clock(650.0, 5000.0, false), 0.05);
+        assert!(over <= MAX_FACTOR && over == target_factor(at_clock(650.0, 1980.0, false), 0.05));
+    }
+
+    impl PowerReading {
+        fn with_max_clock(self, max_sm_mhz: f64) -> Self {
+            let clock = self.clock.map(|clock| ClockReading { max_sm_mhz, ..clock });
+            Self { clock, ..self }
+        }
     }
 
     #[test]

@@ -506,6 +506,52 @@ pub unsafe extern "C" fn nvmlDeviceGetCurrentClocksEventReasons(
     })
 }
 
+/// The highest SM clock of the fake GPU (an H200's).
+const MAX_SM_MHZ: c_uint = 1980;
+
+/// The SM clocks, with the power model: FAKE_NVML_SM_MHZ is the present clock (default the
+/// highest); FAKE_NVML_NO_CLOCKS=1 answers Not Supported (a driver without clock readings).
+fn sm_clock(device: nvmlDevice_t, kind: nvmlClockType_t, highest: bool) -> Result<c_uint, nvmlReturn_t> {
+    index_of(device)?;
+    power_model()?;
+    if kind != NVML_CLOCK_SM || std::env::var("FAKE_NVML_NO_CLOCKS").is_ok_and(|value| value == "1") {
+        return Err(NVML_ERROR_NOT_SUPPORTED);
+    }
+    if highest {
+        return Ok(MAX_SM_MHZ);
+    }
+    match std::env::var("FAKE_NVML_SM_MHZ") {
+        Ok(text) => text.trim().parse().map_err(|_| NVML_ERROR_INVALID_ARGUMENT),
+        Err(_) => Ok(MAX_SM_MHZ),
+    }
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetClockInfo(
+    device: nvmlDevice_t,
+    kind: nvmlClockType_t,
+    mhz: *mut c_uint,
+) -> nvmlReturn_t {
+    nv(|| {
+        let clock = sm_clock(device, kind, false)?;
+        // SAFETY: out-pointer from the caller.
+        unsafe { put(mhz, clock) }
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetMaxClockInfo(
+    device: nvmlDevice_t,
+    kind: nvmlClockType_t,
+    mhz: *mut c_uint,
+) -> nvmlReturn_t {
+    nv(|| {
+        let clock = sm_clock(device, kind, true)?;
+        // SAFETY: out-pointer from the caller.
+        unsafe { put(mhz, clock) }
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -519,23 +519,36 @@ fn nvml_cross_checks_the_sensor_where_it_works() {
     assert_eq!(blind.matches(BLIND).count(), 1, "{blind}");
 }
 
-/// The fake GPU draws 900 W when busy all the time (limit 700 W, idle 120 W): at limit 50 the
-/// boost compensation charges each kernel about 1.14 times its time, so the kernels take about
-/// 44% of the device. A GPU that reports a power slowdown is charged the plain time, and so is
-/// one whose NVML says it is fully busy (other containers' work: the power is not all ours).
+/// The fake GPU draws 900 W when busy all the time (limit 700 W, idle 120 W): at limit 50 and
+/// its highest clock the boost compensation charges each kernel about 1.14 times its time, so the
+/// kernels take about 44% of the device. A GPU held by its power limit to 1860 MHz keeps the part
+/// of the boost its clock shows (a factor of about 1.13); one at 1600 MHz, near the clock the
+/// heaviest work settles at busy all the time, almost none (about 1.02); one that reports a
+/// slowdown but no clocks none; and neither does one whose NVML says it is fully busy (other
+/// containers' work: the power is not all ours).
 #[test]
 fn boost_compensation_follows_the_power_readings() {
-    let dirs = ["boost-compensated", "boost-slowed", "boost-shared"].map(TestDir::new);
+    let names = [
+        "boost-compensated",
+        "boost-1860",
+        "boost-1600",
+        "boost-no-clock",
+        "boost-shared",
+    ];
+    let dirs = names.map(TestDir::new);
     let power = [("CUDA_DEVICE_SM_LIMIT", "50"), ("FAKE_NVML_BUSY_WATTS", "900")];
-    let with = |extra: (&'static str, &'static str)| {
+    let with = |extra: &[(&'static str, &'static str)]| {
         let mut env = power.to_vec();
-        env.push(extra);
+        env.extend_from_slice(extra);
         env
     };
+    let slowed = ("FAKE_NVML_SLOWDOWN", "1");
     let envs = [
         power.to_vec(),
-        with(("FAKE_NVML_SLOWDOWN", "1")),
-        with(("FAKE_NVML_UTILIZATION", "100")),
+        with(&[slowed, ("FAKE_NVML_SM_MHZ", "1860")]),
+        with(&[slowed, ("FAKE_NVML_SM_MHZ", "1600")]),
+        with(&[slowed, ("FAKE_NVML_NO_CLOCKS", "1")]),
+        with(&[("FAKE_NVML_UTILIZATION", "100")]),
     ];
     let sessions: Vec<Session> = dirs
         .iter()
@@ -554,12 +567,28 @@ fn boost_compensation_follows_the_power_readings() {
     sessions.into_iter().for_each(|session| {
         finish(session);
     });
-    let [compensated, slowed, shared] = [0, 1, 2].map(|i| (after[i] - before[i]) as f64 * 100.0 / elapsed);
-    eprintln!("boost compensation: {compensated:.1}% compensated, {slowed:.1}% slowed, {shared:.1}% shared");
+    let [compensated, at_1860, at_1600, no_clock, shared] =
+        [0, 1, 2, 3, 4].map(|i| (after[i] - before[i]) as f64 * 100.0 / elapsed);
+    eprintln!(
+        "boost compensation: {compensated:.1}% compensated, {at_1860:.1}% slowed at 1860 MHz, \
+         {at_1600:.1}% at 1600 MHz, {no_clock:.1}% slowed without clocks, {shared:.1}% shared"
+    );
     assert!(
         (41.0..=47.0).contains(&compensated),
         "compensated share {compensated:.1}%, expected about 44%"
     );
-    assert_share("power-capped GPU at limit 50", slowed, 50.0);
+    assert!(
+        (41.0..=47.5).contains(&at_1860),
+        "slowed to 1860 MHz: {at_1860:.1}%, expected about 44%"
+    );
+    assert!(
+        (47.0..=51.0).contains(&at_1600) && at_1600 > at_1860 + 2.0,
+        "slowed to 1600 MHz: {at_1600:.1}%, expected about 49% (at 1860 MHz: {at_1860:.1}%)"
+    );
+    assert!(
+        no_clock > compensated + 3.0,
+        "slowed without clocks: {no_clock:.1}%, expected the plain time share (compensated: {compensated:.1}%)"
+    );
+    assert_share("power-capped GPU without clocks at limit 50", no_clock, 50.0);
     assert_share("GPU busy with others at limit 50", shared, 50.0);
 }
