@@ -5,7 +5,7 @@
 # kernels on 64K elements, the same kernels as a CUDA graph, a GEMM job with host-side pauses) and
 # each limit in 10, 25, 50, 75, 100, the throughput as % of the unlimited run of the same call and
 # the error against min(limit, natural share); the mean absolute and the largest error; then two
-# processes of one region at 50 and two regions at 30 and 70. About 5 minutes. The report is also
+# processes of one region at 50 and two regions at 30 and 70. About 7 minutes. The report is also
 # written to $OUT/compute.txt ($OUT/compute-$COMPUTE_TAG.txt with COMPUTE_TAG). VGPU_HOOK runs
 # another library (HAMi-core's: tests/gpu/hami_core_build.sh, with COMPUTE_POLICY=FORCE). COMPUTE_SECONDS, COMPUTE_WARMUP, COMPUTE_WORKLOADS and
 # COMPUTE_LIMITS shorten it (see compute_bench.py).
