@@ -3,7 +3,7 @@
     compute_bench.py <libvgpu.so> <compute_small binary> <work folder>
 
 For each workload and each limit in 10, 25, 50, 75, 100 it runs the workload with the hook and
-CUDA_DEVICE_SM_LIMIT, and six times without the hook (the unlimited run: before, between and
+CUDA_DEVICE_SM_LIMIT, and five times without the hook (the unlimited run: before, between and
 after the limited ones, and between the runs at limit 100; their median counts), and prints one
 table:
 throughput as % of the unlimited run, the GPU share that is (throughput x the workload's natural
@@ -17,11 +17,12 @@ GPU 0's SM clock and power over the measured part: the GPU boosts when it is not
 limited GEMM does more work per GPU-second than the unlimited one. Then two processes of one
 region at 50, and two regions at 30 and 70, running the GEMM at the same time.
 
-Host-bound loops vary by up to 15% between processes on the VM, whatever the CPU pinning (the
+Host-bound loops vary by up to a third between processes on the VM, whatever the CPU pinning (the
 small-kernel loop: 207k-305k launches/s, with or without the hook, docs/gpu/2026-11-30-
 compute-pinning.txt). Where the limit binds, a workload's GPU share does not depend on the
 unlimited rate (share = rate x GPU time per iteration); at limit 100 the row compares two rates,
-so that limit runs three times, each after an unlimited run, and the medians count.
+so that limit runs three times, the second and third each after an unlimited run, and the
+medians count.
 
 Each run warms up for COMPUTE_WARMUP seconds before it is measured: the boost compensation
 reads NVML once a second and moves halfway to its target at each reading, so it takes about
@@ -46,7 +47,7 @@ WORKLOADS = os.environ.get("COMPUTE_WORKLOADS", "gemm small graph pause").split(
 LIMITS = [int(v) for v in os.environ.get("COMPUTE_LIMITS", "10 25 50 75 100").split()]
 POLICY = os.environ.get("COMPUTE_POLICY", "")
 PAUSE_PRODUCTS = 20
-# Runs at limit 100, each after an unlimited one: their median counts.
+# Runs at limit 100 (the second and third each after an unlimited one): their median counts.
 RUNS_AT_FULL = 3
 # Launches per iteration of each workload (a product is one kernel; a graph replay one launch).
 LAUNCHES_PER_ITERATION = {"gemm": 1, "small": 1, "graph": 1, "pause": PAUSE_PRODUCTS}

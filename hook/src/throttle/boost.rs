@@ -10,7 +10,8 @@
 //! That time comes from a model of the GPU's power, fed by NVML once a second:
 //!
 //! - the GPU's power `P` (NVML's average), its enforced power limit `P_cap`, an idle power of
-//!   [`IDLE_SHARE`] of the limit (the clocks stay up between kernels), and the share `s` of the
+//!   [`IDLE_SHARE`] of the board's default power limit `P_rated` (the clocks stay up between
+//!   kernels; idle power is the board's, whatever limit an administrator set), and the share `s` of the
 //!   GPU's time that kernels take: the container's own (measured by the sensor, before
 //!   compensation), or NVML's utilisation of the whole GPU where NVML measures it and it is more;
 //! - the GPU's dynamic power were it busy all the time at this clock: `(P - P_idle) / s`;
@@ -23,22 +24,26 @@
 //! VM), another container's work is counted as this one's, and the power alone would charge a
 //! container sharing a saturated GPU for a boost it does not get. The clock bounds that:
 //!
-//! - no work draws more than [`HEAVIEST_WORK`] times the power limit in dynamic power at the
-//!   highest clock `f_max` (were the GPU busy all the time), so no GPU busy all the time settles
-//!   below `f_floor = f_max * ((P_cap - P_idle) / (HEAVIEST_WORK * P_cap))^(1 / ALPHA)`
-//!   (H200: 1549 MHz), and a kernel running at the present clock `f` takes at most
-//!   `(f / f_floor)^BETA` less time than it would at full load: the factor never exceeds that.
-//!   A GPU saturated by several containers runs near `f_floor` (the H200 GEMM: 1625 MHz, a bound
-//!   of 1.03), and one that alternates between a power slowdown and none (a GEMM held to 75% of
-//!   the time on the H200: 1860 MHz, 1.13) keeps the part of the boost its clock shows;
+//! - no work draws more than [`HEAVIEST_WORK`] times the board's default power limit in dynamic
+//!   power at the highest clock `f_max` (were the GPU busy all the time), so no GPU busy all the
+//!   time settles below `f_floor = f_max * ((P_cap - P_idle) / (HEAVIEST_WORK * P_rated))^(1 /
+//!   ALPHA)` (H200 at its default limit: 1549 MHz), and a kernel running at the present clock `f`
+//!   takes at most `(f / f_floor)^BETA` less time than it would at full load: the factor never
+//!   exceeds that. A GPU saturated by several containers runs near `f_floor` (the H200 GEMM
+//!   unlimited: 1570-1656 MHz on average over a run, a bound of 1.01-1.05, the same for every
+//!   container), and one whose clock a power slowdown holds partly down (a GEMM held to 75% of
+//!   the time on the H200: 1922 MHz on average, bound 1.15) keeps the part of the boost its clock
+//!   shows. The clock is one instantaneous reading (NVML's power is a 1 s average), so the
+//!   bound moves from reading to reading; the factor's smoothing averages it;
 //! - without the clock readings, while the GPU reports a power or thermal slowdown the factor is
 //!   1 (the kernels may already run at the clock the power limit allows);
-//! - the factor never exceeds [`MAX_FACTOR`], the H200's whole boost range (1980 MHz over 1470
-//!   MHz, to the power [`BETA`]);
+//! - the factor never exceeds [`MAX_FACTOR`], a little above the H200's whole boost range (1980
+//!   MHz over 1470 MHz, the lowest clock seen under a GEMM, to the power [`BETA`]: 1.22);
 //! - without NVML's power readings the factor stays 1 (time share).
 
-/// Idle power with the clocks up, as a share of the power limit (H200: the GEMM held to 10, 25
-/// and 50% of the time draws 204, 316 and 521 W, a line through about 120 W of 700 W at 0%).
+/// Idle power with the clocks up, as a share of the default power limit (H200: the GEMM held to
+/// 10, 25 and 50% of the time draws 204, 316 and 521 W, a line through about 120 W of 700 W at
+/// 0%).
 pub const IDLE_SHARE: f64 = 0.17;
 /// Dynamic power ~ clock^ALPHA over the boost range, fitted to the H200 GEMM: held to 10-50% of
 /// the time at 1980 MHz it draws about 800 W of dynamic power were it busy all the time (the line
@@ -51,10 +56,13 @@ pub const BETA: f64 = 0.66;
 /// The largest factor charged.
 pub const MAX_FACTOR: f64 = 1.25;
 /// The most dynamic power any work draws were the GPU busy all the time at its highest clock, as
-/// a share of the power limit. The H200 bf16 GEMM, as power-hungry as work gets, draws 740-790 W
-/// for a 700 W limit (1.06-1.13): `(P - 119 W) / share / (f / 1980 MHz)^ALPHA` from its power
-/// and clock held to 10-75% of the time (1980 and 1878 MHz) and unlimited (1629 MHz), in
-/// docs/gpu/2026-11-30-compute-boost-clock-branch.txt.
+/// a share of the default power limit. The H200 bf16 GEMM, as power-hungry as work gets, draws
+/// 730-790 W for a 700 W limit (1.05-1.13): `(P - 119 W) / share / (f / 1980 MHz)^ALPHA` from
+/// its mean power and clock held to 10-75% of the time (1980 and 1878 MHz; share: the limiter's
+/// count) and unlimited (1629 MHz), in docs/gpu/2026-11-30-compute-boost-clock-branch.txt.
+/// Single samples give more (690 W at 1470 MHz: 1.28, -boost-probe.txt), but a clock sample is
+/// instantaneous and the power averaged; a heavier work is charged less than its boost at a
+/// partial slowdown, never more.
 pub const HEAVIEST_WORK: f64 = 1.2;
 /// Below this busy share the power says nothing about the container's work.
 const MIN_SHARE: f64 = 0.02;
@@ -69,7 +77,10 @@ pub const SLOWDOWN_REASONS: u64 = 0x4 | 0x8 | 0x20 | 0x40 | 0x80;
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PowerReading {
     pub watts: f64,
+    /// The enforced power limit.
     pub limit_watts: f64,
+    /// The board's default power limit, where NVML gives it (else the enforced one).
+    pub rated_watts: Option<f64>,
     /// The GPU reports a power or thermal slowdown now.
     pub slowed: bool,
     /// The SM clock now and its highest (MHz), where NVML gives them.
@@ -85,13 +96,15 @@ pub struct ClockReading {
 
 impl ClockReading {
     /// The most a kernel can run faster at this clock than on a GPU busy all the time:
-    /// `(f / f_floor)^BETA`, at least 1; `None` for a clock no GPU reports.
-    fn bound(&self, idle_share: f64) -> Option<f64> {
+    /// `(f / f_floor)^BETA`, at least 1, where the heaviest work at full load would need
+    /// `heaviest_over_limit` times the dynamic power the limit allows; `None` for a clock no GPU
+    /// reports.
+    fn bound(&self, heaviest_over_limit: f64) -> Option<f64> {
         let positive = |value: f64| value.is_finite() && value > 0.0;
-        if !positive(self.sm_mhz) || !positive(self.max_sm_mhz) {
+        if !positive(self.sm_mhz) || !positive(self.max_sm_mhz) || !positive(heaviest_over_limit) {
             return None;
         }
-        let floor_ratio = ((1.0 - idle_share) / HEAVIEST_WORK).powf(1.0 / ALPHA);
+        let floor_ratio = heaviest_over_limit.powf(-1.0 / ALPHA).min(1.0);
         let ratio = (self.sm_mhz / self.max_sm_mhz).min(1.0);
         Some((ratio / floor_ratio).powf(BETA).max(1.0))
     }
@@ -101,19 +114,33 @@ impl ClockReading {
 /// (0..=1, before compensation).
 pub fn target_factor(reading: PowerReading, busy_share: f64) -> f64 {
     let unusable = |value: f64, least: f64| value.is_nan() || value < least;
-    if unusable(busy_share, MIN_SHARE) || unusable(reading.limit_watts, f64::MIN_POSITIVE) || !reading.watts.is_finite()
+    if unusable(busy_share, MIN_SHARE)
+        || unusable(reading.limit_watts, f64::MIN_POSITIVE)
+        || !reading.watts.is_finite()
+        || !reading.limit_watts.is_finite()
     {
         return 1.0;
     }
-    let clock_bound = reading.clock.and_then(|clock| clock.bound(IDLE_SHARE));
+    let rated = reading
+        .rated_watts
+        .filter(|watts| watts.is_finite() && *watts > 0.0)
+        .unwrap_or(reading.limit_watts);
+    let idle = IDLE_SHARE * rated;
+    // The dynamic power the enforced limit leaves (none for a limit at or below idle power).
+    let headroom = reading.limit_watts - idle;
+    if headroom.is_nan() || headroom <= 0.0 {
+        return 1.0;
+    }
+    let clock_bound = reading
+        .clock
+        .and_then(|clock| clock.bound(HEAVIEST_WORK * rated / headroom));
     let bound = match (clock_bound, reading.slowed) {
         (Some(bound), _) => bound,
         (None, true) => return 1.0,
         (None, false) => MAX_FACTOR,
     };
-    let idle = IDLE_SHARE * reading.limit_watts;
     let full_load_dynamic = (reading.watts - idle).max(0.0) / busy_share.min(1.0);
-    let over_limit = full_load_dynamic / (reading.limit_watts - idle);
+    let over_limit = full_load_dynamic / headroom;
     if over_limit <= 1.0 {
         1.0
     } else {
@@ -161,9 +188,20 @@ pub fn read(uuid: &str) -> Option<PowerReading> {
     Some(PowerReading {
         watts: f64::from(milliwatts) / 1000.0,
         limit_watts: f64::from(limit_milliwatts) / 1000.0,
+        rated_watts: read_default_limit(device),
         slowed,
         clock: read_clock(device),
     })
+}
+
+/// NVML's default power limit of the board (watts); `None` where NVML does not give it.
+fn read_default_limit(device: crate::sys::nvml::nvmlDevice_t) -> Option<f64> {
+    use crate::sys::nvml::NVML_SUCCESS;
+    let default_limit = crate::hooks::real::nvmlDeviceGetPowerManagementDefaultLimit()?;
+    let mut milliwatts = 0u32;
+    // SAFETY: a handle NVML gave and a local out-pointer.
+    let read = unsafe { default_limit(device, &mut milliwatts) } == NVML_SUCCESS;
+    (read && milliwatts > 0).then(|| f64::from(milliwatts) / 1000.0)
 }
 
 /// NVML's SM clock and highest SM clock; `None` where NVML does not give them.
@@ -191,6 +229,7 @@ mod tests {
         PowerReading {
             watts,
             limit_watts: 700.0,
+            rated_watts: Some(700.0),
             slowed: false,
             clock: None,
         }
@@ -258,6 +297,29 @@ mod tests {
     }
 
     #[test]
+    fn a_lowered_power_limit_is_modelled_in_the_boards_watts() {
+        // An administrator set 500 W on a 700 W board; the GEMM held to 75% runs at 1500 MHz,
+        // slowed, at 480 W. Busy all the time it would settle near 1200 MHz, so a factor of
+        // about 1.1 is due.
+        let lowered = |rated_watts| PowerReading {
+            limit_watts: 500.0,
+            rated_watts,
+            ..at_clock(480.0, 1500.0, true)
+        };
+        let factor = target_factor(lowered(Some(700.0)), 0.75);
+        assert!((1.05..=1.15).contains(&factor), "{factor}");
+        // Scaled by the enforced limit instead, the idle power and the heaviest work shrink with
+        // it and 1500 MHz looks like full load.
+        assert_eq!(target_factor(lowered(None), 0.75), 1.0);
+        // A limit at or below the idle power leaves nothing to model.
+        let starved = PowerReading {
+            limit_watts: 100.0,
+            ..lowered(Some(700.0))
+        };
+        assert_eq!(target_factor(starved, 0.75), 1.0);
+    }
+
+    #[test]
     fn light_work_is_charged_its_time() {
         // Small kernels: 130 W at half the time is far below the limit at full load.
         assert_eq!(target_factor(h200(130.0), 0.5), 1.0);
@@ -278,6 +340,11 @@ mod tests {
             at_clock(600.0, 0.0, true),
             at_clock(600.0, f64::NAN, true),
             at_clock(600.0, 1900.0, true).with_max_clock(0.0),
+            PowerReading {
+                rated_watts: Some(f64::NAN),
+                limit_watts: f64::INFINITY,
+                ..at_clock(600.0, 1900.0, true)
+            },
         ] {
             assert_eq!(target_factor(reading, 0.5), 1.0, "{reading:?}");
         }

@@ -491,6 +491,21 @@ pub unsafe extern "C" fn nvmlDeviceGetEnforcedPowerLimit(device: nvmlDevice_t, l
     })
 }
 
+/// The board's default power limit: the fake's boards run at their default
+/// (FAKE_NVML_POWER_LIMIT_WATTS).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetPowerManagementDefaultLimit(
+    device: nvmlDevice_t,
+    limit: *mut c_uint,
+) -> nvmlReturn_t {
+    nv(|| {
+        index_of(device)?;
+        let model = power_model()?;
+        // SAFETY: out-pointer from the caller.
+        unsafe { put(limit, (model.limit_watts * 1000.0) as c_uint) }
+    })
+}
+
 /// FAKE_NVML_SLOWDOWN=1 reports a power-cap slowdown (0x4).
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetCurrentClocksEventReasons(
