@@ -592,3 +592,31 @@ fn boost_compensation_follows_the_power_readings() {
     assert_share("power-capped GPU without clocks at limit 50", no_clock, 50.0);
     assert_share("GPU busy with others at limit 50", shared, 50.0);
 }
+
+/// Two processes of one region at limit 50 on the fake GPU that draws 900 W busy: both read the
+/// same power and the region's common share, so together they are held like one process (about
+/// 44%, a factor of 1.14), not each charged at its own factor.
+#[test]
+fn two_processes_share_the_boost_compensation() {
+    let dir = TestDir::new("two-boost");
+    let env = [("CUDA_DEVICE_SM_LIMIT", "50"), ("FAKE_NVML_BUSY_WATTS", "900")];
+    let sessions: Vec<Session> = (0..2)
+        .map(|_| start(compute_loop(&dir, &env, &["kernel", KERNEL, "9", "stream"])))
+        .collect();
+    // As in the single-process test: the factor settles over the first readings.
+    std::thread::sleep(Duration::from_millis(5500));
+    let truth = dir.truth();
+    let at = Instant::now();
+    let before = truth.device(0).busy_ns();
+    std::thread::sleep(WINDOW);
+    let after = truth.device(0).busy_ns();
+    let share = (after - before) as f64 * 100.0 / at.elapsed().as_nanos() as f64;
+    sessions.into_iter().for_each(|session| {
+        finish(session);
+    });
+    eprintln!("two processes with the boost compensation: {share:.1}%");
+    assert!(
+        (41.0..=47.0).contains(&share),
+        "two processes at limit 50 with a 900 W GPU: {share:.1}%, expected about 44%"
+    );
+}
