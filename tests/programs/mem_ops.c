@@ -22,15 +22,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
-static nvmlReturn_t nvml_device(const char *arg, nvmlDevice_t *device) {
-    static int initialised = 0;
-    if (!initialised) {
-        nvmlReturn_t status = nvmlInit_v2();
-        if (status != NVML_SUCCESS) return status;
-        initialised = 1;
-    }
-    return nvmlDeviceGetHandleByIndex_v2((unsigned int)strtoul(arg, NULL, 10), device);
-}
+#include "commands.h"
 
 int main(void) {
     char line[256];
@@ -39,19 +31,8 @@ int main(void) {
         char arg[128] = "0";
         if (sscanf(line, "%31s %127s", command, arg) < 1) continue;
         unsigned long long number = strtoull(arg, NULL, 10);
-        if (strcmp(command, "init") == 0) {
-            printf("init %d\n", (int)cuInit(0));
-        } else if (strcmp(command, "ctx") == 0) {
-            CUdevice device = 0;
-            CUcontext ctx = NULL;
-            CUresult status = cuDeviceGet(&device, (int)number);
-            if (status == CUDA_SUCCESS) status = cuDevicePrimaryCtxRetain(&ctx, device);
-            if (status == CUDA_SUCCESS) status = cuCtxSetCurrent(ctx);
-            printf("ctx %d\n", (int)status);
-        } else if (strcmp(command, "alloc") == 0) {
-            CUdeviceptr p = 0;
-            CUresult status = cuMemAlloc_v2(&p, (size_t)number);
-            printf("alloc %d %llu\n", (int)status, (unsigned long long)p);
+        if (common_command(command, number)) {
+            // answered
         } else if (strcmp(command, "asyncalloc") == 0) {
             CUdeviceptr p = 0;
             CUresult status = cuMemAllocAsync(&p, (size_t)number, 0);
@@ -64,8 +45,6 @@ int main(void) {
             printf("reset %d\n", (int)cuDevicePrimaryCtxReset((CUdevice)number));
         } else if (strcmp(command, "allocnull") == 0) {
             printf("allocnull %d\n", (int)cuMemAlloc_v2(NULL, (size_t)number));
-        } else if (strcmp(command, "free") == 0) {
-            printf("free %d\n", (int)cuMemFree_v2((CUdeviceptr)number));
         } else if (strcmp(command, "info") == 0) {
             size_t free_bytes = 0, total = 0;
             CUresult status = cuMemGetInfo_v2(&free_bytes, &total);
@@ -80,7 +59,7 @@ int main(void) {
             nvmlDevice_t device;
             nvmlMemory_t memory;
             memset(&memory, 0, sizeof memory);
-            nvmlReturn_t status = nvml_device(arg, &device);
+            nvmlReturn_t status = nvml_device((unsigned)number, &device);
             if (status == NVML_SUCCESS) status = nvmlDeviceGetMemoryInfo(device, &memory);
             printf("nvml %d %llu %llu %llu\n", (int)status, memory.total, memory.used, memory.free);
         } else if (strcmp(command, "nvml2") == 0 || strcmp(command, "nvml2bad") == 0) {
@@ -88,7 +67,7 @@ int main(void) {
             nvmlMemory_v2_t memory;
             memset(&memory, 0, sizeof memory);
             memory.version = strcmp(command, "nvml2") == 0 ? nvmlMemory_v2 : nvmlMemory_v2 + 1;
-            nvmlReturn_t status = nvml_device(arg, &device);
+            nvmlReturn_t status = nvml_device((unsigned)number, &device);
             if (status == NVML_SUCCESS) status = nvmlDeviceGetMemoryInfo_v2(device, &memory);
             if (strcmp(command, "nvml2") == 0) {
                 printf("nvml2 %d %llu %llu %llu\n", (int)status, memory.total, memory.used, memory.free);

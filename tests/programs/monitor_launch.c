@@ -27,15 +27,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static nvmlReturn_t nvml_device(unsigned index, nvmlDevice_t *device) {
-    static int initialised = 0;
-    if (!initialised) {
-        nvmlReturn_t status = nvmlInit_v2();
-        if (status != NVML_SUCCESS) return status;
-        initialised = 1;
-    }
-    return nvmlDeviceGetHandleByIndex_v2(index, device);
-}
+#include "commands.h"
 
 static double now_ms(void) {
     struct timespec t;
@@ -89,21 +81,8 @@ int main(void) {
         char arg2[64] = "0";
         if (sscanf(line, "%31s %63s %63s", command, arg, arg2) < 1) continue;
         unsigned long long number = strtoull(arg, NULL, 10);
-        if (strcmp(command, "init") == 0) {
-            printf("init %d\n", (int)cuInit(0));
-        } else if (strcmp(command, "ctx") == 0) {
-            CUdevice device = 0;
-            CUcontext ctx = NULL;
-            CUresult status = cuDeviceGet(&device, (int)number);
-            if (status == CUDA_SUCCESS) status = cuDevicePrimaryCtxRetain(&ctx, device);
-            if (status == CUDA_SUCCESS) status = cuCtxSetCurrent(ctx);
-            printf("ctx %d\n", (int)status);
-        } else if (strcmp(command, "alloc") == 0) {
-            CUdeviceptr p = 0;
-            CUresult status = cuMemAlloc_v2(&p, (size_t)number);
-            printf("alloc %d %llu\n", (int)status, (unsigned long long)p);
-        } else if (strcmp(command, "free") == 0) {
-            printf("free %d\n", (int)cuMemFree_v2((CUdeviceptr)number));
+        if (common_command(command, number)) {
+            // answered
         } else if (strcmp(command, "load") == 0) {
             static const char image[] = "fake module";
             CUresult status = cuModuleLoadData(&module, image);
