@@ -18,23 +18,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/time.h>
+#include "cuda_check.cuh"
 
 #define N (1 << 16)
 #define GRAPH_KERNELS 32
-
-#define CHECK(call)                                                                   \
-    do {                                                                              \
-        cudaError_t e_ = (call);                                                      \
-        if (e_ != cudaSuccess) {                                                      \
-            fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e_));               \
-            return 1;                                                                 \
-        }                                                                             \
-    } while (0)
-
-__global__ void axpy(float a, const float *x, float *y, int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = a * x[i] + y[i];
-}
 
 __global__ void spin(long long cycles) {
     long long start = clock64();

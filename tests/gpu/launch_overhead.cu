@@ -10,11 +10,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
+#include "cuda_check.cuh"
 
 __global__ void empty_kernel() {}
 
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { \
-  fprintf(stderr, "%s failed: %s\n", #x, cudaGetErrorString(e)); return 1;} } while (0)
 
 static double now_ns() {
   return std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -24,17 +23,17 @@ int main(int argc, char **argv) {
   int blocks = argc > 1 ? atoi(argv[1]) : 7;
   int per_block = argc > 2 ? atoi(argv[2]) : 20000;
   int grid = argc > 3 ? atoi(argv[3]) : 1;
-  CK(cudaFree(0));
+  CHECK(cudaFree(0));
   for (int i = 0; i < 4096; i++) empty_kernel<<<grid, 32>>>();
-  CK(cudaDeviceSynchronize());
+  CHECK(cudaDeviceSynchronize());
   std::vector<double> per_launch;
   for (int b = 0; b < blocks; b++) {
     double t0 = now_ns();
     for (int i = 0; i < per_block; i++) {
       empty_kernel<<<grid, 32>>>();
-      if ((i & 1023) == 1023) CK(cudaStreamSynchronize(0));
+      if ((i & 1023) == 1023) CHECK(cudaStreamSynchronize(0));
     }
-    CK(cudaDeviceSynchronize());
+    CHECK(cudaDeviceSynchronize());
     per_launch.push_back((now_ns() - t0) / per_block);
   }
   std::sort(per_launch.begin(), per_launch.end());

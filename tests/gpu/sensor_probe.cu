@@ -22,24 +22,11 @@
 #include <string.h>
 #include <thread>
 #include <vector>
+#include "cuda_check.cuh"
 
 #define N (1 << 16)
 #define BURST 64
 #define BURSTS 400
-
-#define CHECK(call)                                                                   \
-    do {                                                                              \
-        cudaError_t e_ = (call);                                                      \
-        if (e_ != cudaSuccess) {                                                      \
-            fprintf(stderr, "%s: %s\n", #call, cudaGetErrorString(e_));               \
-            exit(1);                                                                  \
-        }                                                                             \
-    } while (0)
-
-__global__ void axpy(float a, const float *x, float *y, int n) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = a * x[i] + y[i];
-}
 
 static double now_ns() {
     return std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now().time_since_epoch()).count();

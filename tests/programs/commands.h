@@ -7,7 +7,7 @@
 #include <string.h>
 
 // NVML initialised on first use, then the handle of the device at this index.
-static nvmlReturn_t nvml_device(unsigned index, nvmlDevice_t *device) {
+static inline nvmlReturn_t nvml_device(unsigned index, nvmlDevice_t *device) {
     static int initialised = 0;
     if (!initialised) {
         nvmlReturn_t status = nvmlInit_v2();
@@ -19,7 +19,7 @@ static nvmlReturn_t nvml_device(unsigned index, nvmlDevice_t *device) {
 
 // init, ctx <ordinal>, alloc <bytes> and free <pointer>: answered, and 1 returned; 0 for any
 // other command.
-static int common_command(const char *command, unsigned long long number) {
+static inline int common_command(const char *command, unsigned long long number) {
     if (strcmp(command, "init") == 0) {
         printf("init %d\n", (int)cuInit(0));
     } else if (strcmp(command, "ctx") == 0) {
