@@ -71,6 +71,12 @@ pub fn coverage(routed: &[Routed], cuda_version: u32) -> String {
                 Some(handler) => format!("  {handler}({})", function.args.join(", ")),
                 None => String::new(),
             };
+            // Shown so that losing a fast path (the handler back on every call) is a snapshot
+            // change.
+            let handler = match &function.fast_path {
+                Some(fast_path) => format!("{handler}  fast: {fast_path}"),
+                None => handler,
+            };
             format!(
                 "{:width$}  {:16}{handler}",
                 function.prototype.name,

@@ -107,6 +107,7 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
     let mut wrappers = Vec::new();
     let mut exports = Vec::new();
     let mut accessors = Vec::new();
+    let mut quiet_accessors = Vec::new();
     for (index, function) in input.functions.iter().enumerate() {
         let sig = &function.item.sig;
         let name = &sig.ident;
@@ -164,11 +165,13 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
             // SAFETY: the slot holds the address the real library exports under this name,
             // whose prototype the header gives as this signature.
             let real = unsafe { ::core::mem::transmute::<*mut ::core::ffi::c_void, #real_type>(address) };
+            // SAFETY: the application's arguments, passed on unchanged to the function it called.
             unsafe { real(#(#param_names),*) }
         };
         // The table's fast path (e.g. launches while nothing is limited): a check and a call,
         // nothing that needs the arguments saved (an unresolved slot takes the handler's path,
-        // which resolves it).
+        // which resolves it). It runs outside the panic guard, so a fast-path function must not
+        // panic: loads and compares only.
         let fast_path = if let Some(fast_path) = &function.fast_path {
             quote! {
                 if #fast_path()
@@ -176,6 +179,7 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
                 {
                     // SAFETY: as below: the real function of this name and prototype.
                     let real = unsafe { ::core::mem::transmute::<*mut ::core::ffi::c_void, #real_type>(address) };
+                    // SAFETY: the application's arguments, passed on unchanged.
                     return unsafe { real(#(#param_names),*) };
                 }
             }
@@ -192,6 +196,7 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
                         };
                         // SAFETY: as for passthrough functions: the real function of this name.
                         let real = unsafe { ::core::mem::transmute::<*mut ::core::ffi::c_void, #real_type>(address) };
+                        // SAFETY (the closure): the application's arguments, passed on unchanged.
                         #path(#name_text, move || unsafe { real(#(#param_names),*) }, #(#args),*)
                     })
                 };
@@ -204,6 +209,7 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
                         unsafe extern "C" fn handled(#(#param_names: #param_types),*) -> #ret {
                             #handled
                         }
+                        // SAFETY: the wrapper's own arguments, passed on unchanged.
                         unsafe { handled(#(#param_names),*) }
                     }
                 } else {
@@ -232,6 +238,17 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
                 })
             }
         });
+        quiet_accessors.push(quote! {
+            #[allow(non_snake_case, dead_code)]
+            #[inline]
+            pub fn #name() -> Option<unsafe extern "C" fn(#(#param_types),*) -> #ret> {
+                let address = super::super::EXPORTS[#index].probe()?;
+                // SAFETY: as in the wrapper: the real library's function of this name and prototype.
+                Some(unsafe {
+                    ::core::mem::transmute::<*mut ::core::ffi::c_void, unsafe extern "C" fn(#(#param_types),*) -> #ret>(address)
+                })
+            }
+        });
     }
     let count = input.functions.len();
     let cuda_count = input.functions.iter().filter(|f| f.library == "cuda").count();
@@ -253,6 +270,14 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
             #[allow(unused_imports)]
             use super::*;
             #(#accessors)*
+
+            /// The same, without reporting a missing function: for functions only newer drivers
+            /// have, which the library uses when they are there.
+            pub mod quiet {
+                #[allow(unused_imports)]
+                use super::super::*;
+                #(#quiet_accessors)*
+            }
         }
     })
 }

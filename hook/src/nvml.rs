@@ -220,7 +220,7 @@ mod tests {
 //
 // nvidia-smi inside the container lists the container's own processes (from the shared region,
 // with the memory charged to them) and the library's own utilisation measurement where NVML has
-// none (the H200 VM reports 0% and no processes while kernels run).
+// none (in a container NVML lists no processes; on the H200 VM not even the host's).
 
 /// The region this process reports from: its own once CUDA is initialised; for a process that
 /// never initialises CUDA (nvidia-smi), the configured region file if one exists.
@@ -244,13 +244,14 @@ struct RegionProcess {
     sm_util: u64,
 }
 
-/// The region's live processes holding memory on the GPU, in slot order; `None` when the region
-/// does not know the GPU (or there is no region).
+/// The region's live processes holding memory on the GPU, in slot order; `None` when there are
+/// none (or the region does not know the GPU, or there is no region): NVML's own answer then.
 fn region_processes(device: nvmlDevice_t) -> Option<Vec<RegionProcess>> {
     let uuid = uuid_of(device)?;
     let snapshot = region_for_queries()?.snapshot();
     let index = snapshot.uuids.iter().position(|known| *known == uuid)?;
-    Some(processes_on(&snapshot, index))
+    let listed = processes_on(&snapshot, index);
+    (!listed.is_empty()).then_some(listed)
 }
 
 fn processes_on(snapshot: &vgpu_region::Snapshot, index: usize) -> Vec<RegionProcess> {
@@ -328,8 +329,8 @@ pub fn running_compute_processes<P: ProcessInfo>(
     infos: *mut P,
 ) -> nvmlReturn_t {
     match region_processes(device) {
-        Some(listed) if !listed.is_empty() => write_process_list(&listed, info_count, infos),
-        _ => call(),
+        Some(listed) => write_process_list(&listed, info_count, infos),
+        None => call(),
     }
 }
 
@@ -345,8 +346,8 @@ pub fn running_graphics_processes<P: ProcessInfo>(
     infos: *mut P,
 ) -> nvmlReturn_t {
     match region_processes(device) {
-        Some(listed) if !listed.is_empty() => write_process_list::<P>(&[], info_count, infos),
-        _ => call(),
+        Some(_) => write_process_list::<P>(&[], info_count, infos),
+        None => call(),
     }
 }
 
@@ -354,9 +355,6 @@ pub fn running_graphics_processes<P: ProcessInfo>(
 /// capped at 100; `None` when the region has no process there.
 fn measured_utilisation(device: nvmlDevice_t) -> Option<u32> {
     let listed = region_processes(device)?;
-    if listed.is_empty() {
-        return None;
-    }
     let sum = listed
         .iter()
         .fold(0u64, |sum, process| sum.saturating_add(process.sm_util));
@@ -412,7 +410,7 @@ pub fn process_utilization(
     if result != NVML_ERROR_NOT_FOUND {
         return result;
     }
-    let Some(listed) = region_processes(device).filter(|listed| !listed.is_empty()) else {
+    let Some(listed) = region_processes(device) else {
         return result;
     };
     let now_us = std::time::SystemTime::now()

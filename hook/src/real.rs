@@ -165,15 +165,6 @@ pub enum Unresolved {
 /// Resolves a passthrough function's slot on its first call, under the panic guard.
 #[cold]
 #[inline(never)]
-/// Looks a driver or NVML function up by name without reporting it missing: for functions only
-/// newer drivers have, which the library uses when they are there.
-pub fn optional(name: &std::ffi::CStr) -> Option<*mut c_void> {
-    let index = crate::hooks::EXPORTS
-        .binary_search_by(|export| export.name.cmp(name))
-        .ok()?;
-    crate::hooks::EXPORTS[index].probe()
-}
-
 pub fn resolve_guarded(export: &Export) -> Result<*mut c_void, Unresolved> {
     match catch_unwind(AssertUnwindSafe(|| {
         #[cfg(feature = "fault-injection")]

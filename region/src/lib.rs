@@ -69,6 +69,7 @@ pub use layout::{
 };
 pub use process::process_start_time;
 pub use snapshot::{ExtensionSnapshot, MemoryUsage, ProcessSnapshot, Snapshot, read_snapshot};
+pub use sys::monotonic_ns;
 
 /// How long any lock on the region is waited for before giving up.
 pub const LOCK_TIMEOUT: Duration = Duration::from_secs(1);

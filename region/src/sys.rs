@@ -153,7 +153,7 @@ pub(crate) fn process_exists(pid: i32) -> bool {
 }
 
 /// `CLOCK_MONOTONIC` in nanoseconds: the same clock in every process of the machine.
-pub(crate) fn monotonic_ns() -> u64 {
+pub fn monotonic_ns() -> u64 {
     let now = clock(libc::CLOCK_MONOTONIC);
     u64::try_from(now.tv_sec)
         .unwrap_or(0)

@@ -33,6 +33,13 @@ pub fn accounting() -> Option<&'static Accounting> {
     Some(accounting)
 }
 
+/// The table's fast path for the synchronisations: a process without pools has nothing to bring
+/// up to date there (two loads; nothing that can panic).
+#[inline(always)]
+pub fn no_pools() -> bool {
+    ACCOUNTING.get().is_none_or(|accounting| !accounting.ledger.has_pools())
+}
+
 extern "C" fn forked_child() {
     FORKED.store(true, Ordering::Relaxed);
 }
@@ -41,6 +48,10 @@ extern "C" fn forked_child() {
 /// the error is one line for the log.
 pub fn start(config: &Config) -> Result<(), String> {
     static STARTING: Mutex<()> = Mutex::new(());
+    // Frameworks call cuInit again and again: once started, no lock.
+    if ACCOUNTING.get().is_some() {
+        return Ok(());
+    }
     let _serial = STARTING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     if ACCOUNTING.get().is_some() {
         return Ok(());

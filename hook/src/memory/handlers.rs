@@ -213,9 +213,7 @@ fn measured_and_recorded<H>(
 /// free = min(total - used, physical free).
 fn virtual_view(accounting: &Accounting, ordinal: CUdevice, free: u64, total: u64) -> Option<(u64, u64)> {
     let device = accounting.device(ordinal)?;
-    let limit = device.limit?;
-    let total = limit.min(total);
-    let free = total.saturating_sub(accounting.used(device)).min(free);
+    let (total, _, free) = crate::nvml::virtual_memory(total, free, device.limit?, accounting.used(device));
     Some((total, free))
 }
 
@@ -465,7 +463,8 @@ fn pooled_alloc(
 }
 
 /// `cuStreamSynchronize`, `cuCtxSynchronize`, `cuEventSynchronize`: pools return freed memory
-/// here, so their charges are brought up to date (nothing is done by processes without pools).
+/// here, so their charges are brought up to date (processes without pools take the table's fast
+/// path, `no_pools`, and never get here; the check stays for a pool made meanwhile).
 pub fn synchronized(_name: &'static str, call: impl FnOnce() -> CUresult) -> CUresult {
     let result = call();
     if let Some(accounting) = accounting()

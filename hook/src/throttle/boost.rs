@@ -20,8 +20,8 @@
 //!   GPU over its limit at full load would run each kernel slower by
 //!   `((P - P_idle) / s / (P_cap - P_idle)) ^ (BETA / ALPHA)`, which is the factor charged.
 //!
-//! NVML cannot tell whose work the GPU's power is for: where it reports no utilisation (the H200
-//! VM), another container's work is counted as this one's, and the power alone would charge a
+//! NVML cannot tell whose work the GPU's power is for: where it reports no GPU-wide utilisation,
+//! another container's work is counted as this one's, and the power alone would charge a
 //! container sharing a saturated GPU for a boost it does not get. The clock bounds that:
 //!
 //! - no work draws more than [`HEAVIEST_WORK`] times the board's default power limit in dynamic
@@ -154,17 +154,16 @@ pub fn smoothed(previous: f64, target: f64) -> f64 {
     next.clamp(1.0, MAX_FACTOR)
 }
 
-/// NVML's reading of the GPU with this UUID; `None` where NVML has no power readings.
-pub fn read(uuid: &str) -> Option<PowerReading> {
+/// NVML's reading of the GPU with this handle; `None` where NVML has no power readings.
+pub fn read(device: crate::sys::nvml::nvmlDevice_t) -> Option<PowerReading> {
     use crate::hooks::real;
     use crate::sys::nvml::NVML_SUCCESS;
-    let device = crate::nvml::device_handle(uuid)?;
     let (power, limit) = (
         real::nvmlDeviceGetPowerUsage()?,
         real::nvmlDeviceGetEnforcedPowerLimit()?,
     );
     let (mut milliwatts, mut limit_milliwatts) = (0u32, 0u32);
-    // SAFETY: a handle NVML just gave and local out-pointers.
+    // SAFETY: a handle NVML gave and local out-pointers.
     let read = unsafe {
         power(device, &mut milliwatts) == NVML_SUCCESS && limit(device, &mut limit_milliwatts) == NVML_SUCCESS
     };
@@ -173,14 +172,10 @@ pub fn read(uuid: &str) -> Option<PowerReading> {
     }
     // The reasons' newer name (R535 on); older drivers have the same function as
     // ...ThrottleReasons. Without either, the slowdown safeguard cannot work: no compensation.
-    type Reasons = unsafe extern "C" fn(crate::sys::nvml::nvmlDevice_t, *mut u64) -> crate::sys::nvml::nvmlReturn_t;
-    let address = crate::real::optional(c"nvmlDeviceGetCurrentClocksEventReasons")
-        .or_else(|| crate::real::optional(c"nvmlDeviceGetCurrentClocksThrottleReasons"))?;
-    // SAFETY: both names have the prototype `nvmlReturn_t f(nvmlDevice_t device, unsigned long
-    // long *reasons)` in nvml.h.
-    let get_reasons = unsafe { std::mem::transmute::<*mut std::ffi::c_void, Reasons>(address) };
+    let get_reasons = real::quiet::nvmlDeviceGetCurrentClocksEventReasons()
+        .or_else(real::quiet::nvmlDeviceGetCurrentClocksThrottleReasons)?;
     let mut reasons = 0u64;
-    // SAFETY: a device handle NVML just gave and a local out-pointer.
+    // SAFETY: a device handle NVML gave and a local out-pointer.
     if unsafe { get_reasons(device, &mut reasons) } != NVML_SUCCESS {
         return None;
     }
@@ -285,8 +280,8 @@ mod tests {
 
     #[test]
     fn a_saturated_shared_gpu_is_charged_about_its_time() {
-        // Two containers saturate the GPU at 1625 MHz and 671 W; NVML gives no utilisation, so
-        // the one with 30% of the time sees all the power as its own. The clock bounds the
+        // Two containers saturate the GPU at 1625 MHz and 671 W; where NVML gives no
+        // utilisation, the one with 30% of the time sees all the power as its own. The clock bounds the
         // over-charge, the same for both containers.
         let small = target_factor(at_clock(671.0, 1625.0, true), 0.3);
         let large = target_factor(at_clock(671.0, 1625.0, true), 0.7);

@@ -1,6 +1,6 @@
 //! NVML as a cross-check of the sensor, where NVML works.
 //!
-//! The limiter never feeds on NVML (on the H200 VM it reports 0% while a GEMM runs), but where
+//! The limiter never feeds on NVML (per-process figures are missing in containers and VMs), but where
 //! NVML does measure the GPU, its device utilisation bounds what the container can have used: the
 //! container's kernels are a subset of the GPU's. Once a second the background thread compares
 //! the region's measured share of a device (the sum of its processes' `sm_util`) with NVML's
@@ -97,13 +97,12 @@ impl CrossCheck {
     }
 }
 
-/// NVML's utilisation of the GPU with this UUID, in percent; `None` where NVML cannot say.
-pub fn nvml_utilisation(uuid: &str) -> Option<u32> {
+/// NVML's utilisation of the GPU with this handle, in percent; `None` where NVML cannot say.
+pub fn nvml_utilisation(device: crate::sys::nvml::nvmlDevice_t) -> Option<u32> {
     use crate::sys::nvml::{NVML_SUCCESS, nvmlUtilization_t};
-    let device = crate::nvml::device_handle(uuid)?;
     let rates = crate::hooks::real::nvmlDeviceGetUtilizationRates()?;
     let mut utilisation = nvmlUtilization_t::default();
-    // SAFETY: a handle NVML just gave and a local out-pointer.
+    // SAFETY: a handle NVML gave and a local out-pointer.
     (unsafe { rates(device, &mut utilisation) } == NVML_SUCCESS).then_some(utilisation.gpu)
 }
 
@@ -117,11 +116,7 @@ mod tests {
         assert_eq!(judge(50, Some(40)), Verdict::Agrees, "within the tolerance");
         assert_eq!(judge(50, Some(39)), Verdict::OverCounts);
         assert_eq!(judge(20, Some(95)), Verdict::Agrees, "others may use the GPU too");
-        assert_eq!(
-            judge(50, Some(0)),
-            Verdict::Unavailable,
-            "NVML blind, as on the H200 VM"
-        );
+        assert_eq!(judge(50, Some(0)), Verdict::Unavailable, "NVML blind");
         assert_eq!(judge(0, Some(0)), Verdict::Agrees);
         assert_eq!(judge(50, None), Verdict::Unavailable);
     }

@@ -45,15 +45,9 @@ pub fn fast_path() -> bool {
     unlimited() && !crate::suspend::suspended()
 }
 
-/// `CLOCK_MONOTONIC` in ns: the clock the region's bucket runs on, shared by all processes.
-pub(crate) fn now_ns() -> u64 {
-    let mut time = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: a valid out-pointer; CLOCK_MONOTONIC always exists on Linux.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut time) };
-    (time.tv_sec as u64)
-        .wrapping_mul(1_000_000_000)
-        .wrapping_add(time.tv_nsec as u64)
-}
+/// `CLOCK_MONOTONIC` in ns: the clock the region's bucket runs on, shared by all processes (the
+/// region's own, so that its fields and the bucket's agree).
+pub(crate) use vgpu_region::monotonic_ns as now_ns;
 
 /// A kernel's key: its function with its launch shape (one function launched at several sizes
 /// costs differently at each).

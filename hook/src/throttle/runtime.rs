@@ -223,14 +223,6 @@ fn capturing(stream: CUstream) -> bool {
     result != CUDA_SUCCESS || status != CU_STREAM_CAPTURE_STATUS_NONE
 }
 
-fn current_device() -> Option<CUdevice> {
-    let get = real::cuCtxGetDevice()?;
-    let mut device: CUdevice = -1;
-    // SAFETY: a valid out-pointer.
-    let status = unsafe { get(&mut device) };
-    (status == CUDA_SUCCESS && device >= 0).then_some(device)
-}
-
 fn sleep_ns(ns: u64) {
     std::thread::sleep(Duration::from_nanos(ns));
 }
@@ -274,7 +266,7 @@ impl Runtime {
         let ordinal = if accounting.device(1).is_none() {
             0
         } else {
-            current_device()?
+            crate::memory::current_ordinal()?
         };
         let limit = self.config.sm_limit_of(ordinal as usize)?;
         let region_index = accounting.device(ordinal)?.region_index;
@@ -532,8 +524,18 @@ impl Runtime {
             if SHUTDOWN.load(Ordering::SeqCst) {
                 return;
             }
-            let utilisation = crosscheck::nvml_utilisation(&device.uuid);
-            self.follow_boost(accounting, ordinal, device, utilisation, &mut state.busy_seen, now);
+            // One handle lookup per device and step, for both readings.
+            let handle = crate::nvml::device_handle(&device.uuid);
+            let utilisation = handle.and_then(crosscheck::nvml_utilisation);
+            let power = handle.and_then(boost::read);
+            self.follow_boost(
+                accounting,
+                ordinal,
+                device,
+                (utilisation, power),
+                &mut state.busy_seen,
+                now,
+            );
             self.cross_check(accounting, ordinal, device, utilisation, &mut state.cross_check, now);
             POLLER_IN_DRIVER.store(false, Ordering::SeqCst);
         }
@@ -592,7 +594,7 @@ impl Runtime {
         accounting: &crate::memory::Accounting,
         ordinal: CUdevice,
         device: &crate::memory::DeviceEntry,
-        utilisation: Option<u32>,
+        (utilisation, power): (Option<u32>, Option<boost::PowerReading>),
         busy_seen: &mut [(u64, u64); MAX_DEVICES],
         now: u64,
     ) {
@@ -612,11 +614,11 @@ impl Runtime {
         let current = f64::from(boost.load(Ordering::Relaxed)) / f64::from(BOOST_UNIT);
         let own = busy.saturating_sub(busy_then) as f64 / now.saturating_sub(then).max(1) as f64 / current;
         // Where NVML measures the GPU's utilisation, it counts other containers' kernels too: the
-        // power is then not all this container's (on a VM where NVML reports 0%, only the
-        // container's own share is known).
+        // power is then not all this container's (where NVML reports 0%, only the container's
+        // own share is known).
         let gpu = utilisation.map_or(0.0, |percent| f64::from(percent) / 100.0);
         let share = own.max(gpu);
-        let target = boost::read(&device.uuid).map_or(1.0, |reading| boost::target_factor(reading, share));
+        let target = power.map_or(1.0, |reading| boost::target_factor(reading, share));
         let next = boost::smoothed(current, target);
         boost.store((next * f64::from(BOOST_UNIT)).round() as u32, Ordering::Relaxed);
         if (next - current).abs() >= 0.01 {

@@ -26,6 +26,7 @@ use std::ffi::{c_uint, c_void};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 
+use super::now_ns;
 use crate::hooks::real;
 use crate::sys::cuda::{
     CU_EVENT_DEFAULT, CU_MEMHOSTALLOC_DEVICEMAP, CU_MEMHOSTALLOC_PORTABLE, CU_STREAM_WAIT_VALUE_GEQ,
@@ -143,17 +144,11 @@ pub struct Sensor {
     outstanding: AtomicUsize,
 }
 
-use crate::real::optional;
-
 /// The unique id of `context` (0 when the driver predates `cuCtxGetId`).
 fn context_id(context: CUcontext) -> u64 {
-    type GetId = unsafe extern "C" fn(CUcontext, *mut u64) -> CUresult;
-    let Some(address) = optional(c"cuCtxGetId") else {
+    let Some(get_id) = real::quiet::cuCtxGetId() else {
         return 0;
     };
-    // SAFETY: the driver's cuCtxGetId, whose prototype in cuda.h is
-    // `CUresult cuCtxGetId(CUcontext ctx, unsigned long long *ctxId)`.
-    let get_id = unsafe { std::mem::transmute::<*mut c_void, GetId>(address) };
     let mut id = 0u64;
     // SAFETY: a live context (current on this thread) and a valid out-pointer.
     let status = unsafe { get_id(context, &mut id) };
@@ -163,13 +158,9 @@ fn context_id(context: CUcontext) -> u64 {
 /// Lets the calling thread (the poller) make its calls while another thread captures a graph in
 /// global mode, where they would otherwise invalidate that capture.
 pub fn relax_capture_mode() {
-    type Exchange = unsafe extern "C" fn(*mut CUstreamCaptureMode) -> CUresult;
-    let Some(address) = optional(c"cuThreadExchangeStreamCaptureMode") else {
+    let Some(exchange) = real::quiet::cuThreadExchangeStreamCaptureMode() else {
         return;
     };
-    // SAFETY: the driver's function of that name, prototype
-    // `CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode)`.
-    let exchange = unsafe { std::mem::transmute::<*mut c_void, Exchange>(address) };
     let mut mode: CUstreamCaptureMode = crate::sys::cuda::CU_STREAM_CAPTURE_MODE_RELAXED;
     // SAFETY: a valid in/out pointer to a local.
     unsafe { exchange(&mut mode) };
@@ -219,17 +210,13 @@ fn create_gate() -> Option<Gate> {
 
 /// Makes `stream` wait until the gate's word reaches `sequence`.
 fn hold(stream: CUstream, gate: Gate, sequence: u32) -> bool {
-    type WaitValue = unsafe extern "C" fn(CUstream, CUdeviceptr, u32, c_uint) -> CUresult;
     if !HOLDS_WORK.load(Ordering::Relaxed) {
         return false;
     }
-    let Some(address) = optional(c"cuStreamWaitValue32_v2") else {
+    let Some(wait) = real::quiet::cuStreamWaitValue32_v2() else {
         HOLDS_WORK.store(false, Ordering::Relaxed);
         return false;
     };
-    // SAFETY: the driver's function of that name, prototype `CUresult cuStreamWaitValue32_v2(
-    // CUstream stream, CUdeviceptr addr, cuuint32_t value, unsigned int flags)`.
-    let wait = unsafe { std::mem::transmute::<*mut c_void, WaitValue>(address) };
     // SAFETY: the application's stream and a mapped word that lives for the process.
     let status = unsafe { wait(stream, gate.device, sequence, CU_STREAM_WAIT_VALUE_GEQ as c_uint) };
     if status != CUDA_SUCCESS {
@@ -281,10 +268,6 @@ fn poll(start: usize, end: usize) -> Poll {
         CUDA_ERROR_NOT_READY => Poll::NotReady,
         _ => Poll::Lost,
     }
-}
-
-fn now_ns() -> u64 {
-    super::now_ns()
 }
 
 /// What [`Sensor::take`] hands out for one sample.
