@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds libvgpu.so and runs the demo program twice, without and with the hook and a 1 GiB limit.
+# Builds libvgpu.so and runs the demo program three times: without the hook, with a 1 GiB limit, and with a
+# 1 GiB limit and CUDA_DEVICE_SM_LIMIT=50.
 # Uses the real GPU when a driver is present (nvidia-smi works), the project's fake driver otherwise.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)

@@ -19,5 +19,6 @@ nvcc -O2 -arch=sm_90 -o "$work/compute_small" tests/gpu/compute_small.cu -lcuda 
 {
   echo "# compute limit benchmark, $(date -u +%F), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
   echo "# library: $hook${COMPUTE_POLICY:+, GPU_CORE_UTILIZATION_POLICY=$COMPUTE_POLICY}"
+  echo "# measured ${COMPUTE_SECONDS:-3} s per point after ${COMPUTE_WARMUP:-3} s of warm-up"
   python3 tests/gpu/compute_bench.py "$hook" "$work/compute_small" "$work"
 } 2>&1 | tee "$out/compute${COMPUTE_TAG:+-$COMPUTE_TAG}.txt"

@@ -1,10 +1,10 @@
 //! Compensation for the GPU's boost clock.
 //!
 //! A GPU that a workload keeps busy all the time runs at the clock its power limit allows (a bf16
-//! GEMM on the H200: about 1600 MHz at 690 W). Held to half of its time by the limiter, the same
-//! GPU stays under its power limit and runs at its highest clock (1980 MHz), so each kernel takes
-//! less time (178 us instead of 205 us) and half of the GPU's time does 58% of the unlimited
-//! work. The limit is a share of the GPU; so that it holds in work done, and not only in time,
+//! GEMM on the H200: 1578 MHz at 662 W). Held to half of its time by the limiter, the same GPU
+//! stays under its power limit and runs at its highest clock (1980 MHz), so each kernel takes
+//! less time (176 us instead of 206 us) and half of the GPU's time does 58% of the unlimited
+//! work (docs/gpu/2026-11-30-compute-time-share.txt, before this compensation). The limit is a share of the GPU; so that it holds in work done, and not only in time,
 //! a kernel is charged what it would take on the GPU busy with this container's work alone.
 //!
 //! That time comes from a model of the GPU's power, fed by NVML once a second:
@@ -42,16 +42,17 @@
 //! - without NVML's power readings the factor stays 1 (time share).
 
 /// Idle power with the clocks up, as a share of the default power limit (H200: the GEMM held to
-/// 10, 25 and 50% of the time draws 204, 316 and 521 W, a line through about 120 W of 700 W at
-/// 0%).
+/// 10, 25 and 50% of the time draws 201, 318 and 501 W, a line through about 125 W of 700 W at
+/// 0%: docs/gpu/2026-11-30-compute-time-share.txt).
 pub const IDLE_SHARE: f64 = 0.17;
 /// Dynamic power ~ clock^ALPHA over the boost range, fitted to the H200 GEMM: held to 10-50% of
-/// the time at 1980 MHz it draws about 800 W of dynamic power were it busy all the time (the line
-/// of the idle-power note), unlimited about 530-570 W (650-690 W less the idle) at 1470-1650
-/// MHz (docs/gpu/2026-11-30-compute*.txt and -boost-probe.txt).
+/// the time at 1980 MHz it draws 750 W of dynamic power were it busy all the time (the slope of
+/// the idle-power note's line), unlimited 540-570 W (662-690 W less the idle) at 1470-1656 MHz
+/// (docs/gpu/2026-11-30-compute*.txt and -boost-probe.txt).
 pub const ALPHA: f64 = 1.5;
-/// Kernel time ~ clock^-BETA (H200 bf16 GEMM: 178 us at 1980 MHz, the limiter's mean charge at
-/// limit 50, against 205-208 us per product unlimited at 1578-1645 MHz, from the rate).
+/// Kernel time ~ clock^-BETA (H200 bf16 GEMM: 176.1 us at 1980 MHz, the limiter's mean charge at
+/// limit 50 before this compensation, against 205.9 us per product unlimited at 1578 MHz, from the
+/// rate: docs/gpu/2026-11-30-compute-time-share.txt; that pair alone gives 0.69).
 pub const BETA: f64 = 0.66;
 /// The largest factor charged.
 pub const MAX_FACTOR: f64 = 1.25;
@@ -243,14 +244,14 @@ mod tests {
 
     #[test]
     fn a_boosted_gemm_is_charged_its_time_at_full_load() {
-        // The H200 GEMM held to half its time: 521 W at 1980 MHz, 178 us per product against
-        // 205 us unlimited (a factor of 1.15).
-        let factor = target_factor(h200(521.0), 0.5);
+        // The H200 GEMM held to half its time: 501 W at 1980 MHz, 176 us per product against
+        // 206 us unlimited (a factor of 1.17; docs/gpu/2026-11-30-compute-time-share.txt).
+        let factor = target_factor(h200(501.0), 0.5);
         assert!((1.12..=1.19).contains(&factor), "{factor}");
-        assert_eq!(target_factor(at_clock(521.0, 1980.0, false), 0.5), factor);
+        assert_eq!(target_factor(at_clock(501.0, 1980.0, false), 0.5), factor);
         // The same GPU at a tenth and at a quarter of its time: the same full-load power, so
         // about the same factor.
-        for (watts, share) in [(204.0, 0.1), (316.0, 0.25)] {
+        for (watts, share) in [(201.0, 0.1), (318.0, 0.25)] {
             let other = target_factor(h200(watts), share);
             assert!(
                 (other - factor).abs() < 0.06,
@@ -261,8 +262,8 @@ mod tests {
 
     #[test]
     fn a_gpu_at_its_power_limit_keeps_the_boost_its_clock_shows() {
-        // The H200 GEMM held to 75%: 658 W at 1860 MHz with a power-cap slowdown; unlimited it
-        // runs at 1625 MHz, so each product takes (1860 / 1625)^0.66 = 1.09 less time.
+        // The H200 GEMM held to 75%: 658 W at 1860 MHz with a power-cap slowdown
+        // (-gemm75-clock-trace.txt); unlimited it runs at 1625 MHz (-compute-boost-clock-branch), so each product takes (1860 / 1625)^0.66 = 1.09 less time.
         let factor = target_factor(at_clock(658.0, 1860.0, true), 0.75);
         assert!((1.07..=1.13).contains(&factor), "{factor}");
         // Without the clock, a slowed GPU is charged its time.
@@ -280,7 +281,8 @@ mod tests {
 
     #[test]
     fn a_saturated_shared_gpu_is_charged_about_its_time() {
-        // Two containers saturate the GPU at 1625 MHz and 671 W; where NVML gives no
+        // Two containers saturate the GPU like one unlimited GEMM: 1625-1629 MHz, 671 W
+        // (-compute-boost-clock-branch.txt); where NVML gives no
         // utilisation, the one with 30% of the time sees all the power as its own. The clock bounds the
         // over-charge, the same for both containers.
         let small = target_factor(at_clock(671.0, 1625.0, true), 0.3);
