@@ -5,6 +5,11 @@ use crate::prototypes::{Header, Prototype};
 use crate::table::{Class, Table};
 use crate::{Error, Library, Result};
 
+/// The argument an entry may ask for that is not a parameter: whether the function is a
+/// per-thread-default-stream variant (`_ptsz`, `_ptds`), for which a null stream means the
+/// calling thread's stream. The generator knows it from the name and passes `true` or `false`.
+pub const PER_THREAD_ARG: &str = "per_thread";
+
 /// One function of a header with what the hook does with it.
 #[derive(Clone, Debug)]
 pub struct Routed {
@@ -41,6 +46,9 @@ pub fn join(header: &Header, table: &Table, library: Library, version: u32) -> R
             )));
         }
         for arg in &entry.args {
+            if arg == PER_THREAD_ARG {
+                continue;
+            }
             if !prototype.params.iter().any(|param| &param.name == arg) {
                 let names: Vec<&str> = prototype.params.iter().map(|p| p.name.as_str()).collect();
                 return Err(Error(format!(
@@ -56,7 +64,17 @@ pub fn join(header: &Header, table: &Table, library: Library, version: u32) -> R
             prototype: prototype.clone(),
             class: entry.class,
             handler: entry.handler.clone(),
-            args: entry.args.clone(),
+            args: entry
+                .args
+                .iter()
+                .map(|arg| {
+                    if arg == PER_THREAD_ARG {
+                        format!("{PER_THREAD_ARG} = {}", crate::variants::split_name(&prototype.name).2)
+                    } else {
+                        arg.clone()
+                    }
+                })
+                .collect(),
             fast_path: entry.fast_path.clone(),
         });
     }

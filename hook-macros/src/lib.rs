@@ -9,6 +9,7 @@
 //!
 //! Input: `extern "C" { #[vgpu(library = cuda, class = memory_accounted,
 //! handler = crate::memory::alloc, args(dptr, bytesize))] fn cuMemAlloc_v2(..) -> CUresult; .. }`.
+//! An argument may also be a constant the generator states, `args(.., per_thread = true)`.
 
 use proc_macro::TokenStream;
 use proc_macro2::{Span, TokenStream as TokenStream2};
@@ -19,7 +20,9 @@ use syn::{ForeignItem, ForeignItemFn, Ident, ItemForeignMod, Path};
 struct Function {
     item: ForeignItemFn,
     library: Ident,
-    handler: Option<(Path, Vec<Ident>)>,
+    /// The handler and its arguments: parameter names, or constants the generator states
+    /// (`per_thread = true`).
+    handler: Option<(Path, Vec<TokenStream2>)>,
     /// While this `fn() -> bool` holds, the wrapper calls the real function without the handler.
     fast_path: Option<Path>,
 }
@@ -58,7 +61,14 @@ impl Parse for Input {
                         fast_path = Some(meta.value()?.parse::<Path>()?);
                     } else if meta.path.is_ident("args") {
                         meta.parse_nested_meta(|arg| {
-                            handler_args.push(arg.path.require_ident()?.clone());
+                            let ident = arg.path.require_ident()?.clone();
+                            if arg.input.peek(syn::Token![=]) {
+                                // A constant the generator states, passed as its value.
+                                let value: syn::LitBool = arg.value()?.parse()?;
+                                handler_args.push(quote!(#value));
+                            } else {
+                                handler_args.push(quote!(#ident));
+                            }
                             Ok(())
                         })?;
                     } else {

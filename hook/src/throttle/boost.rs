@@ -68,7 +68,8 @@ pub const HEAVIEST_WORK: f64 = 1.2;
 /// Below this busy share the power says nothing about the container's work.
 const MIN_SHARE: f64 = 0.02;
 /// Weight of a new reading in the factor (readings come once a second; NVML's power is itself
-/// averaged over about a second).
+/// averaged over about a second). The first reading is taken whole, so that a job is charged its
+/// boost from its second second on.
 const SMOOTHING: f64 = 0.5;
 
 /// NVML's clock event reasons that mean the clock is held down by power or heat.
@@ -149,9 +150,11 @@ pub fn target_factor(reading: PowerReading, busy_share: f64) -> f64 {
     }
 }
 
-/// The factor applied now, moved a step towards the target at each reading.
-pub fn smoothed(previous: f64, target: f64) -> f64 {
-    let next = previous + SMOOTHING * (target - previous);
+/// The factor applied now: the target at the first reading, then moved a step towards the
+/// target at each reading.
+pub fn smoothed(previous: f64, target: f64, first: bool) -> f64 {
+    let weight = if first { 1.0 } else { SMOOTHING };
+    let next = previous + weight * (target - previous);
     next.clamp(1.0, MAX_FACTOR)
 }
 
@@ -364,10 +367,12 @@ mod tests {
     fn smoothing_moves_towards_the_target_within_bounds() {
         let mut factor = 1.0;
         for _ in 0..20 {
-            factor = smoothed(factor, 1.15);
+            factor = smoothed(factor, 1.15, false);
         }
         assert!((factor - 1.15).abs() < 0.01, "{factor}");
-        assert_eq!(smoothed(1.0, 0.5), 1.0);
-        assert_eq!(smoothed(1.2, 9.0), MAX_FACTOR);
+        assert_eq!(smoothed(1.0, 1.2, false), 1.1);
+        assert_eq!(smoothed(1.0, 1.2, true), 1.2, "the first reading is taken whole");
+        assert_eq!(smoothed(1.0, 0.5, true), 1.0);
+        assert_eq!(smoothed(1.2, 9.0, false), MAX_FACTOR);
     }
 }

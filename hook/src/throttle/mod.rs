@@ -49,6 +49,29 @@ pub fn fast_path() -> bool {
 /// region's own, so that its fields and the bucket's agree).
 pub(crate) use vgpu_region::monotonic_ns as now_ns;
 
+/// A launch's stream as the driver reads it: for the per-thread-default-stream variants (which
+/// the generator marks with `per_thread`), a null stream is the calling thread's stream.
+#[derive(Clone, Copy)]
+pub struct Stream(CUstream);
+
+/// `CU_STREAM_PER_THREAD`, a macro in cuda.h.
+const STREAM_PER_THREAD: usize = 0x2;
+
+impl Stream {
+    #[inline(always)]
+    fn new(stream: CUstream, per_thread: bool) -> Stream {
+        if per_thread && stream.is_null() {
+            Stream(STREAM_PER_THREAD as CUstream)
+        } else {
+            Stream(stream)
+        }
+    }
+
+    pub fn handle(self) -> CUstream {
+        self.0
+    }
+}
+
 /// A kernel's key: its function with its launch shape (one function launched at several sizes
 /// costs differently at each).
 fn kernel_key(function: CUfunction, dims: [c_uint; 6]) -> u64 {
@@ -68,14 +91,8 @@ fn graph_key(graph: CUgraphExec) -> u64 {
 /// that makes the real call is called here, in the handler, so the unlimited path stays a load
 /// and a branch (the closure is never moved to memory for a call).
 #[inline(always)]
-fn limited(
-    name: &'static str,
-    stream: CUstream,
-    key: u64,
-    measurable: bool,
-    call: impl FnOnce() -> CUresult,
-) -> CUresult {
-    let ticket = runtime::before(name, stream, key, measurable);
+fn limited(stream: Stream, key: u64, measurable: bool, call: impl FnOnce() -> CUresult) -> CUresult {
+    let ticket = runtime::before(stream, key, measurable);
     let status = call();
     runtime::after(ticket, status);
     status
@@ -85,7 +102,7 @@ fn limited(
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub fn launch_kernel(
-    name: &'static str,
+    _name: &'static str,
     call: impl FnOnce() -> CUresult,
     function: CUfunction,
     grid_x: c_uint,
@@ -95,22 +112,24 @@ pub fn launch_kernel(
     block_y: c_uint,
     block_z: c_uint,
     stream: CUstream,
+    per_thread: bool,
 ) -> CUresult {
     crate::suspend::wait_while_suspended();
     if unlimited() {
         return call();
     }
     let key = kernel_key(function, [grid_x, grid_y, grid_z, block_x, block_y, block_z]);
-    limited(name, stream, key, true, call)
+    limited(Stream::new(stream, per_thread), key, true, call)
 }
 
 /// `cuLaunchKernelEx` and `_ptsz`: grid, block and stream are in the config.
 #[inline(always)]
 pub fn launch_kernel_ex(
-    name: &'static str,
+    _name: &'static str,
     call: impl FnOnce() -> CUresult,
     config: *const CUlaunchConfig,
     function: CUfunction,
+    per_thread: bool,
 ) -> CUresult {
     crate::suspend::wait_while_suspended();
     if unlimited() {
@@ -133,14 +152,14 @@ pub fn launch_kernel_ex(
             c.blockDimZ,
         ],
     );
-    limited(name, c.hStream, key, true, call)
+    limited(Stream::new(c.hStream, per_thread), key, true, call)
 }
 
 /// `cuLaunchCooperativeKernelMultiDevice` (deprecated): charged on the current device at the
 /// estimate of its first kernel, not measured (its launches span several contexts).
 #[inline(always)]
 pub fn launch_cooperative_multi_device(
-    name: &'static str,
+    _name: &'static str,
     call: impl FnOnce() -> CUresult,
     launches: *mut CUDA_LAUNCH_PARAMS,
     device_count: c_uint,
@@ -165,38 +184,44 @@ pub fn launch_cooperative_multi_device(
             first.blockDimZ,
         ],
     );
-    limited(name, first.hStream, key, false, call)
+    limited(Stream::new(first.hStream, false), key, false, call)
 }
 
 /// `cuGraphLaunch` and `_ptsz`: a graph is not a way around the limit.
 #[inline(always)]
 pub fn graph_launch(
-    name: &'static str,
+    _name: &'static str,
     call: impl FnOnce() -> CUresult,
     graph_exec: CUgraphExec,
     stream: CUstream,
+    per_thread: bool,
 ) -> CUresult {
     crate::suspend::wait_while_suspended();
     if unlimited() {
         return call();
     }
-    limited(name, stream, graph_key(graph_exec), true, call)
+    limited(Stream::new(stream, per_thread), graph_key(graph_exec), true, call)
 }
 
 /// `cuLaunch` and `cuLaunchGrid` (pre-4.0 API, legacy stream).
 #[inline(always)]
-pub fn launch_legacy(name: &'static str, call: impl FnOnce() -> CUresult, function: CUfunction) -> CUresult {
+pub fn launch_legacy(_name: &'static str, call: impl FnOnce() -> CUresult, function: CUfunction) -> CUresult {
     crate::suspend::wait_while_suspended();
     if unlimited() {
         return call();
     }
-    limited(name, std::ptr::null_mut(), kernel_key(function, [0; 6]), true, call)
+    limited(
+        Stream::new(std::ptr::null_mut(), false),
+        kernel_key(function, [0; 6]),
+        true,
+        call,
+    )
 }
 
 /// `cuLaunchGridAsync`.
 #[inline(always)]
 pub fn launch_legacy_async(
-    name: &'static str,
+    _name: &'static str,
     call: impl FnOnce() -> CUresult,
     function: CUfunction,
     stream: CUstream,
@@ -205,5 +230,5 @@ pub fn launch_legacy_async(
     if unlimited() {
         return call();
     }
-    limited(name, stream, kernel_key(function, [0; 6]), true, call)
+    limited(Stream::new(stream, false), kernel_key(function, [0; 6]), true, call)
 }

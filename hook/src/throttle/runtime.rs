@@ -15,17 +15,15 @@ use vgpu_region::{ComputeDevice, MAX_DEVICES, SharedRegion};
 
 use super::boost;
 use super::crosscheck::{self, CrossCheck, Report};
-use super::estimates::{Estimates, Plan};
+use super::estimates::Estimates;
 use super::sensor::{InFlight, SampleInfo, Sensor};
-use super::{MODE, OFF, ON, UNDECIDED, bucket, now_ns};
+use super::{MODE, OFF, ON, Stream, UNDECIDED, bucket, now_ns};
 use crate::config::{Config, UtilizationPolicy};
 use crate::hooks::real;
 use crate::sys::cuda::{
     CU_STREAM_CAPTURE_STATUS_NONE, CUDA_SUCCESS, CUdevice, CUresult, CUstream, CUstreamCaptureStatus,
 };
 
-/// `CU_STREAM_PER_THREAD`, a macro in cuda.h: what a null stream means to a `_ptsz` function.
-const STREAM_PER_THREAD: usize = 0x2;
 /// Shortest sleep of a waiting launch: below this, sleeping costs more than it saves, and the
 /// budget that builds up meanwhile lets several small launches through at once.
 const MIN_WAIT_NS: u64 = 100_000;
@@ -58,19 +56,49 @@ static POLLER_IN_DRIVER: AtomicBool = AtomicBool::new(false);
 /// The process's limiter.
 pub struct Runtime {
     config: &'static Config,
-    estimates: Mutex<Estimates>,
-    sensor: Sensor,
-    /// GPU time charged by this process per region device index (estimates plus corrections),
-    /// for the utilisation it publishes.
-    charged: [AtomicI64; MAX_DEVICES],
-    /// The boost compensation factor per region device index, in thousandths ([`boost`]).
-    boost: [AtomicU32; MAX_DEVICES],
-    /// Launches admitted by this process per region device index.
-    launches: [AtomicU64; MAX_DEVICES],
-    touched: [AtomicBool; MAX_DEVICES],
+    /// Per region device index: each device's budget, sensor and estimates stand alone, so
+    /// threads driving different GPUs never wait on each other.
+    devices: [Device; MAX_DEVICES],
     /// When `last_kernel_time` was last written (monotonic ns).
     kernel_time_written_ns: AtomicU64,
     poller: Once,
+}
+
+/// The limiter's state for one device.
+struct Device {
+    estimates: Mutex<Estimates>,
+    sensor: Sensor,
+    /// GPU time charged by this process (estimates plus corrections), for the utilisation it
+    /// publishes.
+    charged: AtomicI64,
+    /// The boost compensation factor, in thousandths ([`boost`]).
+    boost: AtomicU32,
+    /// Launches admitted by this process.
+    launches: AtomicU64,
+    touched: AtomicBool,
+}
+
+impl Default for Device {
+    fn default() -> Device {
+        Device {
+            estimates: Mutex::new(Estimates::default()),
+            sensor: Sensor::default(),
+            charged: AtomicI64::new(0),
+            boost: AtomicU32::new(BOOST_UNIT),
+            launches: AtomicU64::new(0),
+            touched: AtomicBool::new(false),
+        }
+    }
+}
+
+impl Device {
+    fn estimates(&self) -> std::sync::MutexGuard<'_, Estimates> {
+        self.estimates.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn touched(&self) -> bool {
+        self.touched.load(Ordering::Relaxed)
+    }
 }
 
 extern "C" fn forked_child() {
@@ -82,7 +110,9 @@ extern "C" fn at_exit() {
     let runtime = RUNTIME.load(Ordering::Acquire);
     if !runtime.is_null() {
         // SAFETY: from Box::into_raw, never freed.
-        unsafe { &*runtime }.sensor.release_all_holds();
+        for device in &unsafe { &*runtime }.devices {
+            device.sensor.release_all_holds();
+        }
     }
     // Let a driver call of the background thread finish before the driver tears down (bounded).
     for _ in 0..50 {
@@ -121,12 +151,7 @@ fn create() -> Option<&'static Runtime> {
     crate::memory::accounting()?;
     let fresh = Box::into_raw(Box::new(Runtime {
         config,
-        estimates: Mutex::new(Estimates::default()),
-        sensor: Sensor::default(),
-        charged: std::array::from_fn(|_| AtomicI64::new(0)),
-        boost: std::array::from_fn(|_| AtomicU32::new(BOOST_UNIT)),
-        launches: std::array::from_fn(|_| AtomicU64::new(0)),
-        touched: std::array::from_fn(|_| AtomicBool::new(false)),
+        devices: std::array::from_fn(|_| Device::default()),
         kernel_time_written_ns: AtomicU64::new(0),
         poller: Once::new(),
     }));
@@ -157,7 +182,9 @@ struct PollState {
     publications: usize,
     cross_check: CrossCheck,
     last_nvml: u64,
-    busy_seen: [(u64, u64); MAX_DEVICES],
+    /// Per region device index: when the boost factor last followed a reading, the region's busy
+    /// time then, and how many readings it has followed.
+    busy_seen: [(u64, u64, u32); MAX_DEVICES],
     /// A step has panicked (said once).
     panicked: bool,
 }
@@ -172,7 +199,14 @@ impl PollState {
             publications: 0,
             cross_check: CrossCheck::default(),
             last_nvml: now,
-            busy_seen: [(0, 0); MAX_DEVICES],
+            // From the poller's start (the process's first limited launch), so that the first
+            // reading, a second later, already sets the factor.
+            busy_seen: std::array::from_fn(|index| {
+                let busy = crate::memory::accounting()
+                    .and_then(|accounting| accounting.region().extension().compute.get(index))
+                    .map_or(0, |compute| compute.busy_ns.load(Ordering::Relaxed));
+                (now, busy, 0)
+            }),
             panicked: false,
         }
     }
@@ -195,11 +229,11 @@ pub struct Ticket {
 /// Before a launch on the limited path: waits for budget, charges, and starts a sample. `None`
 /// when the launch is not limited (then nothing is to be done after it).
 #[inline(never)]
-pub fn before(name: &'static str, stream: CUstream, key: u64, measurable: bool) -> Option<Ticket> {
+pub fn before(stream: Stream, key: u64, measurable: bool) -> Option<Ticket> {
     if SHUTDOWN.load(Ordering::Relaxed) {
         return None;
     }
-    runtime()?.before(name, stream, key, measurable)
+    runtime()?.before(stream.handle(), key, measurable)
 }
 
 /// After the launch: ends the sample, refunds a launch the driver refused.
@@ -255,12 +289,7 @@ impl Runtime {
         }
     }
 
-    fn before(&'static self, name: &'static str, stream: CUstream, key: u64, measurable: bool) -> Option<Ticket> {
-        let stream = if stream.is_null() && name.ends_with("_ptsz") {
-            STREAM_PER_THREAD as CUstream
-        } else {
-            stream
-        };
+    fn before(&'static self, stream: CUstream, key: u64, measurable: bool) -> Option<Ticket> {
         let accounting = crate::memory::accounting()?;
         // With one device (the common case) every launch goes there: no need to ask the driver.
         let ordinal = if accounting.device(1).is_none() {
@@ -273,17 +302,14 @@ impl Runtime {
         let region = accounting.region();
         let hami = region.hami();
         let bucket = region.extension().compute.get(region_index)?;
+        let device = self.devices.get(region_index)?;
         if !self.active(hami) {
             return None;
         }
         self.start_poller();
 
         let now = now_ns();
-        let plan = self
-            .estimates
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .plan(key, now);
+        let plan = device.estimates().plan(key, now);
         let charge = self.boosted(region_index, plan.charge as i64) as u64;
         // A launch into a stream being captured does not run now: it must neither wait nor be
         // measured (an event recorded there would join the graph). Asking the driver costs about
@@ -305,7 +331,7 @@ impl Runtime {
                     self.admit(hami, bucket, limit, charge, wait, now)
                 };
                 let Some(waited) = admitted else {
-                    self.forget(key, plan);
+                    device.estimates().forget(key, plan);
                     return None;
                 };
                 (waited, true)
@@ -315,7 +341,7 @@ impl Runtime {
         let sample = if plan.sample && measurable {
             if !checked && capturing(stream) {
                 self.charge(bucket, region_index, -(charge as i64));
-                self.forget(key, plan);
+                device.estimates().forget(key, plan);
                 return None;
             }
             let info = SampleInfo {
@@ -323,7 +349,7 @@ impl Runtime {
                 charged: plan.charge,
                 region_index,
             };
-            self.sensor.begin(stream, info)
+            device.sensor.begin(stream, info)
         } else {
             None
         };
@@ -338,21 +364,13 @@ impl Runtime {
         })
     }
 
-    /// A planned launch that is not limited after all: the estimates forget it.
-    fn forget(&self, key: u64, plan: Plan) {
-        self.estimates
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .forget(key, plan);
-    }
-
     fn after(&self, ticket: Ticket, status: CUresult) {
-        let measured = ticket.sample.is_some_and(|sample| self.sensor.end(sample, status));
+        let Some(device) = self.devices.get(ticket.region_index) else {
+            return;
+        };
+        let measured = ticket.sample.is_some_and(|sample| device.sensor.end(sample, status));
         if ticket.planned_sample && !measured {
-            self.estimates
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner())
-                .not_measured(ticket.key, ticket.planned);
+            device.estimates().not_measured(ticket.key, ticket.planned);
         }
         if status != CUDA_SUCCESS {
             // A launch the driver refused takes no GPU time.
@@ -408,11 +426,11 @@ impl Runtime {
         if waited > 0 {
             bucket.wait_ns.fetch_add(waited, Ordering::Relaxed);
         }
-        if let Some(charged) = self.charged.get(region_index) {
-            charged.fetch_add(charge, Ordering::Relaxed);
-            self.launches[region_index].fetch_add(1, Ordering::Relaxed);
-            if !self.touched[region_index].load(Ordering::Relaxed) {
-                self.touched[region_index].store(true, Ordering::Relaxed);
+        if let Some(device) = self.devices.get(region_index) {
+            device.charged.fetch_add(charge, Ordering::Relaxed);
+            device.launches.fetch_add(1, Ordering::Relaxed);
+            if !device.touched() {
+                device.touched.store(true, Ordering::Relaxed);
             }
         }
         let recent = hami.recent_kernel.load(Ordering::Relaxed);
@@ -436,8 +454,8 @@ impl Runtime {
     /// Adds `delta` ns of GPU time to what this process has taken from `bucket`.
     fn charge(&self, bucket: &ComputeDevice, region_index: usize, delta: i64) {
         bucket::add(bucket, -delta);
-        if let Some(charged) = self.charged.get(region_index) {
-            charged.fetch_add(delta, Ordering::Relaxed);
+        if let Some(device) = self.devices.get(region_index) {
+            device.charged.fetch_add(delta, Ordering::Relaxed);
         }
     }
 
@@ -463,11 +481,12 @@ impl Runtime {
         super::sensor::relax_capture_mode();
         let mut state = PollState::new();
         loop {
-            std::thread::sleep(if self.sensor.outstanding() > 0 {
-                POLL_BUSY
-            } else {
-                POLL_IDLE
-            });
+            let outstanding = self
+                .devices
+                .iter()
+                .map(|device| device.sensor.outstanding())
+                .sum::<usize>();
+            std::thread::sleep(if outstanding > 0 { POLL_BUSY } else { POLL_IDLE });
             if !std::ptr::eq(RUNTIME.load(Ordering::Acquire), self) {
                 return;
             }
@@ -489,15 +508,20 @@ impl Runtime {
     /// One period of the background thread: collects measurements, corrects and flushes the
     /// charges, publishes the utilisation, and once a second reads NVML. False at exit.
     fn poll_once(&self, state: &mut PollState) -> bool {
-        POLLER_IN_DRIVER.store(true, Ordering::SeqCst);
         if SHUTDOWN.load(Ordering::SeqCst) {
             return false;
         }
-        let completed = self.sensor.completed();
-        POLLER_IN_DRIVER.store(false, Ordering::SeqCst);
-        self.sensor.release_stale_holds(now_ns());
-        for (info, measured) in completed {
-            self.correct(info, measured);
+        for device in self.devices.iter().filter(|device| device.touched()) {
+            POLLER_IN_DRIVER.store(true, Ordering::SeqCst);
+            if SHUTDOWN.load(Ordering::SeqCst) {
+                return false;
+            }
+            let completed = device.sensor.completed();
+            POLLER_IN_DRIVER.store(false, Ordering::SeqCst);
+            device.sensor.release_stale_holds(now_ns());
+            for (info, measured) in completed {
+                self.correct(device, info, measured);
+            }
         }
         self.flush(&mut state.flushed);
         let now = now_ns();
@@ -548,12 +572,12 @@ impl Runtime {
             return;
         };
         let compute = &accounting.region().extension().compute;
-        for (index, (charged, launches)) in flushed.iter_mut().enumerate() {
-            if !self.touched[index].load(Ordering::Relaxed) {
+        for (index, ((charged, launches), device)) in flushed.iter_mut().zip(&self.devices).enumerate() {
+            if !device.touched() {
                 continue;
             }
-            let now_charged = self.charged[index].load(Ordering::Relaxed);
-            let now_launches = self.launches[index].load(Ordering::Relaxed);
+            let now_charged = device.charged.load(Ordering::Relaxed);
+            let now_launches = device.launches.load(Ordering::Relaxed);
             add_signed(&compute[index].busy_ns, now_charged - *charged);
             compute[index]
                 .launches
@@ -566,9 +590,9 @@ impl Runtime {
     /// factor.
     fn boosted(&self, region_index: usize, ns: i64) -> i64 {
         let factor = self
-            .boost
+            .devices
             .get(region_index)
-            .map_or(BOOST_UNIT, |factor| factor.load(Ordering::Relaxed));
+            .map_or(BOOST_UNIT, |device| device.boost.load(Ordering::Relaxed));
         (i128::from(ns) * i128::from(factor) / i128::from(BOOST_UNIT)) as i64
     }
 
@@ -579,11 +603,7 @@ impl Runtime {
     ) -> impl Iterator<Item = (CUdevice, &'a crate::memory::DeviceEntry)> + 'a {
         (0..MAX_DEVICES as CUdevice)
             .map_while(move |ordinal| Some((ordinal, accounting.device(ordinal)?)))
-            .filter(|(_, device)| {
-                self.touched
-                    .get(device.region_index)
-                    .is_some_and(|touched| touched.load(Ordering::Relaxed))
-            })
+            .filter(|(_, device)| self.devices.get(device.region_index).is_some_and(Device::touched))
     }
 
     /// Moves a device's boost factor towards what NVML's power readings call for, given the
@@ -595,22 +615,19 @@ impl Runtime {
         ordinal: CUdevice,
         device: &crate::memory::DeviceEntry,
         (utilisation, power): (Option<u32>, Option<boost::PowerReading>),
-        busy_seen: &mut [(u64, u64); MAX_DEVICES],
+        busy_seen: &mut [(u64, u64, u32); MAX_DEVICES],
         now: u64,
     ) {
         let index = device.region_index;
         let (Some(compute), Some(seen), Some(boost)) = (
             accounting.region().extension().compute.get(index),
             busy_seen.get_mut(index),
-            self.boost.get(index),
+            self.devices.get(index).map(|device| &device.boost),
         ) else {
             return;
         };
         let busy = compute.busy_ns.load(Ordering::Relaxed);
-        let (then, busy_then) = std::mem::replace(seen, (now, busy));
-        if then == 0 {
-            return;
-        }
+        let (then, busy_then, readings) = std::mem::replace(seen, (now, busy, seen.2.saturating_add(1)));
         let current = f64::from(boost.load(Ordering::Relaxed)) / f64::from(BOOST_UNIT);
         let own = busy.saturating_sub(busy_then) as f64 / now.saturating_sub(then).max(1) as f64 / current;
         // Where NVML measures the GPU's utilisation, it counts other containers' kernels too: the
@@ -619,7 +636,7 @@ impl Runtime {
         let gpu = utilisation.map_or(0.0, |percent| f64::from(percent) / 100.0);
         let share = own.max(gpu);
         let target = power.map_or(1.0, |reading| boost::target_factor(reading, share));
-        let next = boost::smoothed(current, target);
+        let next = boost::smoothed(current, target, readings == 0);
         boost.store((next * f64::from(BOOST_UNIT)).round() as u32, Ordering::Relaxed);
         if (next - current).abs() >= 0.01 {
             tracing::debug!("compute limiter: device {ordinal} boost factor {next:.3} (busy share {share:.3})");
@@ -627,12 +644,8 @@ impl Runtime {
     }
 
     /// A measurement came back: correct the charges it stands for.
-    fn correct(&self, info: SampleInfo, measured: u64) {
-        let correction = self
-            .estimates
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .measured(info.key, info.charged, measured);
+    fn correct(&self, device: &Device, info: SampleInfo, measured: u64) {
+        let correction = device.estimates().measured(info.key, info.charged, measured);
         let correction = self.boosted(info.region_index, correction);
         if correction == 0 {
             return;
@@ -657,7 +670,7 @@ impl Runtime {
         now: u64,
     ) {
         let index = device.region_index;
-        let Some(boost) = self.boost.get(index) else {
+        let Some(boost) = self.devices.get(index).map(|device| &device.boost) else {
             return;
         };
         // The region's share: every live process of the container on this device.
@@ -697,11 +710,11 @@ impl Runtime {
         let Some(slot) = accounting.region().hami().procs.get(accounting.slot_index()) else {
             return;
         };
-        for (index, ring) in history.iter_mut().enumerate() {
-            if !self.touched[index].load(Ordering::Relaxed) {
+        for (index, (ring, device)) in history.iter_mut().zip(&self.devices).enumerate() {
+            if !device.touched() {
                 continue;
             }
-            let total = self.charged[index].load(Ordering::Relaxed);
+            let total = device.charged.load(Ordering::Relaxed);
             // The oldest entry of the ring is the one about to be replaced.
             let (then, before) = ring[position];
             ring[position] = (now, total);

@@ -17,6 +17,12 @@
 //! memory operations are not available, the host time of the launch call is taken off instead
 //! when the stream was idle at the start.
 //!
+//! A measurement is kept only when the GPU cannot have waited on the host in the middle of it:
+//! with a hold, only when the launching thread released the hold itself (a launch call that
+//! outlasts the hold, as one that loads a module does, lets the GPU pass the start event early);
+//! without one, only when the launch call was short ([`LONG_CALL_NS`]). Otherwise the launch is
+//! charged like an unmeasured one and its key is measured again.
+//!
 //! Pools are keyed by the context's unique id (`cuCtxGetId`, CUDA 12.0+), never by its handle
 //! alone: a destroyed context's handle can come back for a new context, and its stale events must
 //! then never be recorded again. Events of destroyed contexts are forgotten, never destroyed (their
@@ -42,6 +48,9 @@ const MAX_EVENTS_PER_POOL: usize = 2 * MAX_PENDING;
 const MAX_POOLS: usize = 16;
 /// A hold on a stream is released by the background thread after this long at the latest.
 pub const HOLD_RELEASE_NS: u64 = 2_000_000;
+/// Without a hold, a sample whose launch call took longer than this on the host is not kept (a
+/// launch call takes 2-10 us on the H200; module loading takes milliseconds).
+pub const LONG_CALL_NS: u64 = 500_000;
 
 /// Cleared when the driver refuses a stream wait: holds are not tried again.
 static HOLDS_WORK: AtomicBool = AtomicBool::new(true);
@@ -64,6 +73,11 @@ struct Gate {
 }
 
 impl Gate {
+    /// Whether the GPU has been let past the wait for `sequence` already.
+    fn released(&self, sequence: u32) -> bool {
+        (self.word().load(Ordering::Acquire).wrapping_sub(sequence) as i32) >= 0
+    }
+
     fn word(&self) -> &'static AtomicU32 {
         // SAFETY: `host` is a 4-byte aligned word of pinned memory this library allocated and
         // never frees; the GPU only reads it.
@@ -370,22 +384,35 @@ impl Sensor {
             return None;
         }
         launch.submitted_ns = now_ns();
+        // Counted from here, so that the background thread polls often while a hold is out.
+        self.outstanding.fetch_add(1, Ordering::Relaxed);
         Some(launch)
     }
 
     /// Records the end event after the launch (whose status is `status`), releases the stream,
-    /// and queues the sample for the background thread. Returns whether a sample is in flight.
+    /// and queues the sample for the background thread. Returns whether a sample is in flight:
+    /// false when the launch failed or its measurement could not be trusted (see the module description).
     pub fn end(&self, mut launch: InFlight, status: CUresult) -> bool {
         let host_ns = now_ns().saturating_sub(launch.submitted_ns);
-        let ended = status == CUDA_SUCCESS && record(launch.end, launch.stream);
         let held = launch.hold.is_some();
+        let trusted = match launch.hold {
+            Some((gate, sequence)) => !gate.released(sequence),
+            None => host_ns <= LONG_CALL_NS,
+        };
+        if !trusted {
+            tracing::debug!(
+                "compute limiter: a launch call took {} us on the host; its measurement is not kept",
+                host_ns / 1000
+            );
+        }
+        let ended = trusted && status == CUDA_SUCCESS && record(launch.end, launch.stream);
         launch.release();
         let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if !ended {
             Self::give_back(&mut state, launch.pool, [launch.start, launch.end]);
+            self.outstanding.fetch_sub(1, Ordering::Relaxed);
             return false;
         }
-        self.outstanding.fetch_add(1, Ordering::Relaxed);
         state.pending.push(Pending {
             info: launch.info,
             pool: launch.pool,
