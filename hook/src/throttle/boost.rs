@@ -68,8 +68,8 @@ pub const HEAVIEST_WORK: f64 = 1.2;
 /// Below this busy share the power says nothing about the container's work.
 const MIN_SHARE: f64 = 0.02;
 /// Weight of a new reading in the factor (readings come once a second; NVML's power is itself
-/// averaged over about a second). The first reading is taken whole, so that a job is charged its
-/// boost from its second second on.
+/// averaged over about a second). The first readings are taken whole (the runtime reads NVML
+/// every 250 ms in the first 1.5 s), so that a job is charged its boost from its second second.
 const SMOOTHING: f64 = 0.5;
 
 /// NVML's clock event reasons that mean the clock is held down by power or heat.
@@ -150,10 +150,10 @@ pub fn target_factor(reading: PowerReading, busy_share: f64) -> f64 {
     }
 }
 
-/// The factor applied now: the target at the first reading, then moved a step towards the
-/// target at each reading.
-pub fn smoothed(previous: f64, target: f64, first: bool) -> f64 {
-    let weight = if first { 1.0 } else { SMOOTHING };
+/// The factor applied now: the target itself while `whole` (the first readings), then moved a
+/// step towards the target at each reading.
+pub fn smoothed(previous: f64, target: f64, whole: bool) -> f64 {
+    let weight = if whole { 1.0 } else { SMOOTHING };
     let next = previous + weight * (target - previous);
     next.clamp(1.0, MAX_FACTOR)
 }

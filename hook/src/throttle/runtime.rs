@@ -41,6 +41,11 @@ const PUBLISH_WINDOW: usize = 4;
 /// How often NVML is read: the measured share is compared with its utilisation ([`crosscheck`])
 /// and the boost factor follows its power readings ([`boost`]).
 const NVML_PERIOD_NS: u64 = 1_000_000_000;
+/// For this long after the poller starts, NVML is read every [`START_NVML_PERIOD_NS`] and the
+/// boost factor takes each reading whole: the factor follows the power as it ramps up, so a
+/// power-hungry job is not run ahead of its share for its whole first second.
+const START_PHASE_NS: u64 = 1_500_000_000;
+const START_NVML_PERIOD_NS: u64 = 250_000_000;
 /// The boost factor's unit: it is kept in thousandths.
 const BOOST_UNIT: u32 = 1000;
 /// HAMi-core writes this into `recent_kernel` at each limited launch; HAMi's monitor counts it
@@ -181,6 +186,8 @@ struct PollState {
     last_publish: u64,
     publications: usize,
     cross_check: CrossCheck,
+    /// When the poller started (the process's first limited launch).
+    started: u64,
     last_nvml: u64,
     /// Per region device index: when the boost factor last followed a reading, the region's busy
     /// time then, and how many readings it has followed.
@@ -198,9 +205,10 @@ impl PollState {
             last_publish: now,
             publications: 0,
             cross_check: CrossCheck::default(),
+            started: now,
             last_nvml: now,
             // From the poller's start (the process's first limited launch), so that the first
-            // reading, a second later, already sets the factor.
+            // reading already sets the factor.
             busy_seen: std::array::from_fn(|index| {
                 let busy = crate::memory::accounting()
                     .and_then(|accounting| accounting.region().extension().compute.get(index))
@@ -530,16 +538,18 @@ impl Runtime {
             self.publish(&mut state.history, state.publications % PUBLISH_WINDOW, now);
             state.publications += 1;
         }
-        if now.saturating_sub(state.last_nvml) >= NVML_PERIOD_NS {
+        let starting = now.saturating_sub(state.started) < START_PHASE_NS;
+        let period = if starting { START_NVML_PERIOD_NS } else { NVML_PERIOD_NS };
+        if now.saturating_sub(state.last_nvml) >= period {
             state.last_nvml = now;
-            self.nvml_step(state, now);
+            self.nvml_step(state, now, starting);
         }
         true
     }
 
     /// Reads NVML for each device in use: the boost factor follows its power, and its utilisation
     /// cross-checks the sensor. Marked as inside the driver, and stopped at exit between devices.
-    fn nvml_step(&self, state: &mut PollState, now: u64) {
+    fn nvml_step(&self, state: &mut PollState, now: u64, starting: bool) {
         let Some(accounting) = crate::memory::accounting() else {
             return;
         };
@@ -558,9 +568,12 @@ impl Runtime {
                 device,
                 (utilisation, power),
                 &mut state.busy_seen,
-                now,
+                (now, starting),
             );
-            self.cross_check(accounting, ordinal, device, utilisation, &mut state.cross_check, now);
+            if !starting {
+                // Its persistence counts readings a second apart.
+                self.cross_check(accounting, ordinal, device, utilisation, &mut state.cross_check, now);
+            }
             POLLER_IN_DRIVER.store(false, Ordering::SeqCst);
         }
     }
@@ -616,7 +629,7 @@ impl Runtime {
         device: &crate::memory::DeviceEntry,
         (utilisation, power): (Option<u32>, Option<boost::PowerReading>),
         busy_seen: &mut [(u64, u64, u32); MAX_DEVICES],
-        now: u64,
+        (now, starting): (u64, bool),
     ) {
         let index = device.region_index;
         let (Some(compute), Some(seen), Some(boost)) = (
@@ -636,7 +649,7 @@ impl Runtime {
         let gpu = utilisation.map_or(0.0, |percent| f64::from(percent) / 100.0);
         let share = own.max(gpu);
         let target = power.map_or(1.0, |reading| boost::target_factor(reading, share));
-        let next = boost::smoothed(current, target, readings == 0);
+        let next = boost::smoothed(current, target, starting || readings == 0);
         boost.store((next * f64::from(BOOST_UNIT)).round() as u32, Ordering::Relaxed);
         if (next - current).abs() >= 0.01 {
             tracing::debug!("compute limiter: device {ordinal} boost factor {next:.3} (busy share {share:.3})");
