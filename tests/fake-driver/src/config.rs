@@ -8,6 +8,8 @@ use crate::truth::MAX_DEVICES;
 pub const DEFAULT_MEMORY: u64 = 16 << 30;
 pub const DEFAULT_CONTEXT_BYTES: u64 = 64 << 20;
 pub const DEFAULT_GRANULARITY: u64 = 2 << 20;
+/// The longest simulated first-launch delay: 10 s.
+pub const MAX_MODULE_LOAD_US: u64 = 10_000_000;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
@@ -20,6 +22,9 @@ pub struct Config {
     pub truth: Option<PathBuf>,
     /// CUDA ordinal -> physical index, from `CUDA_VISIBLE_DEVICES`.
     pub visible: Vec<usize>,
+    /// Host time (µs) of the first launch of each function and of each executable graph
+    /// (`FAKE_CUDA_MODULE_LOAD_US`): CUDA's lazy loading, and a graph's upload.
+    pub module_load_us: u64,
 }
 
 static CONFIG: OnceLock<Config> = OnceLock::new();
@@ -57,6 +62,9 @@ impl Config {
             Some(list) => parse_visible(&list, devices),
             None => (0..devices).collect(),
         };
+        let module_load_us = var("FAKE_CUDA_MODULE_LOAD_US")
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map_or(0, |us| us.min(MAX_MODULE_LOAD_US));
         Config {
             devices,
             memory,
@@ -64,6 +72,7 @@ impl Config {
             granularity,
             truth,
             visible,
+            module_load_us,
         }
     }
 
@@ -190,5 +199,25 @@ mod tests {
         assert_eq!(config.context_bytes, DEFAULT_CONTEXT_BYTES);
         let many = Config::from_lookup(|n| (n == "FAKE_CUDA_DEVICES").then(|| "99".to_string()));
         assert_eq!(many.devices, MAX_DEVICES);
+    }
+
+    #[test]
+    fn module_load_delay() {
+        let with = |value: &str| {
+            let value = value.to_string();
+            Config::from_lookup(move |n| (n == "FAKE_CUDA_MODULE_LOAD_US").then(|| value.clone())).module_load_us
+        };
+        assert_eq!(Config::from_lookup(|_| None).module_load_us, 0);
+        assert_eq!(with("20000"), 20_000);
+        assert_eq!(with(" 15 "), 15);
+        assert_eq!(with("0"), 0);
+        // Malformed values fall back to the default, as every FAKE_ variable does.
+        assert_eq!(with(""), 0);
+        assert_eq!(with("-5"), 0);
+        assert_eq!(with("20ms"), 0);
+        assert_eq!(with("1.5"), 0);
+        assert_eq!(with("99999999999999999999999"), 0);
+        // Longer than 10 s is held to 10 s.
+        assert_eq!(with("3600000000"), MAX_MODULE_LOAD_US);
     }
 }

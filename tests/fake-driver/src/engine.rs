@@ -4,12 +4,25 @@
 //! is added to the truth's busy time at launch. Synchronisation sleeps until the relevant end:
 //! a stream's last work, the device's engine for the default streams (legacy and per-thread
 //! alike) and contexts. Events complete when the work queued before them on their stream ends.
+//!
+//! Lazy loading: the first launch of each function (any launch path, a launch into a capturing
+//! stream included, as CUDA loads a kernel when it is captured) sleeps `FAKE_CUDA_MODULE_LOAD_US`
+//! inside the launch call before its kernel is queued; a launch of the same function meanwhile, on
+//! another thread, waits for the same load. The first launch of each executable graph does the
+//! same (its upload, [`crate::graph`]). The state's lock is not held while sleeping.
 
 use std::ffi::{c_int, c_uint, c_void};
 
 use crate::cuda::*;
 use crate::ffi::{CuResult, cu, get, put};
-use crate::state::{self, Event, STREAM_LEGACY, STREAM_PER_THREAD, State, Stream, initialised, now_ns};
+use crate::state::{self, Event, STREAM_LEGACY, STREAM_PER_THREAD, State, Stream, config, initialised, now_ns};
+
+/// When the first launch's load (of a function, or a graph's upload) ends: on the first launch,
+/// `FAKE_CUDA_MODULE_LOAD_US` from now; after that, when that load ended (in the past, or still
+/// ahead for a launch racing with the first).
+pub fn first_launch_ends(loaded_at: &mut Option<u64>) -> u64 {
+    *loaded_at.get_or_insert_with(|| now_ns().saturating_add(config().module_load_us.saturating_mul(1_000)))
+}
 
 /// Where work on a stream goes.
 pub struct Target {
@@ -68,6 +81,14 @@ impl State {
         end
     }
 
+    /// Loads `f` on its first launch: returns when its load ends (sleep until then, unlocked).
+    fn load_function(&mut self, f: CUfunction, stream: CUstream) -> CuResult<u64> {
+        self.current()?;
+        self.stream_target(stream)?;
+        let function = self.functions.get_mut(&(f as usize)).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        Ok(first_launch_ends(&mut function.loaded_at))
+    }
+
     pub fn launch(&mut self, f: CUfunction, stream: CUstream) -> CuResult {
         self.current()?;
         let duration = self
@@ -100,6 +121,8 @@ fn launch(f: CUfunction, dims: [c_uint; 6], stream: CUstream) -> CuResult {
     if dims.contains(&0) {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
+    let loaded = initialised()?.load_function(f, stream)?;
+    state::sleep_until(loaded);
     initialised()?.launch(f, stream)
 }
 

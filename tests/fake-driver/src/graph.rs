@@ -14,7 +14,7 @@ use crate::cuda::*;
 use crate::engine::Target;
 use crate::ffi::{CuResult, cu, get, put, write_c_string};
 use crate::memory::Alloc;
-use crate::state::{Capture, State, initialised};
+use crate::state::{Capture, State, initialised, sleep_until};
 
 pub enum NodeKind {
     Kernel { duration_ns: u64 },
@@ -34,6 +34,8 @@ pub struct Graph {
 
 pub struct Exec {
     pub kernels_ns: u64,
+    /// When its upload ends (ns, `CLOCK_MONOTONIC`); `None` until its first launch.
+    pub uploaded_at: Option<u64>,
     /// (device, bytes) of each allocation node.
     pub allocs: Vec<(usize, u64)>,
     pub charged: bool,
@@ -143,6 +145,7 @@ impl State {
         let g = self.graphs.get(&graph).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let mut exec = Exec {
             kernels_ns: 0,
+            uploaded_at: None,
             allocs: Vec::new(),
             charged: false,
         };
@@ -158,6 +161,16 @@ impl State {
         let handle = self.new_handle();
         self.execs.insert(handle, exec);
         Ok(handle)
+    }
+
+    /// The first launch of an executable graph uploads it (`FAKE_CUDA_MODULE_LOAD_US` of host
+    /// time, as lazy loading takes for a function): returns when the upload ends.
+    fn upload_graph(&mut self, exec: usize, stream: CUstream) -> CuResult<u64> {
+        if self.stream_target(stream)?.capturing.is_some() {
+            return Err(CUDA_ERROR_NOT_SUPPORTED);
+        }
+        let e = self.execs.get_mut(&exec).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        Ok(crate::engine::first_launch_ends(&mut e.uploaded_at))
     }
 
     fn launch_graph(&mut self, exec: usize, stream: CUstream) -> CuResult {
@@ -492,14 +505,22 @@ pub unsafe extern "C" fn cuGraphInstantiateWithParams_ptsz(
     cu(|| instantiate_with_params(phGraphExec, hGraph, instantiateParams))
 }
 
+/// A graph launch; the first of each executable graph waits for its upload first (without the
+/// state's lock).
+fn graph_launch(exec: CUgraphExec, stream: CUstream) -> CuResult {
+    let uploaded = initialised()?.upload_graph(exec as usize, stream)?;
+    sleep_until(uploaded);
+    initialised()?.launch_graph(exec as usize, stream)
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuGraphLaunch(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
-    cu(|| initialised()?.launch_graph(hGraphExec as usize, hStream))
+    cu(|| graph_launch(hGraphExec, hStream))
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuGraphLaunch_ptsz(hGraphExec: CUgraphExec, hStream: CUstream) -> CUresult {
-    cu(|| initialised()?.launch_graph(hGraphExec as usize, hStream))
+    cu(|| graph_launch(hGraphExec, hStream))
 }
 
 #[unsafe(no_mangle)]

@@ -1,7 +1,9 @@
 //! Modules, libraries and functions. Any image or file name is accepted (nothing is read) and
 //! any function name exists. A function whose name contains `busy_<N>us` (`busy_500us`, also
 //! inside a mangled name) keeps the engine busy N microseconds per launch; any other takes 1 us.
-//! Modules charge no device memory.
+//! Modules charge no device memory. Loading is lazy, as CUDA's default (`CUDA_MODULE_LOADING=LAZY`):
+//! the first launch of each function takes `FAKE_CUDA_MODULE_LOAD_US` of host time inside the
+//! launch call ([`crate::engine`]).
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_uint, c_void};
@@ -19,6 +21,8 @@ pub struct Module {
 
 pub struct Function {
     pub duration_ns: u64,
+    /// When its lazy load ends (ns, `CLOCK_MONOTONIC`); `None` until its first launch.
+    pub loaded_at: Option<u64>,
 }
 
 /// The simulated duration of a kernel, from its name.
@@ -76,6 +80,7 @@ impl State {
             handle,
             Function {
                 duration_ns: duration_of(name),
+                loaded_at: None,
             },
         );
         if let Some(m) = self.modules.get_mut(&module) {

@@ -107,7 +107,7 @@ pub fn c_program(name: &str, shared: bool) -> PathBuf {
     } else {
         command
             .arg(format!("-L{}", fake_driver_dir().display()))
-            .args(["-lcuda", "-lnvidia-ml", "-ldl"]);
+            .args(["-pthread", "-lcuda", "-lnvidia-ml", "-ldl"]);
     }
     let result = command.output().expect("run the C compiler");
     assert!(

@@ -1,0 +1,406 @@
+//! The compute limiter from a job's first launch, with CUDA's lazy loading: the fake driver's
+//! `FAKE_CUDA_MODULE_LOAD_US` makes the first launch of each function (and of each executable
+//! graph) spend 20 ms of host time inside the launch call, as the real driver's lazy loading does
+//! (10-22 ms per module on the H200). Nothing is warmed up: every figure counts from the job's
+//! first launch.
+//!
+//! - A job below its limit is never slowed: 8 distinct small kernels in bursts with host work
+//!   between them, and a launch-bound loop (one launch per host step, synchronised every 8), each
+//!   run side by side with the same job under the hook with no limit; per second, from the first
+//!   one, the limited job does at least 95% of the unlimited job's iterations.
+//! - Two devices of one process, one thread each: each device's ground-truth busy share is its
+//!   limit, and the threads finish together when the limits are equal.
+//! - A graph of 8 small kernels replayed: the busy share is the limit every second from the 2nd,
+//!   and on average from the first launch.
+//!
+//! Jobs are `tests/programs/compute_jobs.c`; its counts are checked against the fake's ground truth
+//! (each launched kernel adds its duration there).
+
+#[path = "../../fake-driver/src/truth.rs"]
+mod truth;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use vgpu_integration::{Run, ScratchDir, Session, c_program};
+
+/// Host time of each first launch (a function's lazy load, a graph's upload), in microseconds.
+const LAZY_LOAD_US: &str = "20000";
+/// A limited job below its limit keeps at least this share of its unlimited throughput.
+const NOT_SLOWED: f64 = 0.95;
+
+fn program() -> PathBuf {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    BUILT.get_or_init(|| c_program("compute_jobs", false)).clone()
+}
+
+/// A fresh folder for one job's region and ground truth.
+struct JobDir(ScratchDir);
+
+impl JobDir {
+    fn new(name: &str) -> JobDir {
+        JobDir(ScratchDir::new(&format!("compute-jobs-{name}")))
+    }
+
+    fn truth(&self) -> truth::Truth {
+        truth::Truth::open(&self.0.join("truth")).expect("open the ground truth")
+    }
+}
+
+/// The job with the hook and lazy loading, this job's files, and `env` on top of an environment
+/// cleared of every limit, policy and fake-device variable.
+fn job(dir: &JobDir, env: &[(&str, &str)], args: &str) -> Run {
+    let mut run = Run::new(&program())
+        .hooked()
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .env_remove("GPU_CORE_UTILIZATION_POLICY")
+        .env_remove("FAKE_CUDA_DEVICES")
+        .env("FAKE_CUDA_MODULE_LOAD_US", LAZY_LOAD_US)
+        .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.0.join("region"))
+        .env("FAKE_CUDA_TRUTH", dir.0.join("truth"));
+    for n in 0..16 {
+        run = run.env_remove(&format!("CUDA_DEVICE_SM_LIMIT_{n}"));
+    }
+    for (key, value) in env {
+        run = run.env(key, value);
+    }
+    run.args(args.split_whitespace())
+}
+
+/// One output line's `key=value` fields.
+#[derive(Debug)]
+struct Fields(BTreeMap<String, f64>);
+
+impl Fields {
+    fn parse(line: &str) -> Fields {
+        Fields(
+            line.split_whitespace()
+                .skip(1)
+                .filter_map(|field| field.split_once('='))
+                .filter_map(|(key, value)| Some((key.to_string(), value.parse::<f64>().ok()?)))
+                .collect(),
+        )
+    }
+
+    fn get(&self, key: &str) -> f64 {
+        *self.0.get(key).unwrap_or_else(|| panic!("no {key} in {:?}", self.0))
+    }
+}
+
+/// What a job printed: its windows (`loop`, `graph`), its summary, its devices (`devices`).
+struct Report {
+    windows: Vec<Fields>,
+    done: Option<Fields>,
+    devices: Vec<Fields>,
+}
+
+impl Report {
+    /// Iterations in each whole second from the first launch (the job prints 250 ms windows).
+    fn per_second(&self, key: &str) -> Vec<f64> {
+        self.windows
+            .chunks_exact(4)
+            .map(|second| second.iter().map(|w| w.get(key)).sum())
+            .collect()
+    }
+
+    fn window_list(&self, key: &str) -> String {
+        let counts: Vec<String> = self.windows.iter().map(|w| format!("{}", w.get(key))).collect();
+        counts.join(" ")
+    }
+
+    fn done(&self) -> &Fields {
+        self.done.as_ref().expect("a summary line")
+    }
+}
+
+fn finish(mut session: Session) -> Report {
+    let output = session.finish();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "job failed ({}): {stdout}{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let lines = |prefix: &str| -> Vec<Fields> {
+        stdout
+            .lines()
+            .filter(|line| line.starts_with(prefix))
+            .map(Fields::parse)
+            .collect()
+    };
+    let report = Report {
+        windows: lines("window "),
+        done: lines("done ").pop(),
+        devices: lines("device "),
+    };
+    for fields in report.done.iter().chain(&report.devices) {
+        assert_eq!(fields.get("errors"), 0.0, "launches failed: {stdout}");
+    }
+    report
+}
+
+/// Runs jobs side by side (so that they share the machine's load) and waits for all of them.
+fn run_together<const N: usize>(runs: [Run; N]) -> [Report; N] {
+    let sessions = runs.map(|run| run.spawn(Duration::from_secs(60)));
+    sessions.map(finish)
+}
+
+/// The ground truth saw exactly the kernels the job counted: `launches` of `us` each.
+fn assert_truth_counts(dir: &JobDir, device: usize, launches: f64, us: f64) {
+    let busy = dir.truth().device(device).busy_ns() as f64;
+    assert_eq!(
+        busy,
+        launches * us * 1000.0,
+        "device {device}: the ground truth's busy time is not the {launches} launches of {us} us the job counted"
+    );
+}
+
+/// The fake driver alone (no hook): with `FAKE_CUDA_MODULE_LOAD_US` the first launch of each of
+/// the 8 functions, and the first replay of a graph (its kernels were loaded when captured), take
+/// the load's time inside the launch call, and no other launch does; without it none does.
+#[test]
+fn the_fake_driver_loads_each_function_and_graph_on_its_first_launch() {
+    let unhooked = |dir: &JobDir, lazy: bool, args: &str| {
+        let run = Run::new(&program())
+            .env_remove("CUDA_VISIBLE_DEVICES")
+            .env_remove("FAKE_CUDA_DEVICES")
+            .env("FAKE_CUDA_TRUTH", dir.0.join("truth"))
+            .args(args.split_whitespace());
+        if lazy {
+            run.env("FAKE_CUDA_MODULE_LOAD_US", LAZY_LOAD_US)
+        } else {
+            run.env_remove("FAKE_CUDA_MODULE_LOAD_US")
+        }
+    };
+    let dirs = ["lazy-loop", "lazy-graph", "eager-loop", "lazy-devices"].map(JobDir::new);
+    let loop_args = "loop seconds=0.5 kernels=8 us=20 per_iteration=8 sync=1 window_ms=250";
+    let [lazy_loop, lazy_graph, eager_loop, lazy_devices] = run_together([
+        unhooked(&dirs[0], true, loop_args),
+        unhooked(
+            &dirs[1],
+            true,
+            "graph seconds=0.5 kernels=8 us=20 sync=10 window_ms=250",
+        ),
+        unhooked(&dirs[2], false, loop_args),
+        unhooked(&dirs[3], true, "devices launches=40 us=100 sync=4").env("FAKE_CUDA_DEVICES", "2"),
+    ]);
+    let load_ns: f64 = LAZY_LOAD_US.parse::<f64>().expect("a number") * 1000.0;
+    for (what, done, slow) in [
+        ("8 functions", lazy_loop.done(), 8.0),
+        ("a graph", lazy_graph.done(), 1.0),
+        ("8 functions without lazy loading", eager_loop.done(), 0.0),
+    ] {
+        assert_eq!(done.get("slow_launches"), slow, "{what}: {:?}", done.0);
+        assert!(done.get("launches") > 100.0, "{what}: {:?}", done.0);
+    }
+    for done in [lazy_loop.done(), lazy_graph.done()] {
+        assert!(done.get("max_launch_ns") >= load_ns, "{:?}", done.0);
+    }
+    assert!(eager_loop.done().get("max_launch_ns") < load_ns / 2.0);
+    // Each device's thread loads its own module's function once.
+    for device in &lazy_devices.devices {
+        assert_eq!(device.get("slow_launches"), 1.0, "{:?}", device.0);
+    }
+    // What the 8 first launches took is host time: the engine was busy only with the kernels.
+    assert_truth_counts(&dirs[0], 0, lazy_loop.done().get("launches"), 20.0);
+    assert_truth_counts(&dirs[1], 0, lazy_graph.done().get("launches"), 20.0);
+}
+
+/// A job well below its limit, run with no limit and at `limit` side by side from their first
+/// launch: per second, the limited one does at least [`NOT_SLOWED`] of the unlimited one's
+/// iterations. `us` is its kernels' duration.
+fn below_limit_not_slowed(name: &str, limit: u32, args: &str, us: f64) {
+    let (reference_dir, limited_dir) = (JobDir::new(&format!("{name}-free")), JobDir::new(name));
+    let limit_text = limit.to_string();
+    let [reference, limited] = run_together([
+        job(&reference_dir, &[], args),
+        job(&limited_dir, &[("CUDA_DEVICE_SM_LIMIT", &limit_text)], args),
+    ]);
+    assert_truth_counts(&reference_dir, 0, reference.done().get("launches"), us);
+    assert_truth_counts(&limited_dir, 0, limited.done().get("launches"), us);
+
+    // The unlimited job is what it is meant to be: well below the limit, and steady after its
+    // first second (which pays the 8 lazy loads), give or take the machine's load (which the
+    // limited job, running at the same time, shares).
+    let natural = reference.done().get("launches") * us / 1e4 / reference.done().get("seconds");
+    let free = reference.per_second("iterations");
+    let limited_seconds = limited.per_second("iterations");
+    eprintln!(
+        "{name} at limit {limit}: natural share {natural:.1}%; iterations per second unlimited {free:?}, \
+         limited {limited_seconds:?}; 250 ms windows unlimited [{}], limited [{}]",
+        reference.window_list("iterations"),
+        limited.window_list("iterations")
+    );
+    assert!(
+        (10.0..=40.0).contains(&natural),
+        "{name}: the unlimited job's natural share is {natural:.1}%, expected 10-40%"
+    );
+    assert_eq!(free.len(), 3, "{name}: three whole seconds");
+    assert!(
+        (free[2] / free[1] - 1.0).abs() < 0.2,
+        "{name}: the unlimited job is not steady: {free:?} iterations per second"
+    );
+    assert!(
+        free[0] > 0.5 * free[1].max(free[2]) && free[0] < free[1].max(free[2]) * 1.1,
+        "{name}: the unlimited job's first second (with its 8 loads): {free:?} iterations per second"
+    );
+
+    let slowed: Vec<String> = free
+        .iter()
+        .zip(&limited_seconds)
+        .enumerate()
+        .filter(|(_, (free, limited))| **limited < NOT_SLOWED * **free)
+        .map(|(second, (free, limited))| {
+            format!(
+                "second {second}: {limited} iterations, {:.1}% of the unlimited {free}",
+                limited / free * 100.0
+            )
+        })
+        .collect();
+    assert!(
+        slowed.is_empty(),
+        "{name} (natural share {natural:.1}%) at limit {limit} was slowed: {}; 250 ms windows unlimited [{}], \
+         limited [{}]",
+        slowed.join("; "),
+        reference.window_list("iterations"),
+        limited.window_list("iterations")
+    );
+}
+
+/// Each iteration: 8 distinct 50 us kernels back to back, a synchronisation, 1 ms of host work
+/// (a natural share of about 27%). The first iteration loads the 8 functions: 160 ms.
+const BURSTS: &str = "loop seconds=3 kernels=8 us=50 per_iteration=8 sync=1 pause_us=1000 window_ms=250";
+
+#[test]
+fn first_launch_delay_does_not_slow_a_job_below_limit_75() {
+    below_limit_not_slowed("bursts", 75, BURSTS, 50.0);
+}
+
+#[test]
+fn first_launch_delay_does_not_slow_a_job_below_limit_50() {
+    below_limit_not_slowed("bursts", 50, BURSTS, 50.0);
+}
+
+/// Launch-bound: one 250 us kernel per host step of 750 us (the GPU is idle at every launch),
+/// cycling through 8 distinct functions, synchronised every 8 launches (a natural share of
+/// about 30%). Host steps much shorter than this measure the limited path's own cost in a debug
+/// build instead (about 10 us per launch after a pause: 3.5% of 300 us steps).
+const LAUNCH_BOUND: &str = "loop seconds=3 kernels=8 us=250 per_iteration=1 sync=8 pause_us=750 window_ms=250";
+
+#[test]
+fn a_launch_bound_loop_is_not_slowed_at_limit_50() {
+    below_limit_not_slowed("launch-bound", 50, LAUNCH_BOUND, 250.0);
+}
+
+#[test]
+fn a_launch_bound_loop_is_not_slowed_at_limit_90() {
+    below_limit_not_slowed("launch-bound", 90, LAUNCH_BOUND, 250.0);
+}
+
+/// Kernel duration of the two-device jobs, in microseconds.
+const DEVICE_US: f64 = 1000.0;
+
+/// One process, two devices, a thread on each launching `launches[d]` 1 ms kernels (synchronised
+/// every 4); returns each device's (busy share in percent from its thread's first launch, the
+/// thread's completion time in seconds).
+fn two_devices(name: &str, env: &[(&str, &str)], launches: [u32; 2]) -> [(f64, f64); 2] {
+    let dir = JobDir::new(name);
+    let mut env = env.to_vec();
+    env.extend([("FAKE_CUDA_DEVICES", "2"), ("GPU_CORE_UTILIZATION_POLICY", "FORCE")]);
+    let args = format!("devices launches={},{} us={DEVICE_US} sync=4", launches[0], launches[1]);
+    let [report] = run_together([job(&dir, &env, &args)]);
+    assert_eq!(report.devices.len(), 2, "two device threads");
+    let result = [0, 1].map(|device| {
+        let fields = &report.devices[device];
+        assert_eq!(fields.get("index"), device as f64);
+        assert_eq!(fields.get("launches"), f64::from(launches[device]));
+        // Each physical device's truth holds its own thread's kernels and nothing else.
+        assert_truth_counts(&dir, device, f64::from(launches[device]), DEVICE_US);
+        let seconds = fields.get("seconds");
+        let busy = dir.truth().device(device).busy_ns() as f64;
+        (busy / (seconds * 1e9) * 100.0, seconds)
+    });
+    eprintln!(
+        "{name}: device 0 {:.1}% in {:.3} s, device 1 {:.1}% in {:.3} s",
+        result[0].0, result[0].1, result[1].0, result[1].1
+    );
+    result
+}
+
+#[test]
+fn two_devices_in_one_process_each_hold_the_limit() {
+    // 500 ms of kernels on each device: 2 s at 25%.
+    let [(share0, time0), (share1, time1)] =
+        two_devices("two-devices-25", &[("CUDA_DEVICE_SM_LIMIT", "25")], [500, 500]);
+    for (device, share) in [(0, share0), (1, share1)] {
+        assert!(
+            (share - 25.0).abs() <= 3.0,
+            "device {device}: busy share {share:.1}% from the first launch at limit 25 (devices: {share0:.1}%, \
+             {share1:.1}%; {time0:.3} s and {time1:.3} s)"
+        );
+    }
+    assert!(
+        (time0 / time1 - 1.0).abs() <= 0.1,
+        "the two threads finished {time0:.3} s and {time1:.3} s after their first launch"
+    );
+}
+
+#[test]
+fn two_devices_in_one_process_each_hold_their_own_limit() {
+    // About 2 s on each device: 500 ms of kernels at 25%, 1500 ms at 75%.
+    let env = [("CUDA_DEVICE_SM_LIMIT_0", "25"), ("CUDA_DEVICE_SM_LIMIT_1", "75")];
+    let shares = two_devices("two-devices-25-75", &env, [500, 1500]);
+    for (device, limit) in [(0, 25.0), (1, 75.0)] {
+        let (share, seconds) = shares[device];
+        assert!(
+            (share - limit).abs() <= 3.0,
+            "device {device}: busy share {share:.1}% from the first launch ({seconds:.3} s) at limit {limit}"
+        );
+    }
+}
+
+/// A graph of 8 distinct 50 us kernels, captured once and replayed at `limit` for 3 s, synchronised
+/// every 10 replays: the busy share is within 2 points of the limit in every second from the 2nd,
+/// and over the 3 s from the first replay.
+fn graph_replay_holds(limit: u32) {
+    const US: f64 = 50.0;
+    let dir = JobDir::new(&format!("graph-{limit}"));
+    let limit_text = limit.to_string();
+    let args = "graph seconds=3 kernels=8 us=50 sync=10 window_ms=250";
+    let [report] = run_together([job(&dir, &[("CUDA_DEVICE_SM_LIMIT", &limit_text)], args)]);
+    assert_truth_counts(&dir, 0, report.done().get("launches"), US);
+    let shares: Vec<f64> = report
+        .per_second("launches")
+        .iter()
+        .map(|launches| launches * US / 1e4)
+        .collect();
+    assert_eq!(shares.len(), 3, "three whole seconds");
+    let mean = shares.iter().sum::<f64>() / shares.len() as f64;
+    eprintln!("graph replay at limit {limit}: busy share per second {shares:.1?}, mean {mean:.1}%");
+    let limit = f64::from(limit);
+    for (second, share) in shares.iter().enumerate().skip(1) {
+        assert!(
+            (share - limit).abs() <= 2.0,
+            "graph replay at limit {limit}: second {second} busy {share:.1}% (per second {shares:.1?}; replays \
+             per 250 ms [{}])",
+            report.window_list("iterations")
+        );
+    }
+    assert!(
+        (mean - limit).abs() <= 2.0,
+        "graph replay at limit {limit}: {mean:.1}% over 3 s from the first replay (per second {shares:.1?})"
+    );
+}
+
+#[test]
+fn graph_replay_holds_limit_50() {
+    graph_replay_holds(50);
+}
+
+#[test]
+fn graph_replay_holds_limit_25() {
+    graph_replay_holds(25);
+}
