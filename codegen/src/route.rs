@@ -80,3 +80,76 @@ pub fn join(header: &Header, table: &Table, library: Library, version: u32) -> R
     }
     Ok(routed)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prototypes::Param;
+
+    fn header(names: &[&str]) -> Header {
+        Header {
+            library: Library::Cuda,
+            version: 13000,
+            functions: names
+                .iter()
+                .map(|name| Prototype {
+                    name: (*name).to_string(),
+                    header: "cuda.h",
+                    params: vec![Param {
+                        name: "hStream".into(),
+                        ty: "CUstream".into(),
+                    }],
+                    ret: "CUresult".into(),
+                })
+                .collect(),
+            types: String::new(),
+        }
+    }
+
+    #[test]
+    fn per_thread_is_stated_by_the_generator_from_the_name() {
+        let table = Table::parse(
+            "[[entry]]\nclass = \"launch-throttled\"\nhandler = \"a::b\"\nargs = [\"hStream\", \"per_thread\"]\n\
+             functions = [\"cuLaunchKernel\", \"cuLaunchKernel_ptsz\", \"cuMemcpyAsync_ptsz\", \"cuMemsetD8_v2_ptds\"]\n",
+        )
+        .map_err(|e| e.0)
+        .expect("table");
+        let routed = join(
+            &header(&[
+                "cuLaunchKernel",
+                "cuLaunchKernel_ptsz",
+                "cuMemcpyAsync_ptsz",
+                "cuMemsetD8_v2_ptds",
+            ]),
+            &table,
+            Library::Cuda,
+            13000,
+        )
+        .map_err(|e| e.0)
+        .expect("routed");
+        let args: Vec<String> = routed.iter().map(|r| r.args.join(", ")).collect();
+        assert_eq!(
+            args,
+            [
+                "hStream, per_thread = false",
+                "hStream, per_thread = true",
+                "hStream, per_thread = true",
+                "hStream, per_thread = true"
+            ]
+        );
+    }
+
+    #[test]
+    fn an_unknown_argument_is_still_an_error() {
+        let table = Table::parse(
+            "[[entry]]\nclass = \"launch-throttled\"\nhandler = \"a::b\"\nargs = [\"perthread\"]\nfunctions = [\"cuLaunchKernel\"]\n",
+        )
+        .map_err(|e| e.0)
+        .expect("table");
+        let error = join(&header(&["cuLaunchKernel"]), &table, Library::Cuda, 13000)
+            .err()
+            .map(|e| e.0)
+            .unwrap_or_default();
+        assert!(error.contains("has no parameter `perthread`"), "{error}");
+    }
+}
