@@ -21,7 +21,7 @@ mod truth;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use vgpu_integration::{Run, ScratchDir, Session, c_program};
@@ -143,7 +143,12 @@ fn finish(mut session: Session) -> Report {
 }
 
 /// Runs jobs side by side (so that they share the machine's load) and waits for all of them.
+/// One measurement at a time in this file: these jobs are host-paced, and on a 2-core machine the
+/// other tests' jobs, running in parallel, would take turns with them unevenly (a 250 ms window of
+/// one job 20% short of the other's).
 fn run_together<const N: usize>(runs: [Run; N]) -> [Report; N] {
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner);
     let sessions = runs.map(|run| run.spawn(Duration::from_secs(60)));
     sessions.map(finish)
 }
