@@ -24,6 +24,7 @@ const MEMORY_LIMIT_VAR: &str = "CUDA_DEVICE_MEMORY_LIMIT";
 const SM_LIMIT_VAR: &str = "CUDA_DEVICE_SM_LIMIT";
 const SHARED_CACHE_VAR: &str = "CUDA_DEVICE_MEMORY_SHARED_CACHE";
 const TASK_PRIORITY_VAR: &str = "CUDA_TASK_PRIORITY";
+const SHARED_CACHE_ANY_OWNER_VAR: &str = "VGPU_SHARED_CACHE_ANY_OWNER";
 const UTILIZATION_POLICY_VAR: &str = "GPU_CORE_UTILIZATION_POLICY";
 const LOG_LEVEL_VAR: &str = "LIBCUDA_LOG_LEVEL";
 
@@ -69,6 +70,9 @@ pub struct Config {
     pub sm_limit: [Option<u8>; MAX_DEVICES],
     /// Path of the shared region file (`CUDA_DEVICE_MEMORY_SHARED_CACHE`).
     pub shared_cache: PathBuf,
+    /// `VGPU_SHARED_CACHE_ANY_OWNER=1`: a region file owned by any user is used (when it is a
+    /// valid region); by default only this process's user's and root's are.
+    pub shared_cache_any_owner: bool,
     /// Written into the region's `priority` by its creator (`CUDA_TASK_PRIORITY`).
     pub task_priority: i32,
     /// `GPU_CORE_UTILIZATION_POLICY`.
@@ -84,6 +88,7 @@ impl Default for Config {
             memory_limit: [None; MAX_DEVICES],
             sm_limit: [None; MAX_DEVICES],
             shared_cache: PathBuf::from(DEFAULT_SHARED_CACHE),
+            shared_cache_any_owner: false,
             task_priority: DEFAULT_TASK_PRIORITY,
             utilization_policy: UtilizationPolicy::FollowRegion,
             log_level: DEFAULT_LOG_LEVEL,
@@ -115,7 +120,8 @@ impl Config {
     /// Reads every variable through `lookup` (so tests need not touch the process environment).
     ///
     /// Variables are checked in a fixed order (global memory limit, per-device memory limits 0..15,
-    /// global SM limit, per-device SM limits 0..15, priority) and the first malformed one is the
+    /// global SM limit, per-device SM limits 0..15, priority, `VGPU_SHARED_CACHE_ANY_OWNER`) and
+    /// the first malformed one is the
     /// error, so the same environment always reports the same variable.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<OsString>) -> Result<Config, ConfigError> {
         let mut config = Config::default();
@@ -140,6 +146,10 @@ impl Config {
 
         if let Some(priority) = read_setting(&lookup, TASK_PRIORITY_VAR, parse_priority)? {
             config.task_priority = priority;
+        }
+
+        if let Some(any_owner) = read_setting(&lookup, SHARED_CACHE_ANY_OWNER_VAR, parse_switch)? {
+            config.shared_cache_any_owner = any_owner;
         }
 
         // A path may legitimately be non-UTF-8, so it is taken as an OsString. An empty value
@@ -214,6 +224,15 @@ fn parse_priority(text: &str) -> Result<i32, String> {
             i32::MAX
         )
     })
+}
+
+/// `1` or `0`: a switch that widens what is trusted is never guessed from a typo.
+fn parse_switch(text: &str) -> Result<bool, String> {
+    match text {
+        "1" => Ok(true),
+        "0" => Ok(false),
+        _ => Err("expected 1 (on) or 0 (off)".to_owned()),
+    }
 }
 
 /// Parses a memory size: a decimal number with an optional fraction, then an optional
@@ -718,6 +737,25 @@ mod tests {
         assert_eq!(config.sm_limit_of(3), Some(50));
         assert_eq!(config.sm_limit_of(15), Some(50));
         assert_eq!(config.sm_limit_of(16), None);
+    }
+
+    #[test]
+    fn shared_cache_any_owner_is_1_or_0() {
+        let any_owner = |value: &str| {
+            config_of(&[("VGPU_SHARED_CACHE_ANY_OWNER", value)]).map(|config| config.shared_cache_any_owner)
+        };
+        assert_eq!(config_of(&[]).map(|config| config.shared_cache_any_owner), Ok(false));
+        assert_eq!(any_owner("1"), Ok(true));
+        assert_eq!(any_owner("0"), Ok(false));
+        assert_eq!(any_owner(""), Ok(false));
+        for value in ["yes", "true", " 1", "2"] {
+            let error = any_owner(value).err();
+            assert_eq!(
+                error.map(|e| e.variable),
+                Some("VGPU_SHARED_CACHE_ANY_OWNER".to_owned()),
+                "{value:?}"
+            );
+        }
     }
 
     #[test]

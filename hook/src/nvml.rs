@@ -150,7 +150,7 @@ fn monitor_region() -> Option<&'static Region> {
     REGION
         .get_or_init(|| {
             let config = crate::init::config().ok()?;
-            Region::open(&config.shared_cache, &InitParams::default())
+            crate::memory::open_region(config, &InitParams::default())
                 .map_err(|error| tracing::warn!("{error}; NVML reports physical memory"))
                 .ok()
         })

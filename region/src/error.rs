@@ -166,6 +166,44 @@ impl fmt::Display for InitError {
 
 impl std::error::Error for InitError {}
 
+/// Why a file at the region's path is not used. Nothing was written to it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum UnsafeFile {
+    /// The path is a symbolic link; links are never followed.
+    Symlink,
+    /// Not a regular file (a directory, FIFO, device or socket): what it is.
+    NotRegular { kind: &'static str },
+    /// A regular file with more than one name: one of them may be another file's.
+    HardLinks { links: u64 },
+    /// Owned by a user other than this process's effective user and root.
+    ForeignOwner { owner: u32, uid: u32 },
+    /// Owned by another user (accepted owner) but not a valid region: never rewritten.
+    ForeignInvalid { owner: u32, problem: LayoutError },
+}
+
+impl fmt::Display for UnsafeFile {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Symlink => f.write_str("it is a symbolic link, which is never followed (name the file itself)"),
+            Self::NotRegular { kind } => write!(f, "it is a {kind}, not a regular file"),
+            Self::HardLinks { links } => write!(
+                f,
+                "it has {links} hard links where a region file has one (another name may be a file it would overwrite)"
+            ),
+            Self::ForeignOwner { owner, uid } => write!(
+                f,
+                "it is owned by uid {owner}, neither this process's uid {uid} nor root (planted by another user?)"
+            ),
+            Self::ForeignInvalid { owner, problem } => write!(
+                f,
+                "it is owned by uid {owner} and is not a valid region ({problem}); another user's file is never rewritten"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for UnsafeFile {}
+
 /// A failure of a region operation. `Display` is one line naming the region's path.
 #[derive(Debug)]
 pub enum RegionError {
@@ -178,6 +216,8 @@ pub enum RegionError {
         operation: &'static str,
         source: io::Error,
     },
+    /// The file at the path is not one this process may use or rewrite as its region.
+    UnsafeFile { path: PathBuf, problem: UnsafeFile },
     /// Another process held the file exclusively (while initialising it) for more than 1 s.
     FileLockTimeout { path: PathBuf },
     /// The file is not a valid region, and live processes use it, so it cannot be rebuilt.
@@ -223,6 +263,9 @@ impl fmt::Display for RegionError {
                 source,
             } => {
                 write!(f, "shared region {}: {operation} failed: {source}", ShownPath(path))
+            }
+            Self::UnsafeFile { path, problem } => {
+                write!(f, "shared region {} refused: {problem}", ShownPath(path))
             }
             Self::FileLockTimeout { path } => write!(
                 f,
@@ -299,6 +342,7 @@ impl std::error::Error for RegionError {
             Self::Open { source, .. } | Self::Io { source, .. } => Some(source),
             Self::InUseWithBadLayout { problem, .. } => Some(problem),
             Self::InvalidInit { problem, .. } => Some(problem),
+            Self::UnsafeFile { problem, .. } => Some(problem),
             _ => None,
         }
     }

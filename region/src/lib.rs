@@ -32,6 +32,11 @@
 //!   is detected, and its pid-namespace caveat) are reaped at every attach, at most every
 //!   [`REAP_INTERVAL`] during charges, and always before a charge is refused.
 //! - **Readers never spin without bound** ([`snapshot::SEQLOCK_READ_ATTEMPTS`]).
+//! - **Nothing but a region file of an accepted owner is used.** A symbolic link at the path is
+//!   never followed; a directory, FIFO, device, socket or a file with several hard links is
+//!   refused; so is a file owned by another user than this process's and root (unless
+//!   [`Owners::Any`]), and another user's file is never truncated or rewritten
+//!   ([`RegionError::UnsafeFile`]).
 //! - **Bad files are detected.** A file of the wrong size, magic, version or with inconsistent
 //!   counts is rebuilt when no live process uses it ([`OpenKind::Rebuilt`]) and refused with
 //!   [`RegionError::InUseWithBadLayout`] otherwise. Nothing here panics, exits, logs, changes the
@@ -52,15 +57,15 @@ pub mod process;
 pub mod snapshot;
 mod sys;
 
-use std::fs::{File, OpenOptions, Permissions};
+use std::fs::{File, Metadata, OpenOptions, Permissions};
 use std::io;
-use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering, fence};
 use std::time::{Duration, Instant, SystemTime};
 
-pub use error::{ChargeError, InitError, LayoutError, Refused, RegionError};
+pub use error::{ChargeError, InitError, LayoutError, Refused, RegionError, UnsafeFile};
 pub use layout::{
     COMPUTE_OFFSET, ComputeDevice, DeviceMemory, DeviceUtil, EXTENSION_MAGIC, EXTENSION_OFFSET, EXTENSION_SIZE,
     EXTENSION_VERSION, Extension, HAMI_INITIALIZED_FLAG, HAMI_MAJOR_VERSION, HAMI_MINOR_VERSION, HAMI_REGION_SIZE,
@@ -157,6 +162,21 @@ pub enum OpenKind {
     Repaired(LayoutError),
 }
 
+/// Whose files [`Region::open_with`] accepts at the region's path. Whatever the choice, a file
+/// owned by another user is never truncated or rewritten: it is used only when it is a valid
+/// region ([`UnsafeFile::ForeignInvalid`] otherwise).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Owners {
+    /// Files owned by this process's effective uid or by root (which no unprivileged user can
+    /// plant); any other owner is [`UnsafeFile::ForeignOwner`]. The default, and
+    /// [`Region::open`]'s.
+    #[default]
+    SelfOrRoot,
+    /// Files of any owner: for containers whose processes run as several non-root uids, where
+    /// the operator vouches for every user who can write the region's directory.
+    Any,
+}
+
 /// A process's claim on one slot, from [`Region::attach`]. Only valid in the process that attached
 /// it, until it is detached or reaped.
 #[derive(Debug, PartialEq, Eq)]
@@ -215,35 +235,40 @@ impl Drop for LockGuard<'_> {
 }
 
 impl Region {
+    /// Opens the region file at `path`, creating it (mode 0666, whatever the umask) if missing;
+    /// [`Region::open_with`] with [`Owners::SelfOrRoot`].
+    pub fn open(path: &Path, init: &InitParams) -> Result<Region, RegionError> {
+        Self::open_with(path, init, Owners::SelfOrRoot)
+    }
+
     /// Opens the region file at `path`, creating it (mode 0666, whatever the umask) if missing.
+    ///
+    /// Only a regular file with one link, owned by a user `owners` accepts, is used: a symbolic
+    /// link at the path is never followed, and FIFOs, devices, directories, hard links and files
+    /// of other users are refused with [`RegionError::UnsafeFile`] before anything is written
+    /// (devices and FIFOs are not even opened, unless one is swapped in at the last moment; it is
+    /// then opened non-blocking and refused).
     ///
     /// Every process that opens the region holds a shared `flock` on it for as long as the
     /// `Region` lives, so a process that gets the lock exclusively knows nobody is using the file.
     /// That process (re)initialises it from `init` ([`OpenKind::Created`], [`OpenKind::Reinitialised`]
-    /// or [`OpenKind::Rebuilt`] when it was invalid); any other joins it after validating it, and
-    /// an invalid file in use is [`RegionError::InUseWithBadLayout`]. `init` is ignored when
-    /// joining: compare [`Region::snapshot`] if it matters.
-    pub fn open(path: &Path, init: &InitParams) -> Result<Region, RegionError> {
+    /// or [`OpenKind::Rebuilt`] when it was invalid; a file of another user is never rebuilt);
+    /// any other joins it after validating it, and an invalid file in use is
+    /// [`RegionError::InUseWithBadLayout`]. `init` is ignored when joining: compare
+    /// [`Region::snapshot`] if it matters.
+    pub fn open_with(path: &Path, init: &InitParams, owners: Owners) -> Result<Region, RegionError> {
         init.validate().map_err(|problem| RegionError::InvalidInit {
             path: path.to_owned(),
             problem,
         })?;
-        let file = open_or_create(path)?;
+        let (file, foreign_owner) = open_or_create(path, owners)?;
         let io_error = |operation, source| RegionError::Io {
             path: path.to_owned(),
             operation,
             source,
         };
-        let metadata = file.metadata().map_err(|source| io_error("fstat", source))?;
-        if !metadata.is_file() {
-            let source = io::Error::new(io::ErrorKind::InvalidInput, "not a regular file");
-            return Err(RegionError::Open {
-                path: path.to_owned(),
-                source,
-            });
-        }
         if sys::flock(&file, libc::LOCK_EX | libc::LOCK_NB).map_err(|source| io_error("flock", source))? {
-            let region = Self::initialise_exclusively(path, file, init)?;
+            let region = Self::initialise_exclusively(path, file, init, foreign_owner)?;
             // Downgrade; it is not atomic, but the file is fully initialised before anyone else
             // can take any lock on it.
             wait_for_shared_lock(&region.locked_file, path)?;
@@ -254,14 +279,34 @@ impl Region {
         }
     }
 
-    /// With the file held exclusively: validate what is there, then write a fresh region.
-    fn initialise_exclusively(path: &Path, file: File, init: &InitParams) -> Result<Region, RegionError> {
+    /// With the file held exclusively: validate what is there, then write a fresh region. A file
+    /// of another user (`foreign_owner`) is only reinitialised when it is a valid region;
+    /// otherwise it is refused before anything is written.
+    fn initialise_exclusively(
+        path: &Path,
+        file: File,
+        init: &InitParams,
+        foreign_owner: Option<u32>,
+    ) -> Result<Region, RegionError> {
         let io_error = |operation, source| RegionError::Io {
             path: path.to_owned(),
             operation,
             source,
         };
+        let foreign_invalid = |owner, problem| RegionError::UnsafeFile {
+            path: path.to_owned(),
+            problem: UnsafeFile::ForeignInvalid { owner, problem },
+        };
         let len = file.metadata().map_err(|source| io_error("fstat", source))?.len();
+        if let Some(owner) = foreign_owner
+            && len != REGION_FILE_SIZE as u64
+        {
+            let problem = LayoutError::WrongFileSize {
+                len,
+                expected: REGION_FILE_SIZE as u64,
+            };
+            return Err(foreign_invalid(owner, problem));
+        }
         if len != REGION_FILE_SIZE as u64 {
             file.set_len(REGION_FILE_SIZE as u64)
                 .map_err(|source| io_error("ftruncate", source))?;
@@ -291,6 +336,10 @@ impl Region {
                 Err(problem) => OpenKind::Rebuilt(problem),
             }
         };
+        if let (Some(owner), OpenKind::Rebuilt(problem)) = (foreign_owner, &region.open_kind) {
+            // Only read so far; dropping the region unmaps it.
+            return Err(foreign_invalid(owner, problem.clone()));
+        }
         // SAFETY: the mapping is REGION_FILE_SIZE bytes, no reference into it is alive (the
         // validation above is over), and no other process uses it (we hold the file exclusively).
         unsafe { sys::zero(mapping, REGION_FILE_SIZE) };
@@ -809,13 +858,27 @@ fn write_initial_state(file: &RegionFile, init: &InitParams) -> Result<(), i32> 
     Ok(())
 }
 
-/// Opens the file read-write, creating it with mode 0666 if it does not exist. The mode is set
-/// with fchmod after creation, because the umask may have masked it (HAMi-core calls `umask(0)`
-/// instead, which changes the application's umask).
-fn open_or_create(path: &Path) -> Result<File, RegionError> {
+/// Opens the file read-write, creating it with mode 0666 if it does not exist, and checks that it
+/// is a file this process may use as its region (see [`Region::open_with`]). Returns the file and,
+/// when another user owns it, that user's uid.
+///
+/// The mode is set with fchmod after creation, because the umask may have masked it (HAMi-core
+/// calls `umask(0)` instead, which changes the application's umask). 0666 because the processes
+/// of one container may run as different uids and all of them must charge the same region;
+/// docs/region-layout.md says what that allows on a host shared by several users.
+///
+/// No step follows a symbolic link at the last component: `O_CREAT|O_EXCL` fails on any link,
+/// the existing file is opened with `O_NOFOLLOW`, and every check is made on the open descriptor
+/// (`fstat`), so a file swapped in between the checks is what gets checked. The directories above
+/// are the operator's choice and are followed.
+fn open_or_create(path: &Path, owners: Owners) -> Result<(File, Option<u32>), RegionError> {
     let open_error = |source| RegionError::Open {
         path: path.to_owned(),
         source,
+    };
+    let unsafe_file = |problem| RegionError::UnsafeFile {
+        path: path.to_owned(),
+        problem,
     };
     // Two rounds cover a file deleted between the two opens.
     for _ in 0..2 {
@@ -824,24 +887,105 @@ fn open_or_create(path: &Path) -> Result<File, RegionError> {
             .write(true)
             .create_new(true)
             .mode(0o666)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(path)
         {
             Ok(file) => {
                 // Best effort: a file we just created is ours, so this only fails on exotic
                 // filesystems, where the umask's mode is still usable by this user.
                 let _ = file.set_permissions(Permissions::from_mode(0o666));
-                return Ok(file);
+                let foreign_owner = check_opened(path, &file, owners)?;
+                return Ok((file, foreign_owner));
             }
             Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {}
             Err(error) => return Err(open_error(error)),
         }
-        match OpenOptions::new().read(true).write(true).open(path) {
-            Ok(file) => return Ok(file),
+        // Refuse what is plainly not a region file before opening it: opening a device can have
+        // effects of its own (a watchdog, a tape), and opening a FIFO can block.
+        match std::fs::symlink_metadata(path) {
+            Ok(metadata) => {
+                if let Some(problem) = not_a_plain_file(&metadata) {
+                    return Err(unsafe_file(problem));
+                }
+            }
             Err(error) if error.kind() == io::ErrorKind::NotFound => continue,
+            Err(error) => return Err(open_error(error)),
+        }
+        match OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(path)
+        {
+            Ok(file) => {
+                let foreign_owner = check_opened(path, &file, owners)?;
+                sys::clear_nonblocking(&file).map_err(|source| RegionError::Io {
+                    path: path.to_owned(),
+                    operation: "fcntl",
+                    source,
+                })?;
+                return Ok((file, foreign_owner));
+            }
+            Err(error) if error.kind() == io::ErrorKind::NotFound => continue,
+            // A link swapped in after the check above.
+            Err(error) if error.raw_os_error() == Some(libc::ELOOP) => return Err(unsafe_file(UnsafeFile::Symlink)),
             Err(error) => return Err(open_error(error)),
         }
     }
     Err(open_error(io::Error::from(io::ErrorKind::NotFound)))
+}
+
+/// What makes a file's metadata (from `lstat` or `fstat`) unusable as a region file, ownership
+/// aside: a link, something other than a regular file, or a second name.
+fn not_a_plain_file(metadata: &Metadata) -> Option<UnsafeFile> {
+    let file_type = metadata.file_type();
+    let kind = if file_type.is_symlink() {
+        return Some(UnsafeFile::Symlink);
+    } else if file_type.is_file() {
+        // A second hard link may be another file's name (a link to a victim made where the
+        // region belongs): its owner would pass the owner check, and it would be overwritten.
+        return (metadata.nlink() != 1).then(|| UnsafeFile::HardLinks {
+            links: metadata.nlink(),
+        });
+    } else if file_type.is_dir() {
+        "directory"
+    } else if file_type.is_fifo() {
+        "FIFO"
+    } else if file_type.is_char_device() {
+        "character device"
+    } else if file_type.is_block_device() {
+        "block device"
+    } else if file_type.is_socket() {
+        "socket"
+    } else {
+        "special file"
+    };
+    Some(UnsafeFile::NotRegular { kind })
+}
+
+/// Checks the open file itself: a plain file, owned by a user `owners` accepts. Returns the
+/// owner's uid when it is not this process's effective uid.
+fn check_opened(path: &Path, file: &File, owners: Owners) -> Result<Option<u32>, RegionError> {
+    let metadata = file.metadata().map_err(|source| RegionError::Io {
+        path: path.to_owned(),
+        operation: "fstat",
+        source,
+    })?;
+    let unsafe_file = |problem| RegionError::UnsafeFile {
+        path: path.to_owned(),
+        problem,
+    };
+    if let Some(problem) = not_a_plain_file(&metadata) {
+        return Err(unsafe_file(problem));
+    }
+    let (owner, uid) = (metadata.uid(), sys::effective_uid());
+    if owner == uid {
+        return Ok(None);
+    }
+    if owner == 0 || owners == Owners::Any {
+        return Ok(Some(owner));
+    }
+    Err(unsafe_file(UnsafeFile::ForeignOwner { owner, uid }))
 }
 
 /// Takes (or downgrades to) the shared file lock, retrying for at most [`LOCK_TIMEOUT`] while

@@ -145,6 +145,27 @@ pub(crate) fn init_semaphore(storage: &OpaqueStorage<SEMAPHORE_BYTES>) {
     unsafe { libc::sem_init(storage.as_mut_ptr(), 1, 1) };
 }
 
+/// The process's effective uid: the owner of the files it creates.
+pub(crate) fn effective_uid() -> u32 {
+    // SAFETY: geteuid has no arguments and always succeeds.
+    unsafe { libc::geteuid() }
+}
+
+/// Clears `O_NONBLOCK`, with which a file is opened so that a FIFO swapped in at the last moment
+/// cannot block the open.
+pub(crate) fn clear_nonblocking(file: &File) -> io::Result<()> {
+    // SAFETY: F_GETFL has no memory arguments; the fd is open.
+    let flags = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_GETFL) };
+    if flags == -1 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: F_SETFL takes an int; the fd is open.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETFL, flags & !libc::O_NONBLOCK) } == -1 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
 /// False only when `kill(pid, 0)` says no such process exists (`ESRCH`); `EPERM` means it exists.
 pub(crate) fn process_exists(pid: i32) -> bool {
     // SAFETY: signal 0 only checks for existence and permission; nothing is delivered.

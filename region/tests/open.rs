@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use common::{Rng, ScratchDir, one_device, own_pid};
 use vgpu_region::{
-    EXTENSION_OFFSET, HAMI_REGION_SIZE, InitError, InitParams, LayoutError, MemoryKind, OpenKind, REGION_FILE_SIZE,
-    Region, RegionError, read_snapshot,
+    EXTENSION_OFFSET, HAMI_REGION_SIZE, InitError, InitParams, LayoutError, MemoryKind, OpenKind, Owners,
+    REGION_FILE_SIZE, Region, RegionError, UnsafeFile, read_snapshot,
 };
 
 fn open(path: &Path) -> Result<Region, RegionError> {
@@ -355,4 +355,168 @@ fn invalid_init_params_are_refused_before_touching_the_file() {
         }
     }
     assert!(!path.exists());
+}
+
+// ------------------------------------------------------------------------------------------------
+// Files that are not this process's to rewrite (issue 16): nothing is followed, truncated or
+// rewritten, and each refusal is one line naming the path and why.
+
+const VICTIM: &[u8] = b"precious bytes that are not a region\n";
+
+fn c_path(path: &Path) -> std::ffi::CString {
+    use std::os::unix::ffi::OsStrExt;
+    std::ffi::CString::new(path.as_os_str().as_bytes()).unwrap()
+}
+
+fn assert_refused_because(result: Result<Region, RegionError>, path: &Path, why: &str) -> UnsafeFile {
+    let error = match result {
+        Ok(region) => panic!("{path:?} was opened ({:?}) instead of refused", region.open_kind()),
+        Err(error) => error,
+    };
+    assert_one_line_naming(&error, path);
+    assert!(
+        error.to_string().contains(why),
+        "{path:?}: {error} does not say {why:?}"
+    );
+    match error {
+        RegionError::UnsafeFile { problem, .. } => problem,
+        other => panic!("{path:?}: {other:?} is not UnsafeFile"),
+    }
+}
+
+fn running_as_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+#[test]
+fn a_symlink_at_the_path_is_refused_and_its_target_left_untouched() {
+    let dir = ScratchDir::new("symlink");
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, VICTIM).unwrap();
+    let link = dir.region_path();
+    std::os::unix::fs::symlink(&victim, &link).unwrap();
+    assert_eq!(
+        assert_refused_because(open(&link), &link, "symbolic link"),
+        UnsafeFile::Symlink
+    );
+    assert_eq!(std::fs::read(&victim).unwrap(), VICTIM, "the link's target was changed");
+
+    // A link to a valid region nobody uses: still not followed (it would be reinitialised).
+    let region_file = used_region_file(&ScratchDir::new("symlink-target"));
+    let image = std::fs::read(&region_file);
+    let dir2 = ScratchDir::new("symlink-region");
+    std::os::unix::fs::symlink(&region_file, dir2.region_path()).unwrap();
+    assert_refused_because(open(&dir2.region_path()), &dir2.region_path(), "symbolic link");
+    assert_eq!(std::fs::read(&region_file).ok(), image.ok());
+
+    // A dangling link: its target is not created.
+    let dangling = dir.path().join("dangling.cache");
+    let target = dir.path().join("created-through-the-link");
+    std::os::unix::fs::symlink(&target, &dangling).unwrap();
+    assert_refused_because(open(&dangling), &dangling, "symbolic link");
+    assert!(!target.exists(), "a file was created through a dangling link");
+}
+
+#[test]
+fn a_fifo_at_the_path_is_refused_at_once() {
+    let dir = ScratchDir::new("fifo");
+    let path = dir.region_path();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c_path(&path).as_ptr(), 0o666) }, 0);
+    let start = Instant::now();
+    assert_eq!(
+        assert_refused_because(open(&path), &path, "FIFO"),
+        UnsafeFile::NotRegular { kind: "FIFO" }
+    );
+    assert!(start.elapsed() < Duration::from_secs(1), "opening a FIFO waited");
+}
+
+#[test]
+fn devices_and_directories_are_refused() {
+    let null = Path::new("/dev/null");
+    assert_refused_because(open(null), null, "character device");
+    let dir = ScratchDir::new("directory");
+    assert_refused_because(open(dir.path()), dir.path(), "directory");
+}
+
+#[test]
+fn a_hard_link_to_another_file_is_refused_and_the_file_left_untouched() {
+    let dir = ScratchDir::new("hardlink");
+    let victim = dir.path().join("victim");
+    std::fs::write(&victim, VICTIM).unwrap();
+    std::fs::hard_link(&victim, dir.region_path()).unwrap();
+    assert_eq!(
+        assert_refused_because(open(&dir.region_path()), &dir.region_path(), "hard links"),
+        UnsafeFile::HardLinks { links: 2 }
+    );
+    assert_eq!(std::fs::read(&victim).unwrap(), VICTIM, "the linked file was changed");
+}
+
+/// Files owned by another (non-root) user: refused, never rewritten. Needs root to `chown`; CI
+/// runs as root, elsewhere the test says it is skipped.
+#[test]
+fn a_file_owned_by_another_user_is_refused_and_left_untouched() {
+    if !running_as_root() {
+        eprintln!("skipped: chown needs root");
+        return;
+    }
+    const NOBODY: u32 = 65534;
+    let dir = ScratchDir::new("owner");
+    let path = dir.region_path();
+    let valid = used_region_file(&dir);
+    assert_eq!(valid, path);
+    let cases: [(&str, Vec<u8>); 3] = [
+        ("not a region", VICTIM.to_vec()),
+        ("a valid region nobody uses", std::fs::read(&path).unwrap()),
+        ("empty", Vec::new()),
+    ];
+    for (what, bytes) in cases {
+        std::fs::write(&path, &bytes).unwrap();
+        std::os::unix::fs::chown(&path, Some(NOBODY), None).unwrap();
+        let problem = assert_refused_because(open(&path), &path, "owned by uid 65534");
+        assert_eq!(problem, UnsafeFile::ForeignOwner { owner: NOBODY, uid: 0 }, "{what}");
+        assert_eq!(std::fs::read(&path).unwrap(), bytes, "{what}: the file was changed");
+    }
+}
+
+/// With [`Owners::Any`] another user's file is used when it is a valid region, and still never
+/// rewritten when it is not one.
+#[test]
+fn trusting_any_owner_uses_their_regions_and_never_rewrites_their_other_files() {
+    if !running_as_root() {
+        eprintln!("skipped: chown needs root");
+        return;
+    }
+    const NOBODY: u32 = 65534;
+    let dir = ScratchDir::new("any-owner");
+    let path = used_region_file(&dir);
+    std::os::unix::fs::chown(&path, Some(NOBODY), None).unwrap();
+    let region = Region::open_with(&path, &one_device(), Owners::Any).unwrap();
+    assert_eq!(region.open_kind(), &OpenKind::Reinitialised);
+    let joined = Region::open_with(&path, &one_device(), Owners::Any).unwrap();
+    assert_eq!(joined.open_kind(), &OpenKind::Joined);
+    drop((region, joined));
+
+    let mut patched = std::fs::read(&path).unwrap();
+    patched[EXTENSION_OFFSET..EXTENSION_OFFSET + 8].copy_from_slice(b"HAMICORE");
+    let cases: [(&str, Vec<u8>); 3] = [
+        ("not a region", VICTIM.to_vec()),
+        ("a region with a bad extension", patched),
+        ("empty", Vec::new()),
+    ];
+    for (what, bytes) in cases {
+        std::fs::write(&path, &bytes).unwrap();
+        std::os::unix::fs::chown(&path, Some(NOBODY), None).unwrap();
+        let problem = assert_refused_because(
+            Region::open_with(&path, &one_device(), Owners::Any),
+            &path,
+            "never rewritten",
+        );
+        assert!(
+            matches!(problem, UnsafeFile::ForeignInvalid { owner: NOBODY, .. }),
+            "{what}: {problem:?}"
+        );
+        assert_eq!(std::fs::read(&path).unwrap(), bytes, "{what}: the file was changed");
+    }
 }

@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock, RwLock};
 
-use vgpu_region::{ChargeError, InitParams, MAX_DEVICES, MemoryKind, OpenKind, Region, Slot};
+use vgpu_region::{ChargeError, InitParams, MAX_DEVICES, MemoryKind, OpenKind, Owners, Region, Slot};
 
 use super::devices::{self, DeviceEntry};
 use super::ledger::{Charge, Ledger};
@@ -66,7 +66,7 @@ pub fn start(config: &Config) -> Result<(), String> {
         init.limits[ordinal] = config.memory_limit_of(ordinal).unwrap_or(0);
         init.sm_limits[ordinal] = config.sm_limit_of(ordinal).map_or(0, u64::from);
     }
-    let region = Region::open(&config.shared_cache, &init).map_err(|e| e.to_string())?;
+    let region = open_region(config, &init)?;
     match region.open_kind() {
         OpenKind::Rebuilt(problem) => {
             tracing::warn!(
@@ -107,6 +107,23 @@ pub fn start(config: &Config) -> Result<(), String> {
         accounting.watch_suspend_flag();
     }
     Ok(())
+}
+
+/// Opens the configured region file with the owners the configuration trusts; the error is one
+/// line for the log (with the way out when the file belongs to another user).
+pub fn open_region(config: &Config, init: &InitParams) -> Result<Region, String> {
+    let owners = if config.shared_cache_any_owner {
+        Owners::Any
+    } else {
+        Owners::SelfOrRoot
+    };
+    Region::open_with(&config.shared_cache, init, owners).map_err(|error| match &error {
+        vgpu_region::RegionError::UnsafeFile {
+            problem: vgpu_region::UnsafeFile::ForeignOwner { .. },
+            ..
+        } => format!("{error}; VGPU_SHARED_CACHE_ANY_OWNER=1 trusts it"),
+        _ => error.to_string(),
+    })
 }
 
 impl Accounting {

@@ -9,6 +9,6 @@ mod ledger;
 mod sizes;
 mod units;
 
-pub use accounting::{Accounting, accounting, no_pools, start};
+pub use accounting::{Accounting, accounting, no_pools, open_region, start};
 pub use devices::{DeviceEntry, current_ordinal};
 pub use handlers::*;
