@@ -9,7 +9,7 @@ use vgpu_region::{ChargeError, InitParams, MAX_DEVICES, MemoryKind, OpenKind, Ow
 use super::devices::{self, DeviceEntry};
 use super::ledger::{Charge, Ledger};
 use crate::config::Config;
-use crate::sys::cuda::{CUDA_ERROR_OUT_OF_MEMORY, CUdevice, CUresult};
+use crate::sys::cuda::{CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, CUdevice, CUresult};
 
 /// Everything memory accounting needs, for the life of the process.
 pub struct Accounting {
@@ -31,6 +31,32 @@ pub fn accounting() -> Option<&'static Accounting> {
         accounting.after_fork();
     }
     Some(accounting)
+}
+
+/// What an allocation path does when the process has no accounting: `cuInit` has not succeeded
+/// here (the region could not be used, or `cuInit` failed or was never called; the first two
+/// leave the real driver initialised). With a memory limit configured (or a configuration
+/// `cuInit` refused) the call is refused with `CUDA_ERROR_NOT_INITIALIZED` before the driver is
+/// asked, so no byte is ever allocated unaccounted (fail closed); without a limit the driver
+/// answers.
+///
+/// `CUDA_ERROR_NOT_INITIALIZED` rather than out of memory: it is what `cuInit` already told the
+/// application (CUDA is not usable here), what the driver itself answers after a failed
+/// `cuInit`, and frameworks do not take it for a full device to be freed and retried.
+#[cold]
+pub fn unaccounted(call: impl FnOnce() -> CUresult) -> CUresult {
+    let limited = crate::init::config().map_or(true, |config| config.memory_limit.iter().any(Option::is_some));
+    if !limited {
+        return call();
+    }
+    static SAID: AtomicBool = AtomicBool::new(false);
+    if !SAID.swap(true, Ordering::Relaxed) {
+        tracing::error!(
+            "device memory is limited but the shared region is not in use (cuInit did not succeed): every allocation \
+             is refused with CUDA_ERROR_NOT_INITIALIZED"
+        );
+    }
+    CUDA_ERROR_NOT_INITIALIZED
 }
 
 /// The table's fast path for the synchronisations: a process without pools has nothing to bring

@@ -1,12 +1,14 @@
 //! The memory entry points `cuda-api.toml` routes here. Allocations reserve in the shared region
 //! first, then call the driver, and roll back if it fails; frees call the driver first and
-//! release on success; a handle we never charged goes to the driver untouched.
+//! release on success; a handle we never charged goes to the driver untouched. Without accounting
+//! (no successful `cuInit`) an allocation under a memory limit is refused
+//! ([`unaccounted`]); frees and queries go to the driver.
 
 use std::ffi::c_uint;
 
 use vgpu_region::MemoryKind;
 
-use super::accounting::{Accounting, accounting};
+use super::accounting::{Accounting, accounting, unaccounted};
 use super::devices::current_ordinal;
 use super::ledger::{Charge, Family};
 use super::sizes::{ArrayDescriptor, mipmapped_bytes};
@@ -24,7 +26,9 @@ fn charged(
     family: Family,
     key_of: impl FnOnce() -> Option<u64>,
 ) -> CUresult {
-    let Some(accounting) = accounting() else { return call() };
+    let Some(accounting) = accounting() else {
+        return unaccounted(call);
+    };
     let Some(ordinal) = ordinal.or_else(current_ordinal) else {
         return call();
     };
@@ -158,7 +162,7 @@ const MEASURED_CEILING: u64 = 4 << 30;
 /// has already taken it).
 fn measured(ordinal: CUdevice, kind: MemoryKind, call: impl FnOnce() -> CUresult) -> (CUresult, Option<Charge>) {
     let Some(accounting) = accounting() else {
-        return (call(), None);
+        return (unaccounted(call), None);
     };
     let Some(device) = accounting.device(ordinal) else {
         return (call(), None);
@@ -312,7 +316,9 @@ pub fn alloc_pitch<P: DriverInt, S: DriverInt>(
     let (Some(estimate), false) = (estimate, dptr.is_null() || pitch.is_null() || estimate == Some(0)) else {
         return call();
     };
-    let Some(accounting) = accounting() else { return call() };
+    let Some(accounting) = accounting() else {
+        return unaccounted(call);
+    };
     let Some(ordinal) = current_ordinal() else {
         return call();
     };
@@ -425,7 +431,10 @@ fn pooled_alloc(
     size: usize,
     pool: Option<CUmemoryPool>,
 ) -> CUresult {
-    let (Some(accounting), Some(ordinal)) = (accounting(), current_ordinal()) else {
+    let Some(accounting) = accounting() else {
+        return unaccounted(call);
+    };
+    let Some(ordinal) = current_ordinal() else {
         return call();
     };
     let Some(pool) = pool.filter(|pool| !pool.is_null()).or_else(|| device_pool(ordinal)) else {
@@ -759,7 +768,9 @@ pub fn primary_ctx_retain(
     context: *mut CUcontext,
     device: CUdevice,
 ) -> CUresult {
-    let Some(accounting) = accounting() else { return call() };
+    let Some(accounting) = accounting() else {
+        return unaccounted(call);
+    };
     accounting.ledger.with_primary(device, |primary| {
         if primary.references > 0 {
             let result = call();

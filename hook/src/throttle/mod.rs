@@ -8,6 +8,9 @@
 //!   debt. Estimates come from the library's own measurements of sampled launches, timed with
 //!   events on the launch's stream ([`sensor`], [`estimates`]); a background thread collects
 //!   them and corrects the charges ([`runtime`]).
+//! - Limited without a region (`cuInit` failed here, e.g. the region file could not be used, or
+//!   was never called): a launch on a limited device is refused with `CUDA_ERROR_NOT_INITIALIZED`
+//!   (fail closed: no launch runs unlimited under the limit's name).
 //!
 //! `docs/compute-limit.md` describes the design and its constants.
 
@@ -92,7 +95,10 @@ fn graph_key(graph: CUgraphExec) -> u64 {
 /// and a branch (the closure is never moved to memory for a call).
 #[inline(always)]
 fn limited(stream: Stream, key: u64, measurable: bool, call: impl FnOnce() -> CUresult) -> CUresult {
-    let ticket = runtime::before(stream, key, measurable);
+    let ticket = match runtime::before(stream, key, measurable) {
+        Ok(ticket) => ticket,
+        Err(status) => return status,
+    };
     let status = call();
     runtime::after(ticket, status);
     status

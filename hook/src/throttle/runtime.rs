@@ -21,7 +21,8 @@ use super::{MODE, OFF, ON, Stream, UNDECIDED, bucket, now_ns};
 use crate::config::{Config, UtilizationPolicy};
 use crate::hooks::real;
 use crate::sys::cuda::{
-    CU_STREAM_CAPTURE_STATUS_NONE, CUDA_SUCCESS, CUdevice, CUresult, CUstream, CUstreamCaptureStatus,
+    CU_STREAM_CAPTURE_STATUS_NONE, CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS, CUdevice, CUresult, CUstream,
+    CUstreamCaptureStatus,
 };
 
 /// Shortest sleep of a waiting launch: below this, sleeping costs more than it saves, and the
@@ -128,32 +129,35 @@ extern "C" fn at_exit() {
     }
 }
 
-/// Decides once whether anything is limited; `None` when launches go straight to the driver.
-fn runtime() -> Option<&'static Runtime> {
+/// Decides once whether anything is limited; `Ok(None)` when launches go straight to the driver,
+/// `Err` when a limited launch must be refused (no region to limit it with).
+fn runtime() -> Result<Option<&'static Runtime>, CUresult> {
     let existing = RUNTIME.load(Ordering::Acquire);
     if !existing.is_null() {
         // SAFETY: the pointer comes from Box::into_raw in `create` and is never freed.
-        return Some(unsafe { &*existing });
+        return Ok(Some(unsafe { &*existing }));
     }
     create()
 }
 
 #[cold]
-fn create() -> Option<&'static Runtime> {
+fn create() -> Result<Option<&'static Runtime>, CUresult> {
     if MODE.load(Ordering::Relaxed) == OFF {
-        return None;
+        return Ok(None);
     }
     let Ok(config) = crate::init::config() else {
-        // cuInit refuses a malformed configuration, so no launch can succeed anyway.
+        // cuInit refuses a malformed configuration before the driver is initialised, so no
+        // launch can succeed anyway.
         MODE.store(OFF, Ordering::Relaxed);
-        return None;
+        return Ok(None);
     };
     if config.utilization_policy == UtilizationPolicy::Disable || config.sm_limit.iter().all(Option::is_none) {
         MODE.store(OFF, Ordering::Relaxed);
-        return None;
+        return Ok(None);
     }
-    // Without the region (no successful cuInit yet) there is no budget to draw on; decide later.
-    crate::memory::accounting()?;
+    if crate::memory::accounting().is_none() {
+        return without_region(config);
+    }
     let fresh = Box::into_raw(Box::new(Runtime {
         config,
         devices: std::array::from_fn(|_| Device::default()),
@@ -176,7 +180,30 @@ fn create() -> Option<&'static Runtime> {
     });
     let _ = MODE.compare_exchange(UNDECIDED, ON, Ordering::Relaxed, Ordering::Relaxed);
     // SAFETY: from Box::into_raw (ours or the winner's), never freed.
-    Some(unsafe { &*winner })
+    Ok(Some(unsafe { &*winner }))
+}
+
+/// A launch while a compute limit is configured but the process has no region: `cuInit` has not
+/// succeeded here (the region could not be used, or `cuInit` failed or was never called; the
+/// first two leave the real driver initialised). The limit's budget lives in the region, so the
+/// launch cannot be limited, and no launch runs unlimited under the limit's name: it is refused
+/// with `CUDA_ERROR_NOT_INITIALIZED` (what `cuInit` said; fail closed), unless it goes to a device
+/// without a limit. Whatever `GPU_CORE_UTILIZATION_POLICY` says short of `disable`: the
+/// region's switch cannot be read.
+#[cold]
+fn without_region(config: &Config) -> Result<Option<&'static Runtime>, CUresult> {
+    let ordinal = crate::memory::current_ordinal().and_then(|ordinal| usize::try_from(ordinal).ok());
+    if ordinal.is_some_and(|ordinal| config.sm_limit_of(ordinal).is_none()) {
+        return Ok(None);
+    }
+    static SAID: AtomicBool = AtomicBool::new(false);
+    if !SAID.swap(true, Ordering::Relaxed) {
+        tracing::error!(
+            "the compute limit has no shared region to work with (cuInit did not succeed): every launch on a limited \
+             device is refused with CUDA_ERROR_NOT_INITIALIZED"
+        );
+    }
+    Err(CUDA_ERROR_NOT_INITIALIZED)
 }
 
 /// The background thread's own state between periods.
@@ -234,14 +261,15 @@ pub struct Ticket {
     sample: Option<InFlight>,
 }
 
-/// Before a launch on the limited path: waits for budget, charges, and starts a sample. `None`
-/// when the launch is not limited (then nothing is to be done after it).
+/// Before a launch on the limited path: waits for budget, charges, and starts a sample. `Ok(None)`
+/// when the launch is not limited (then nothing is to be done after it); `Err` is the status of a
+/// launch that must not run (a limit without a region: [`without_region`]).
 #[inline(never)]
-pub fn before(stream: Stream, key: u64, measurable: bool) -> Option<Ticket> {
+pub fn before(stream: Stream, key: u64, measurable: bool) -> Result<Option<Ticket>, CUresult> {
     if SHUTDOWN.load(Ordering::Relaxed) {
-        return None;
+        return Ok(None);
     }
-    runtime()?.before(stream.handle(), key, measurable)
+    Ok(runtime()?.and_then(|runtime| runtime.before(stream.handle(), key, measurable)))
 }
 
 /// After the launch: ends the sample, refunds a launch the driver refused.

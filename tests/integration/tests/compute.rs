@@ -238,6 +238,43 @@ fn limit_80_holds() {
     limited_run(80, "kernel");
 }
 
+/// A compute limit whose region cannot be used (issue 16): cuInit fails, and a program that
+/// ignores it and launches anyway gets CUDA_ERROR_NOT_INITIALIZED for every launch: none runs
+/// unlimited under the limit's name (the fake's engine records no busy time). Without a memory
+/// limit the context and module are the driver's to give.
+#[test]
+fn launches_under_a_limit_fail_closed_when_the_region_is_unusable() {
+    let dir = TestDir::new("fail-closed");
+    let program = c_program("monitor_launch", false);
+    let output = Run::new(&program)
+        .hooked()
+        .env_remove("CUDA_VISIBLE_DEVICES")
+        .env_remove("GPU_CORE_UTILIZATION_POLICY")
+        .env_remove("CUDA_DEVICE_MEMORY_LIMIT")
+        .env("CUDA_DEVICE_SM_LIMIT", "50")
+        .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.0.join("missing").join("region"))
+        .env("FAKE_CUDA_TRUTH", dir.0.join("truth"))
+        .stdin("init\nctx 0\nload\nlaunch 20\nquit\n")
+        .output();
+    let answers: Vec<String> = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect();
+    assert_eq!(
+        answers.len(),
+        4,
+        "{answers:?} {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_ne!(answers[0], "init 0", "cuInit succeeded");
+    assert_eq!(answers[1..3], ["ctx 0", "load 0"], "{answers:?}");
+    assert!(
+        answers[3].starts_with("launch 3 "),
+        "the launches were not refused: {answers:?}"
+    );
+    assert_eq!(dir.truth().device(0).busy_ns(), 0, "a kernel ran");
+}
+
 #[test]
 fn unlimited_launches_never_wait() {
     for limit in [None, Some("100"), Some("0")] {

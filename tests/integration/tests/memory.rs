@@ -33,6 +33,7 @@ const CONTEXT: u64 = 48 * MIB;
 const CUDA_SUCCESS: i32 = 0;
 const CUDA_ERROR_INVALID_VALUE: i32 = 1;
 const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
+const CUDA_ERROR_NOT_INITIALIZED: i32 = 3;
 const CUDA_ERROR_INVALID_HANDLE: i32 = 400;
 const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;
 
@@ -1312,6 +1313,64 @@ fn region_path_in_a_bad_directory_fails_cuinit_with_one_error_line() {
         );
         assert!(naming[0].contains("ERROR"), "{shown}: not an error line: {errors:?}");
         assert!(!path.exists(), "{shown} was created");
+    }
+}
+
+/// Region paths that cannot be used (issue 16): one in a missing folder, a FIFO, a device, and as
+/// root a file of another user. cuInit fails; a program that ignores it and goes on must get no
+/// device memory at all: every allocation path (the context included) answers
+/// CUDA_ERROR_NOT_INITIALIZED, and the fake's ground truth never holds a byte.
+#[test]
+fn an_unusable_region_fails_closed_when_the_program_ignores_cuinit() {
+    let dir = TestDir::new("fail-closed");
+    let fifo = dir.0.join("fifo");
+    let c_fifo = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).expect("a path");
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c_fifo.as_ptr(), 0o666) }, 0, "mkfifo");
+    let mut paths = vec![dir.0.join("missing").join("region"), fifo, PathBuf::from("/dev/null")];
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        let foreign = dir.0.join("foreign");
+        std::fs::write(&foreign, b"another user's file").expect("write");
+        std::os::unix::fs::chown(&foreign, Some(65534), None).expect("chown");
+        paths.push(foreign);
+    }
+    let program = program("mem_ops");
+    for path in paths {
+        let shown = path.display().to_string();
+        let output = setup(Run::new(&program).hooked(), &dir)
+            .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+            .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", &path)
+            .stdin(format!(
+                "init\nctx 0\nalloc {}\nalloc {MIB}\nasyncalloc {MIB}\nquit\n",
+                8 * GIB
+            ))
+            .output();
+        let answers: Vec<String> = String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .map(str::to_string)
+            .collect();
+        assert_eq!(answers.len(), 5, "{shown}: {answers:?}");
+        assert_ne!(answers[0], "init 0", "{shown}: cuInit succeeded");
+        assert_eq!(
+            answers[1],
+            format!("ctx {CUDA_ERROR_NOT_INITIALIZED}"),
+            "{shown}: the context was created"
+        );
+        for answer in &answers[2..] {
+            assert_eq!(status(answer), CUDA_ERROR_NOT_INITIALIZED, "{shown}: {answer}");
+        }
+        let truth = dir.truth();
+        assert_eq!(
+            (truth.device(0).used(), truth.device(0).peak()),
+            (0, 0),
+            "{shown}: the driver allocated device memory ({answers:?})"
+        );
+        let errors = stderr_lines(&output);
+        assert!(
+            errors.iter().any(|l| l.contains(&shown) && l.contains("ERROR")),
+            "{shown}: no error naming the path: {errors:?}"
+        );
     }
 }
 
