@@ -865,7 +865,7 @@ fn write_initial_state(file: &RegionFile, init: &InitParams) -> Result<(), i32> 
 /// The mode is set with fchmod after creation, because the umask may have masked it (HAMi-core
 /// calls `umask(0)` instead, which changes the application's umask). 0666 because the processes
 /// of one container may run as different uids and all of them must charge the same region;
-/// docs/region-layout.md says what that allows on a host shared by several users.
+/// docs/threat-model.md says what that allows on a host shared by several users.
 ///
 /// No step follows a symbolic link at the last component: `O_CREAT|O_EXCL` fails on any link,
 /// the existing file is opened with `O_NOFOLLOW`, and every check is made on the open descriptor

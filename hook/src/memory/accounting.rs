@@ -147,7 +147,7 @@ pub fn open_region(config: &Config, init: &InitParams) -> Result<Region, String>
         vgpu_region::RegionError::UnsafeFile {
             problem: vgpu_region::UnsafeFile::ForeignOwner { .. },
             ..
-        } => format!("{error}; VGPU_SHARED_CACHE_ANY_OWNER=1 trusts it"),
+        } => format!("{error}; VGPU_SHARED_CACHE_ANY_OWNER=1 trusts it (docs/threat-model.md)"),
         _ => error.to_string(),
     })
 }
