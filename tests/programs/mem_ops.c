@@ -6,6 +6,10 @@
 //     allocnull <bytes>    -> allocnull <status>                  cuMemAlloc_v2 with a null out-pointer
 //     free <pointer>       -> free <status>                       cuMemFree_v2
 //     info                 -> info <status> <free> <total>        cuMemGetInfo_v2
+//     infop <mask>         -> infop <status> <free> <total>       cuMemGetInfo_v2, an output passed only
+//                                                                 where the mask has its bit (1 free, 2
+//                                                                 total; an output not passed prints 0)
+//     info1p <mask>        -> info1p <status> <free> <total>      the same with the legacy 32-bit cuMemGetInfo
 //     totalmem <ordinal>   -> totalmem <status> <bytes>           cuDeviceTotalMem_v2
 //     nvml <index>         -> nvml <status> <total> <used> <free> nvmlDeviceGetMemoryInfo
 //     nvml2 <index>        -> nvml2 <status> <total> <used> <free> nvmlDeviceGetMemoryInfo_v2
@@ -14,7 +18,9 @@
 //     signals              -> signals <hex mask>                  signals whose handler is not SIG_DFL
 //     quit                 -> (exits)
 // Numbers are decimal; sizes go through strtoull, so 18446744073709551615 is SIZE_MAX.
+#define _GNU_SOURCE
 #include <cuda.h>
+#include <dlfcn.h>
 #include <nvml.h>
 #include <signal.h>
 #include <stdio.h>
@@ -49,6 +55,18 @@ int main(void) {
             size_t free_bytes = 0, total = 0;
             CUresult status = cuMemGetInfo_v2(&free_bytes, &total);
             printf("info %d %zu %zu\n", (int)status, free_bytes, total);
+        } else if (strcmp(command, "infop") == 0) {
+            size_t free_bytes = 0, total = 0;
+            CUresult status = cuMemGetInfo_v2(number & 1 ? &free_bytes : NULL, number & 2 ? &total : NULL);
+            printf("infop %d %zu %zu\n", (int)status, free_bytes, total);
+        } else if (strcmp(command, "info1p") == 0) {
+            // cuda.h turns cuMemGetInfo into the _v2 name, so the legacy symbol is looked up.
+            typedef CUresult (*legacy_info_fn)(unsigned int *, unsigned int *);
+            legacy_info_fn legacy = (legacy_info_fn)dlsym(RTLD_DEFAULT, "cuMemGetInfo");
+            unsigned int free_bytes = 0, total = 0;
+            CUresult status = legacy ? legacy(number & 1 ? &free_bytes : NULL, number & 2 ? &total : NULL)
+                                     : CUDA_ERROR_NOT_FOUND;
+            printf("info1p %d %u %u\n", (int)status, free_bytes, total);
         } else if (strcmp(command, "totalmem") == 0) {
             CUdevice device = 0;
             size_t bytes = 0;

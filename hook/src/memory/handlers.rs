@@ -221,7 +221,9 @@ fn virtual_view(accounting: &Accounting, ordinal: CUdevice, free: u64, total: u6
     Some((total, free))
 }
 
-/// `cuMemGetInfo` and `_v2`.
+/// `cuMemGetInfo` and `_v2`. The driver accepts one NULL output and fills the other (OptiX asks
+/// for the total alone), so either one is virtualised on its own; with both NULL there is nothing
+/// to show and the driver's answer stands.
 pub fn get_info<S: DriverInt>(
     _name: &'static str,
     call: impl FnOnce() -> CUresult,
@@ -229,26 +231,39 @@ pub fn get_info<S: DriverInt>(
     total: *mut S,
 ) -> CUresult {
     let result = call();
-    if result != CUDA_SUCCESS {
+    if result != CUDA_SUCCESS || (free.is_null() && total.is_null()) {
         return result;
     }
     let (Some(accounting), Some(ordinal)) = (accounting(), current_ordinal()) else {
         return result;
     };
-    // SAFETY: the driver accepted and wrote both pointers.
-    let (Some(physical_free), Some(physical_total)) = (unsafe { read(free) }, unsafe { read(total) }) else {
-        return result;
+    // SAFETY: the driver accepted the pointers and wrote the non-null ones.
+    let (physical_free, physical_total) = unsafe { (read(free), read(total)) };
+    let physical_total = match physical_total {
+        Some(bytes) => bytes.to_u64(),
+        // Free alone: the virtual free is capped by the virtual total, which needs the physical
+        // one; if even that cannot be had, the limit stands in for it (free never exceeds
+        // limit - used).
+        None => physical_total_memory(ordinal).unwrap_or(u64::MAX),
     };
-    if let Some((virtual_total, virtual_free)) =
-        virtual_view(accounting, ordinal, physical_free.to_u64(), physical_total.to_u64())
-    {
-        // SAFETY: as above.
+    // Total alone: the virtual total does not depend on free.
+    let physical_free = physical_free.map_or(physical_total, S::to_u64);
+    if let Some((virtual_total, virtual_free)) = virtual_view(accounting, ordinal, physical_free, physical_total) {
+        // SAFETY: as above; a null pointer is skipped.
         unsafe {
             write(total, S::saturating_from(virtual_total));
             write(free, S::saturating_from(virtual_free));
         }
     }
     result
+}
+
+/// The device's physical memory, from the real driver.
+fn physical_total_memory(ordinal: CUdevice) -> Option<u64> {
+    let total_mem = real::cuDeviceTotalMem_v2()?;
+    let mut bytes: usize = 0;
+    // SAFETY: a valid out-pointer to a local.
+    (unsafe { total_mem(&mut bytes, ordinal) } == CUDA_SUCCESS).then_some(bytes as u64)
 }
 
 /// `cuDeviceTotalMem` and `_v2`: the limit, when it is below the physical total.

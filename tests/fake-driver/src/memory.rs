@@ -238,6 +238,27 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: CUdeviceptr) -> CUresult {
     })
 }
 
+/// `cuMemGetInfo`'s answer for these outputs: the real driver fills whichever output is given
+/// and accepts one NULL (OptiX asks for the total alone), so the fake does too; with both NULL
+/// there is nothing to answer.
+fn mem_get_info_outputs<T>(free: *mut T, total: *mut T) -> CuResult<(u64, u64)> {
+    if free.is_null() && total.is_null() {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    mem_get_info()
+}
+
+/// Writes `value` through `ptr` unless it is null.
+///
+/// # Safety
+/// `ptr` is null or valid for writes.
+unsafe fn put_if_given<T>(ptr: *mut T, value: T) {
+    if !ptr.is_null() {
+        // SAFETY: non-null and valid for writes by the caller's contract.
+        unsafe { ptr.write(value) };
+    }
+}
+
 fn mem_get_info() -> CuResult<(u64, u64)> {
     let state = initialised()?;
     let current = state.current()?;
@@ -250,30 +271,26 @@ fn mem_get_info() -> CuResult<(u64, u64)> {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
     cu(|| {
-        if free.is_null() || total.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let (f, t) = mem_get_info()?;
-        // SAFETY: out-pointers from the caller, checked non-null.
+        let (f, t) = mem_get_info_outputs(free, total)?;
+        // SAFETY: out-pointers from the caller; a null one is skipped.
         unsafe {
-            put(free, f as usize)?;
-            put(total, t as usize)
+            put_if_given(free, f as usize);
+            put_if_given(total, t as usize);
         }
+        Ok(())
     })
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemGetInfo(free: *mut c_uint, total: *mut c_uint) -> CUresult {
     cu(|| {
-        if free.is_null() || total.is_null() {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let (f, t) = mem_get_info()?;
-        // SAFETY: out-pointers from the caller, checked non-null.
+        let (f, t) = mem_get_info_outputs(free, total)?;
+        // SAFETY: out-pointers from the caller; a null one is skipped.
         unsafe {
-            put(free, c_uint::try_from(f).unwrap_or(c_uint::MAX))?;
-            put(total, c_uint::try_from(t).unwrap_or(c_uint::MAX))
+            put_if_given(free, c_uint::try_from(f).unwrap_or(c_uint::MAX));
+            put_if_given(total, c_uint::try_from(t).unwrap_or(c_uint::MAX));
         }
+        Ok(())
     })
 }
 

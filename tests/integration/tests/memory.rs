@@ -1523,6 +1523,57 @@ fn reported_total_is_the_smaller_of_limit_and_physical_and_free_follows_the_devi
     assert_eq!(b.ask("info"), format!("info 0 {} {}", 4 * GIB - CONTEXT, 4 * GIB));
 }
 
+#[test]
+fn mem_get_info_with_one_null_output_still_shows_the_virtual_device() {
+    // The driver fills whichever output is given (OptiX passes NULL for free); the hook must not
+    // fall back to the physical view then.
+    let program = program("mem_ops");
+    let dir = TestDir::new("info-null");
+    let physical = 8 * GIB;
+    let native_dir = TestDir::new("info-null-native");
+    let native = setup(Run::new(&program), &native_dir)
+        .env("FAKE_CUDA_MEMORY", physical.to_string())
+        .stdin("init\nctx 0\ninfop 0\ninfo1p 0\nquit\n")
+        .output();
+    let native: Vec<String> = String::from_utf8_lossy(&native.stdout)
+        .lines()
+        .skip(2)
+        .map(str::to_string)
+        .collect();
+    assert_eq!(native.len(), 2, "{native:?}");
+    let mut a = setup(Run::new(&program).hooked(), &dir)
+        .env("FAKE_CUDA_MEMORY", physical.to_string())
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+        .spawn(Duration::from_secs(30));
+    assert_eq!(a.ask("init"), "init 0");
+    assert_eq!(a.ask("ctx 0"), "ctx 0");
+    let free = GIB - CONTEXT;
+    for form in ["infop", "info1p"] {
+        assert_eq!(
+            a.ask(&format!("{form} 3")),
+            format!("{form} 0 {free} {GIB}"),
+            "both outputs"
+        );
+        assert_eq!(a.ask(&format!("{form} 2")), format!("{form} 0 0 {GIB}"), "total alone");
+        assert_eq!(a.ask(&format!("{form} 1")), format!("{form} 0 {free} 0"), "free alone");
+    }
+    // Both NULL: the driver's answer.
+    assert_eq!(a.ask("infop 0"), native[0]);
+    assert_eq!(a.ask("info1p 0"), native[1]);
+    drop(a);
+
+    // A limit above the physical size: free alone is still the device's free memory.
+    let dir = TestDir::new("info-null-small");
+    let mut b = setup(Run::new(&program).hooked(), &dir)
+        .env("FAKE_CUDA_MEMORY", "4g")
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "32g")
+        .spawn(Duration::from_secs(30));
+    assert_eq!(b.ask("init"), "init 0");
+    assert_eq!(b.ask("ctx 0"), "ctx 0");
+    assert_eq!(b.ask("infop 1"), format!("infop 0 {} 0", 4 * GIB - CONTEXT));
+    assert_eq!(b.ask("infop 2"), format!("infop 0 0 {}", 4 * GIB));
+}
+
 // ------------------------------------------------------------------------------------------------
 // 7. Hostile sizes.
 
