@@ -11,6 +11,8 @@
 //                                                                 total; an output not passed prints 0)
 //     info1p <mask>        -> info1p <status> <free> <total>      the same with the legacy 32-bit cuMemGetInfo
 //     totalmem <ordinal>   -> totalmem <status> <bytes>           cuDeviceTotalMem_v2
+//     mipmap <levels>      -> mipmap <status> <handle>            cuMipmappedArrayCreate, 1024 x 1024 float4
+//     mipmapfree <handle>  -> mipmapfree <status>                 cuMipmappedArrayDestroy
 //     nvml <index>         -> nvml <status> <total> <used> <free> nvmlDeviceGetMemoryInfo
 //     nvml2 <index>        -> nvml2 <status> <total> <used> <free> nvmlDeviceGetMemoryInfo_v2
 //     nvml2bad <index>     -> nvml2bad <status>                   _v2 with a wrong struct version
@@ -67,6 +69,13 @@ int main(void) {
             CUresult status = legacy ? legacy(number & 1 ? &free_bytes : NULL, number & 2 ? &total : NULL)
                                      : CUDA_ERROR_NOT_FOUND;
             printf("info1p %d %u %u\n", (int)status, free_bytes, total);
+        } else if (strcmp(command, "mipmap") == 0) {
+            CUDA_ARRAY3D_DESCRIPTOR d = {.Width = 1024, .Height = 1024, .Format = CU_AD_FORMAT_FLOAT, .NumChannels = 4};
+            CUmipmappedArray array = NULL;
+            CUresult status = cuMipmappedArrayCreate(&array, &d, (unsigned int)number);
+            printf("mipmap %d %llu\n", (int)status, (unsigned long long)(size_t)array);
+        } else if (strcmp(command, "mipmapfree") == 0) {
+            printf("mipmapfree %d\n", (int)cuMipmappedArrayDestroy((CUmipmappedArray)(size_t)number));
         } else if (strcmp(command, "totalmem") == 0) {
             CUdevice device = 0;
             size_t bytes = 0;

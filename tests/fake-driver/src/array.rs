@@ -5,7 +5,8 @@
 //! 8-bit video formats), 2 for 16-bit and half formats (and 10/16-bit video formats), 4 for
 //! 32-bit and float. NumChannels must be 1, 2 or 4; Width must be non-zero. A mipmapped array
 //! charges the sum of its levels (level l: each non-zero extent shifted right by l, at least 1;
-//! the layer count of a layered array is not shifted), rounded up to 2 MiB once.
+//! the layer count of a layered array is not shifted), rounded up to 2 MiB once; more levels
+//! than 1 + floor(log2(largest extent)) are `CUDA_ERROR_INVALID_VALUE`, as from the real driver.
 
 use std::ffi::c_uint;
 
@@ -89,10 +90,16 @@ pub fn array_bytes(desc: &CUDA_ARRAY3D_DESCRIPTOR) -> CuResult<u64> {
 
 /// Bytes a mipmapped array of `levels` levels charges.
 pub fn mipmap_bytes(desc: &CUDA_ARRAY3D_DESCRIPTOR, levels: u32) -> CuResult<u64> {
-    if levels == 0 || levels > 64 {
+    let layered = desc.Flags & CUDA_ARRAY3D_LAYERED != 0;
+    // As the real driver: no more levels than halving the largest extent down to 1 gives.
+    let largest = if layered {
+        desc.Width.max(desc.Height)
+    } else {
+        desc.Width.max(desc.Height).max(desc.Depth)
+    };
+    if levels == 0 || levels > largest.max(1).ilog2() + 1 {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
-    let layered = desc.Flags & CUDA_ARRAY3D_LAYERED != 0;
     let shrink = |extent: usize, level: u32| -> u64 {
         if extent == 0 {
             0
@@ -337,6 +344,22 @@ mod tests {
         );
         assert_eq!(
             mipmap_bytes(&desc(16, 16, 0, CU_AD_FORMAT_FLOAT, 1, 0), 0),
+            Err(CUDA_ERROR_INVALID_VALUE)
+        );
+        // 16 x 16 has 5 levels; 16 x 16 x 32 has 6, unless the 32 are layers.
+        assert_eq!(mipmap_bytes(&desc(16, 16, 0, CU_AD_FORMAT_FLOAT, 1, 0), 5), Ok(2 * mib));
+        for levels in [6, 64, u32::MAX] {
+            assert_eq!(
+                mipmap_bytes(&desc(16, 16, 0, CU_AD_FORMAT_FLOAT, 1, 0), levels),
+                Err(CUDA_ERROR_INVALID_VALUE)
+            );
+        }
+        assert_eq!(
+            mipmap_bytes(&desc(16, 16, 32, CU_AD_FORMAT_FLOAT, 1, 0), 6),
+            Ok(2 * mib)
+        );
+        assert_eq!(
+            mipmap_bytes(&desc(16, 16, 32, CU_AD_FORMAT_FLOAT, 1, CUDA_ARRAY3D_LAYERED), 6),
             Err(CUDA_ERROR_INVALID_VALUE)
         );
     }

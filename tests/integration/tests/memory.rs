@@ -1578,6 +1578,50 @@ fn mem_get_info_with_one_null_output_still_shows_the_virtual_device() {
 // 7. Hostile sizes.
 
 #[test]
+fn hostile_mipmap_level_counts_are_answered_at_once_and_charge_nothing() {
+    // 1024 x 1024 has 11 levels (1 + floor(log2 1024)); the driver refuses more. The hook used to
+    // walk every requested level before asking, 2^32 - 1 of them.
+    let program = program("mem_ops");
+    let dir = TestDir::new("mipmap-levels");
+    let mut session = setup(Run::new(&program).hooked(), &dir)
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+        .spawn(Duration::from_secs(60));
+    let truth = dir.truth();
+    assert_eq!(session.ask("init"), "init 0");
+    assert_eq!(session.ask("ctx 0"), "ctx 0");
+    let pid = session.pid();
+    let unchanged = |what: &str| {
+        let now = snapshot(&dir.region());
+        let mine = usage(&now, pid, 0);
+        assert_eq!((mine.data, device_used(&now, 0)), (0, CONTEXT), "after {what}");
+        assert_eq!(truth.device(0).used(), CONTEXT, "after {what}");
+    };
+    for levels in [u32::MAX, 1 << 31, 65, 64, 12] {
+        let started = Instant::now();
+        let answer = session.ask(&format!("mipmap {levels}"));
+        // Only a hang guard: the answer takes microseconds.
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{levels} levels took {:?}",
+            started.elapsed()
+        );
+        assert_eq!(status(&answer), CUDA_ERROR_INVALID_VALUE, "{levels} levels: {answer}");
+        unchanged(&format!("{levels} levels"));
+    }
+    // The largest valid count is charged and released as usual.
+    let held = session.ask("mipmap 11");
+    assert_eq!(status(&held), CUDA_SUCCESS, "{held}");
+    let mine = usage(&snapshot(&dir.region()), pid, 0);
+    assert!(
+        mine.data >= truth.device(0).used() - CONTEXT,
+        "charged {} bytes",
+        mine.data
+    );
+    assert_eq!(session.ask(&format!("mipmapfree {}", number(&held, 2))), "mipmapfree 0");
+    unchanged("the free");
+}
+
+#[test]
 fn hostile_sizes_get_the_drivers_answer_and_change_nothing() {
     let program = program("mem_ops");
     let max = u64::MAX;
