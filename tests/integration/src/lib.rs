@@ -90,9 +90,16 @@ pub fn c_program(name: &str, shared: bool) -> PathBuf {
     } else {
         name.to_string()
     });
-    // Each test binary compiles into a temporary name and renames, so parallel tests never run a
-    // half-written file.
-    let temporary = out_dir.join(format!(".{name}.{}", std::process::id()));
+    // Each compilation writes a temporary name of its own and renames, so parallel tests never
+    // run a half-written file: two tests of one binary compiling the same program at once must
+    // not share the name either (one would rename the other's file while its linker still writes
+    // it, and running it then fails with "text file busy").
+    static COMPILATIONS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let temporary = out_dir.join(format!(
+        ".{name}.{}.{}",
+        std::process::id(),
+        COMPILATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
     let mut command = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()));
     command
         .arg("-O1")
