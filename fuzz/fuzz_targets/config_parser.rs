@@ -30,8 +30,12 @@ fn variable_names() -> Vec<String> {
     names
 }
 
-/// Index of CUDA_TASK_PRIORITY in `variable_names`; everything up to it can fail.
-const LAST_FALLIBLE: usize = 2 * MAX_DEVICES + 2;
+/// Positions in `variable_names` of the variables after the limits; everything up to
+/// GPU_CORE_UTILIZATION_POLICY can fail.
+const PRIORITY: usize = 2 * MAX_DEVICES + 2;
+const SHARED_CACHE: usize = PRIORITY + 1;
+const POLICY: usize = PRIORITY + 2;
+const LAST_FALLIBLE: usize = POLICY;
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(text) = std::str::from_utf8(data) {
@@ -108,6 +112,25 @@ fn check_valid_config(config: &Config, names: &[String], values: &[&[u8]]) {
     }
     assert_eq!(config.memory_limit_of(MAX_DEVICES), None);
     assert_eq!(config.sm_limit_of(MAX_DEVICES), None);
+    // A region path in use is absolute: a relative one would not be shared.
+    assert!(config.shared_cache.is_absolute(), "{:?}", config.shared_cache);
+}
+
+/// Whether a set, non-empty value of variable `position` is accepted on its own.
+fn valid_at(position: usize, value: &[u8]) -> bool {
+    let text = std::str::from_utf8(value);
+    match position {
+        0..=MAX_DEVICES => text.is_ok_and(|text| parse_size(text).is_ok()),
+        PRIORITY => text.is_ok_and(|text| text.parse::<i32>().is_ok()),
+        // Paths need not be UTF-8.
+        SHARED_CACHE => value.starts_with(b"/"),
+        POLICY => text.is_ok_and(|text| {
+            ["default", "force", "disable"]
+                .iter()
+                .any(|name| text.eq_ignore_ascii_case(name))
+        }),
+        _ => text.is_ok_and(|text| parse_percent(text).is_ok()),
+    }
 }
 
 fn check_error(error: &ConfigError, names: &[String], values: &[&[u8]]) {
@@ -118,19 +141,18 @@ fn check_error(error: &ConfigError, names: &[String], values: &[&[u8]]) {
         .unwrap_or_else(|| panic!("error names an unknown variable: {error}"));
     assert!(position <= LAST_FALLIBLE, "{error}");
     assert!(values.get(position).is_some_and(|value| !value.is_empty()), "{error}");
-    // The first malformed variable is reported, so every variable checked before it is valid.
+    // The first malformed variable is reported, so every variable checked before it is valid,
+    // and the reported one is not.
     for (earlier, name) in names.iter().enumerate().take(position) {
         let Some(value) = values.get(earlier).filter(|value| !value.is_empty()) else {
             continue;
         };
-        let text = std::str::from_utf8(value).unwrap_or_else(|_| panic!("{name} is not UTF-8 but {error} came first"));
-        let valid = if earlier <= MAX_DEVICES {
-            parse_size(text).is_ok()
-        } else {
-            parse_percent(text).is_ok()
-        };
-        assert!(valid, "{name}={text:?} is malformed but {error} came first");
+        assert!(
+            valid_at(earlier, value),
+            "{name}={value:?} is malformed but {error} came first"
+        );
     }
+    assert!(!valid_at(position, values[position]), "{error}");
 }
 
 fn assert_single_line(text: &str) {

@@ -40,8 +40,8 @@ const PERCENT_EXAMPLES: &str = "(expected a whole number of percent from 0 to 10
 /// How the compute limit is applied (`GPU_CORE_UTILIZATION_POLICY`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum UtilizationPolicy {
-    /// Limit only while the region's `utilization_switch` (written by HAMi's monitor) says the
-    /// GPU is shared. This is the default and the meaning of any unrecognised value.
+    /// `default` (or unset, or empty): limit only while the region's `utilization_switch`
+    /// (written by HAMi's monitor) says the GPU is shared.
     FollowRegion,
     /// `force`: always limit.
     Force,
@@ -49,15 +49,19 @@ pub enum UtilizationPolicy {
     Disable,
 }
 
-impl UtilizationPolicy {
-    /// Never fails: a policy typo must not stop CUDA, and HAMi-core also falls back to the region.
-    fn from_value(value: Option<&OsStr>) -> Self {
-        match value.and_then(OsStr::to_str) {
-            Some(text) if text.eq_ignore_ascii_case("force") => Self::Force,
-            Some(text) if text.eq_ignore_ascii_case("disable") => Self::Disable,
-            _ => Self::FollowRegion,
-        }
-    }
+/// The values HAMi sets (`default`, `force`, `disable`), in any case (HAMi-core compares with
+/// `FORCE`/`force` and `DISABLE`/`disable`). HAMi-core takes anything else as the default; here
+/// it is an error, since `forced` or `disabled` would otherwise silently not do what was asked.
+fn parse_policy(text: &str) -> Result<UtilizationPolicy, String> {
+    [
+        ("default", UtilizationPolicy::FollowRegion),
+        ("force", UtilizationPolicy::Force),
+        ("disable", UtilizationPolicy::Disable),
+    ]
+    .into_iter()
+    .find(|(name, _)| text.eq_ignore_ascii_case(name))
+    .map(|(_, policy)| policy)
+    .ok_or_else(|| "unknown policy (expected force, disable or default)".to_owned())
 }
 
 /// Everything the hook needs from the environment, parsed once.
@@ -108,27 +112,106 @@ pub struct ConfigError {
 
 impl fmt::Display for ConfigError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // `{:?}` quotes the value and escapes control characters, so a value holding a newline
-        // still gives one log line.
-        write!(f, "invalid {}={:?}: {}", self.variable, self.value, self.reason)
+        // Escaped, so a name or value holding a newline still gives one log line, and shortened,
+        // so a 100 kB value gives a short one.
+        write!(
+            f,
+            "invalid {}={}: {}",
+            Shortened::plain(&self.variable),
+            Shortened::quoted(&self.value),
+            self.reason
+        )
+    }
+}
+
+/// Text from the environment as an error shows it: escaped, and cut after [`Shortened::SHOWN`]
+/// characters with the full length in bytes.
+struct Shortened<'a> {
+    text: &'a str,
+    quoted: bool,
+}
+
+impl<'a> Shortened<'a> {
+    const SHOWN: usize = 64;
+
+    /// Quoted, as a value.
+    fn quoted(text: &'a str) -> Self {
+        Shortened { text, quoted: true }
+    }
+
+    /// Unquoted, as a variable name.
+    fn plain(text: &'a str) -> Self {
+        Shortened { text, quoted: false }
+    }
+}
+
+impl fmt::Display for Shortened<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let end = self
+            .text
+            .char_indices()
+            .nth(Self::SHOWN)
+            .map_or(self.text.len(), |(index, _)| index);
+        let shown = &self.text[..end];
+        if self.quoted {
+            write!(f, "{shown:?}")?;
+        } else {
+            write!(f, "{}", shown.escape_debug())?;
+        }
+        if end < self.text.len() {
+            write!(f, "... ({} bytes)", self.text.len())?;
+        }
+        Ok(())
     }
 }
 
 impl std::error::Error for ConfigError {}
 
 impl Config {
+    /// Reads the configuration from `vars`, the whole environment as `std::env::vars_os` gives it.
+    /// Unlike [`Config::from_lookup`], this also sees per-device variables that name no device
+    /// (`CUDA_DEVICE_MEMORY_LIMIT_16`, `_00`), and refuses them.
+    pub fn from_vars(vars: impl IntoIterator<Item = (OsString, OsString)>) -> Result<Config, ConfigError> {
+        // Only ours are kept, so a large environment is walked once.
+        let mut ours: Vec<(OsString, OsString)> = vars
+            .into_iter()
+            .filter(|(name, _)| {
+                let name = name.as_encoded_bytes();
+                name.starts_with(b"CUDA_")
+                    || name.starts_with(b"GPU_")
+                    || name.starts_with(b"LIBCUDA_")
+                    || name.starts_with(b"VGPU_")
+            })
+            .collect();
+        // Sorted, so the same environment always reports the same variable.
+        ours.sort();
+        let lookup = |wanted: &str| {
+            ours.iter()
+                .find(|(name, _)| name == wanted)
+                .map(|(_, value)| value.clone())
+        };
+        Config::read(lookup, &ours)
+    }
+
     /// Reads every variable through `lookup` (so tests need not touch the process environment).
-    ///
-    /// Variables are checked in a fixed order (global memory limit, per-device memory limits 0..15,
-    /// global SM limit, per-device SM limits 0..15, priority, `VGPU_SHARED_CACHE_ANY_OWNER`) and
-    /// the first malformed one is the
-    /// error, so the same environment always reports the same variable.
+    /// A lookup by name cannot list the per-device variables that name no device: see
+    /// [`Config::from_vars`].
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<OsString>) -> Result<Config, ConfigError> {
+        Config::read(lookup, &[])
+    }
+
+    /// Variables are checked in a fixed order (global memory limit, per-device memory variables
+    /// of no device among `listed`, per-device memory limits 0..15, the same three for the SM
+    /// limit, priority, `VGPU_SHARED_CACHE_ANY_OWNER`, shared region path, utilisation policy)
+    /// and the first malformed one is
+    /// the error, so the same environment always reports the same variable.
+    fn read(lookup: impl Fn(&str) -> Option<OsString>, listed: &[(OsString, OsString)]) -> Result<Config, ConfigError> {
         let mut config = Config::default();
 
         // A value of 0 means "no limit from this variable", as in HAMi-core: a per-device 0 falls
         // back to the global limit, and a global 0 means unlimited.
         let global_memory_limit = read_setting(&lookup, MEMORY_LIMIT_VAR, parse_size)?.filter(|&bytes| bytes != 0);
+        check_device_suffixes(listed, MEMORY_LIMIT_VAR)?;
         for (index, limit) in config.memory_limit.iter_mut().enumerate() {
             let variable = format!("{MEMORY_LIMIT_VAR}_{index}");
             let device_limit = read_setting(&lookup, &variable, parse_size)?.filter(|&bytes| bytes != 0);
@@ -138,6 +221,7 @@ impl Config {
         // Same fallback rule as HAMi-core: a per-device 0 takes the global value, while a
         // per-device 100 is an explicit "unlimited" that overrides a global limit.
         let global_sm_percent = read_setting(&lookup, SM_LIMIT_VAR, parse_percent_value)?.filter(|&p| p != 0);
+        check_device_suffixes(listed, SM_LIMIT_VAR)?;
         for (index, limit) in config.sm_limit.iter_mut().enumerate() {
             let variable = format!("{SM_LIMIT_VAR}_{index}");
             let device_percent = read_setting(&lookup, &variable, parse_percent_value)?.filter(|&p| p != 0);
@@ -155,17 +239,29 @@ impl Config {
         // A path may legitimately be non-UTF-8, so it is taken as an OsString. An empty value
         // would name no file at all, so it means the default, like an unset one.
         if let Some(path) = lookup(SHARED_CACHE_VAR).filter(|value| !value.is_empty()) {
-            config.shared_cache = PathBuf::from(path);
+            let path = PathBuf::from(path);
+            if !path.is_absolute() {
+                return Err(ConfigError {
+                    variable: SHARED_CACHE_VAR.to_owned(),
+                    value: path.to_string_lossy().into_owned(),
+                    reason: "not an absolute path (a relative one names another file in each working \
+                             directory, so processes would not share one region and one limit)"
+                        .to_owned(),
+                });
+            }
+            config.shared_cache = path;
         }
 
-        config.utilization_policy = UtilizationPolicy::from_value(lookup(UTILIZATION_POLICY_VAR).as_deref());
+        if let Some(policy) = read_setting(&lookup, UTILIZATION_POLICY_VAR, parse_policy)? {
+            config.utilization_policy = policy;
+        }
         config.log_level = log_level_from_value(lookup(LOG_LEVEL_VAR).as_deref());
         Ok(config)
     }
 
     /// Reads the process environment.
     pub fn from_env() -> Result<Config, ConfigError> {
-        Config::from_lookup(|name| std::env::var_os(name))
+        Config::from_vars(std::env::vars_os())
     }
 
     /// Limit of device `index` (None when index >= MAX_DEVICES or no limit).
@@ -214,6 +310,47 @@ fn read_setting<T>(
     };
     let text = raw.to_str().ok_or_else(|| error("not valid UTF-8".to_owned()))?;
     parse(text).map(Some).map_err(error)
+}
+
+/// Refuses a set `<base>_<suffix>` variable whose suffix is not a device index as HAMi-core writes
+/// it, `0` to `15`: `_16` and above (the region has 16 devices), `_00`, `_+1` or `_x`. Nothing
+/// reads such a variable, so accepting it would silently drop the limit it was meant to set.
+/// Empty values configure nothing and pass, as everywhere.
+fn check_device_suffixes(listed: &[(OsString, OsString)], base: &str) -> Result<(), ConfigError> {
+    let prefix = format!("{base}_");
+    for (name, value) in listed {
+        let Some(suffix) = name.as_encoded_bytes().strip_prefix(prefix.as_bytes()) else {
+            continue;
+        };
+        let index = std::str::from_utf8(suffix)
+            .ok()
+            .and_then(|text| text.parse::<usize>().ok());
+        let canonical = index.is_some_and(|index| index.to_string().as_bytes() == suffix);
+        if canonical && index.is_some_and(|index| index < MAX_DEVICES) {
+            continue;
+        }
+        if value.is_empty() {
+            continue;
+        }
+        let reason = if canonical {
+            format!(
+                "no such device: per-device variables go from {base}_0 to {base}_{}",
+                MAX_DEVICES - 1
+            )
+        } else {
+            format!(
+                "the suffix is not a device index (per-device variables go from {base}_0 to {base}_{}, \
+                 without leading zeros)",
+                MAX_DEVICES - 1
+            )
+        };
+        return Err(ConfigError {
+            variable: name.to_string_lossy().into_owned(),
+            value: value.to_string_lossy().into_owned(),
+            reason,
+        });
+    }
+    Ok(())
 }
 
 fn parse_priority(text: &str) -> Result<i32, String> {
@@ -274,7 +411,8 @@ pub fn parse_size(text: &str) -> Result<u64, String> {
         }
         None => ("", after_integer),
     };
-    let unit_shift = unit_shift(unit).ok_or_else(|| format!("unknown unit {unit:?} {SIZE_EXAMPLES}"))?;
+    let unit_shift =
+        unit_shift(unit).ok_or_else(|| format!("unknown unit {} {SIZE_EXAMPLES}", Shortened::quoted(unit)))?;
 
     let too_large = || format!("larger than the largest supported size, {} bytes", u64::MAX);
     let unit_bytes = 1u128 << unit_shift;
@@ -382,8 +520,17 @@ mod tests {
         }
     }
 
+    /// The configuration of an environment holding exactly these variables.
     fn config_of(vars: &[(&str, &str)]) -> Result<Config, ConfigError> {
-        Config::from_lookup(lookup_of(vars))
+        let config = Config::from_vars(
+            vars.iter()
+                .map(|(name, value)| (OsString::from(name), OsString::from(value))),
+        );
+        // A lookup by name sees the same, except the variables it cannot list.
+        if config.is_ok() {
+            assert_eq!(Config::from_lookup(lookup_of(vars)), config, "{vars:?}");
+        }
+        config
     }
 
     #[test]
@@ -602,8 +749,6 @@ mod tests {
             // 0 and empty both mean "not set here", so the global value applies (as in HAMi-core).
             ("CUDA_DEVICE_MEMORY_LIMIT_2", "0"),
             ("CUDA_DEVICE_MEMORY_LIMIT_3", ""),
-            // Beyond MAX_DEVICES: never read.
-            ("CUDA_DEVICE_MEMORY_LIMIT_16", "1g"),
         ])
         .expect("valid configuration");
         assert_eq!(config.memory_limit_of(0), Some(2 * GIB));
@@ -670,20 +815,30 @@ mod tests {
     #[test]
     fn first_malformed_variable_in_fixed_order_wins() {
         let all_bad = [
+            ("GPU_CORE_UTILIZATION_POLICY", "forced"),
+            ("CUDA_DEVICE_MEMORY_SHARED_CACHE", "region"),
             ("CUDA_TASK_PRIORITY", "high"),
             ("CUDA_DEVICE_SM_LIMIT_3", "200"),
+            ("CUDA_DEVICE_SM_LIMIT_16", "50"),
             ("CUDA_DEVICE_SM_LIMIT", "x"),
             ("CUDA_DEVICE_MEMORY_LIMIT_7", "1q"),
             ("CUDA_DEVICE_MEMORY_LIMIT_2", "1q"),
+            ("CUDA_DEVICE_MEMORY_LIMIT_99", "1g"),
+            ("CUDA_DEVICE_MEMORY_LIMIT_00", "1g"),
             ("CUDA_DEVICE_MEMORY_LIMIT", "1q"),
         ];
         let expected_order = [
             "CUDA_DEVICE_MEMORY_LIMIT",
+            "CUDA_DEVICE_MEMORY_LIMIT_00",
+            "CUDA_DEVICE_MEMORY_LIMIT_99",
             "CUDA_DEVICE_MEMORY_LIMIT_2",
             "CUDA_DEVICE_MEMORY_LIMIT_7",
             "CUDA_DEVICE_SM_LIMIT",
+            "CUDA_DEVICE_SM_LIMIT_16",
             "CUDA_DEVICE_SM_LIMIT_3",
             "CUDA_TASK_PRIORITY",
+            "CUDA_DEVICE_MEMORY_SHARED_CACHE",
+            "GPU_CORE_UTILIZATION_POLICY",
         ];
         // Drop the reported variable each round; the next one in the order must be reported.
         let mut remaining = all_bad.to_vec();
@@ -781,17 +936,174 @@ mod tests {
     fn utilization_policy() {
         let policy_of =
             |value: &str| config_of(&[("GPU_CORE_UTILIZATION_POLICY", value)]).map(|config| config.utilization_policy);
+        // HAMi's values (and HAMi-core's spellings), in any case.
         assert_eq!(policy_of("force"), Ok(UtilizationPolicy::Force));
         assert_eq!(policy_of("FORCE"), Ok(UtilizationPolicy::Force));
         assert_eq!(policy_of("disable"), Ok(UtilizationPolicy::Disable));
+        assert_eq!(policy_of("DISABLE"), Ok(UtilizationPolicy::Disable));
         assert_eq!(policy_of("Disable"), Ok(UtilizationPolicy::Disable));
-        for value in ["", "default", "forced", " force", "on"] {
+        for value in ["", "default", "DEFAULT", "Default"] {
             assert_eq!(policy_of(value), Ok(UtilizationPolicy::FollowRegion), "{value:?}");
+        }
+        assert_eq!(
+            config_of(&[]).map(|c| c.utilization_policy),
+            Ok(UtilizationPolicy::FollowRegion)
+        );
+    }
+
+    #[test]
+    fn unknown_utilization_policy_is_an_error() {
+        for value in [
+            "forced", "disabled", " force", "force ", "on", "off", "1", "0", "none", "defaults",
+        ] {
+            let error = config_of(&[("GPU_CORE_UTILIZATION_POLICY", value)]).err();
+            assert_eq!(
+                error.map(|e| (e.variable, e.value, e.reason)),
+                Some((
+                    "GPU_CORE_UTILIZATION_POLICY".to_owned(),
+                    value.to_owned(),
+                    "unknown policy (expected force, disable or default)".to_owned()
+                )),
+                "{value:?}"
+            );
         }
         let non_utf8 = |name: &str| (name == "GPU_CORE_UTILIZATION_POLICY").then(|| OsString::from_vec(vec![0xff]));
         assert_eq!(
-            Config::from_lookup(non_utf8).map(|c| c.utilization_policy),
-            Ok(UtilizationPolicy::FollowRegion)
+            Config::from_lookup(non_utf8).err().map(|e| e.variable),
+            Some("GPU_CORE_UTILIZATION_POLICY".to_owned())
+        );
+    }
+
+    #[test]
+    fn the_whole_environment_includes_the_any_owner_switch() {
+        let vars = [("VGPU_SHARED_CACHE_ANY_OWNER", "1"), ("HOME", "/root")]
+            .map(|(name, value)| (OsString::from(name), OsString::from(value)));
+        let config = Config::from_vars(vars).map_err(|error| error.to_string());
+        assert_eq!(config.map(|config| config.shared_cache_any_owner), Ok(true));
+    }
+
+    #[test]
+    fn per_device_variables_of_no_device_are_refused() {
+        for base in ["CUDA_DEVICE_MEMORY_LIMIT", "CUDA_DEVICE_SM_LIMIT"] {
+            let value = if base.contains("MEMORY") { "1g" } else { "50" };
+            for suffix in ["15", "0"] {
+                let name = format!("{base}_{suffix}");
+                assert!(config_of(&[(&name, value)]).is_ok(), "{name}");
+            }
+            for (suffix, out_of_range) in [
+                ("16", true),
+                ("99", true),
+                ("18446744073709551616", false),
+                ("00", false),
+                ("01", false),
+                ("015", false),
+                ("+1", false),
+                ("-1", false),
+                (" 1", false),
+                ("1 ", false),
+                ("x", false),
+                ("", false),
+                ("1_", false),
+                ("0x1", false),
+            ] {
+                let name = format!("{base}_{suffix}");
+                let error = config_of(&[(&name, value)]).err();
+                assert_eq!(
+                    error.as_ref().map(|e| (e.variable.as_str(), e.value.as_str())),
+                    Some((name.as_str(), value)),
+                    "{name:?}"
+                );
+                let reason = error.map(|e| e.reason).unwrap_or_default();
+                let expected = if out_of_range {
+                    "no such device"
+                } else {
+                    "the suffix is not a device index"
+                };
+                assert!(reason.starts_with(expected), "{name:?}: {reason}");
+                assert!(reason.contains(&format!("{base}_0 to {base}_15")), "{name:?}: {reason}");
+                // Empty configures nothing, as everywhere.
+                assert!(config_of(&[(&name, "")]).is_ok(), "{name:?} empty");
+            }
+        }
+        // Names that merely begin alike are not per-device variables.
+        assert!(config_of(&[("CUDA_DEVICE_MEMORY_LIMITS", "x"), ("CUDA_DEVICE_SM_LIMITED", "x")]).is_ok());
+        // A name need not be UTF-8.
+        let mut name = b"CUDA_DEVICE_MEMORY_LIMIT_".to_vec();
+        name.push(0xff);
+        let error = Config::from_vars([(OsString::from_vec(name), OsString::from("1g"))]).err();
+        assert_eq!(
+            error.map(|e| e.variable),
+            Some("CUDA_DEVICE_MEMORY_LIMIT_\u{fffd}".to_owned())
+        );
+    }
+
+    #[test]
+    fn relative_shared_cache_path_is_refused() {
+        for path in ["region", "./region", "../tmp/region", "~/region", "tmp/cudevshr.cache"] {
+            let error = config_of(&[("CUDA_DEVICE_MEMORY_SHARED_CACHE", path)]).err();
+            assert_eq!(
+                error.as_ref().map(|e| (e.variable.as_str(), e.value.as_str())),
+                Some(("CUDA_DEVICE_MEMORY_SHARED_CACHE", path)),
+                "{path:?}"
+            );
+            assert!(
+                error.is_some_and(|e| e.reason.starts_with("not an absolute path")),
+                "{path:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_long_value_gives_a_short_error_line() {
+        let long = format!("1{}", "x".repeat(99_999));
+        for (variable, value) in [
+            ("CUDA_DEVICE_MEMORY_LIMIT", long.as_str()),
+            ("CUDA_DEVICE_SM_LIMIT_3", long.as_str()),
+            ("CUDA_TASK_PRIORITY", long.as_str()),
+            ("GPU_CORE_UTILIZATION_POLICY", long.as_str()),
+            ("CUDA_DEVICE_MEMORY_SHARED_CACHE", long.as_str()),
+        ] {
+            let error = config_of(&[(variable, value)]).err();
+            let line = error.map(|e| e.to_string()).unwrap_or_default();
+            assert!(line.len() < 400, "{variable}: {} bytes: {line}", line.len());
+            let shown = format!("invalid {variable}=\"1{}\"... (100000 bytes): ", "x".repeat(63));
+            assert!(line.starts_with(&shown), "{variable}: {line}");
+        }
+        // The unit a size error quotes is shortened too.
+        let line = config_of(&[("CUDA_DEVICE_MEMORY_LIMIT", &long)])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            line.contains(&format!("unknown unit \"{}\"... (99999 bytes)", "x".repeat(64))),
+            "{line}"
+        );
+        // So is a long variable name, and a newline in it stays escaped.
+        let name = format!("CUDA_DEVICE_SM_LIMIT_\n{}", "9".repeat(100_000));
+        let line = config_of(&[(&name, "50")])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(line.len() < 400 && !line.contains('\n'), "{} bytes: {line}", line.len());
+        // Cut on a character boundary, counted in characters.
+        let wide = "\u{00e9}".repeat(100);
+        let line = config_of(&[("CUDA_DEVICE_MEMORY_LIMIT", &wide)])
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            line.starts_with(&format!(
+                "invalid CUDA_DEVICE_MEMORY_LIMIT=\"{}\"... (200 bytes)",
+                "\u{00e9}".repeat(64)
+            )),
+            "{line}"
+        );
+        // A short value is shown whole.
+        let line = config_of(&[("CUDA_DEVICE_MEMORY_LIMIT", "1x")])
+            .err()
+            .map(|e| e.to_string());
+        assert!(
+            line.is_some_and(|line| line.starts_with("invalid CUDA_DEVICE_MEMORY_LIMIT=\"1x\": unknown unit \"x\" "))
         );
     }
 
@@ -839,9 +1151,9 @@ mod tests {
 
     #[test]
     fn from_env_reads_the_process_environment() {
-        // Setting variables is unsafe with parallel tests, so compare against a lookup of the
-        // environment the runner already has.
-        assert_eq!(Config::from_env(), Config::from_lookup(|name| std::env::var_os(name)));
+        // Setting variables is unsafe with parallel tests, so compare against the environment the
+        // runner already has.
+        assert_eq!(Config::from_env(), Config::from_vars(std::env::vars_os()));
         assert_eq!(
             log_level_from_env(),
             log_level_from_value(std::env::var_os("LIBCUDA_LOG_LEVEL").as_deref())

@@ -5,7 +5,9 @@
 use std::collections::BTreeSet;
 use std::process::Command;
 
-use vgpu_integration::{Run, c_program, fault_injection_hook_library, hook_library, include_dir, workspace_root};
+use vgpu_integration::{
+    Run, ScratchDir, c_program, fault_injection_hook_library, hook_library, include_dir, workspace_root,
+};
 
 const CUDA_SUCCESS: &str = "0";
 const CUDA_ERROR_INVALID_VALUE: &str = "1";
@@ -247,6 +249,84 @@ fn malformed_limit_fails_cuinit_with_one_line() {
         .args(["init"])
         .output();
     assert_eq!(String::from_utf8_lossy(&good.stdout).trim(), "init 0");
+}
+
+#[test]
+fn strict_configuration_fails_cuinit_with_one_short_line() {
+    let program = c_program("calls", false);
+    let scratch = ScratchDir::new("strict-config");
+    // A relative path that names a file in the scratch folder from any working directory (".."
+    // stops at "/"), so a library that accepted it would not write into the test's folder.
+    let relative = format!(
+        "{}{}",
+        "../".repeat(64),
+        scratch.join("region").display().to_string().trim_start_matches('/')
+    );
+    let long = format!("1{}", "x".repeat(99_999));
+    let refused = [
+        ("GPU_CORE_UTILIZATION_POLICY", "forced"),
+        ("GPU_CORE_UTILIZATION_POLICY", "on"),
+        ("CUDA_DEVICE_MEMORY_LIMIT_16", "1g"),
+        ("CUDA_DEVICE_MEMORY_LIMIT_99", "1g"),
+        ("CUDA_DEVICE_MEMORY_LIMIT_00", "1g"),
+        ("CUDA_DEVICE_SM_LIMIT_16", "50"),
+        ("CUDA_DEVICE_SM_LIMIT_01", "50"),
+        ("CUDA_DEVICE_MEMORY_SHARED_CACHE", relative.as_str()),
+        ("CUDA_DEVICE_MEMORY_LIMIT", long.as_str()),
+    ];
+    for (variable, value) in refused {
+        let output = Run::new(&program)
+            .hooked()
+            .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", scratch.join("region"))
+            .env(variable, value)
+            .args(["init"])
+            .output();
+        assert_eq!(
+            String::from_utf8_lossy(&output.stdout).trim(),
+            format!("init {CUDA_ERROR_INVALID_VALUE}"),
+            "{variable}={:.80}",
+            value
+        );
+        let errors = stderr_lines(&output);
+        assert_eq!(errors.len(), 1, "{variable}: {:.2000}", errors.join("\n"));
+        assert!(
+            errors[0].contains("ERROR") && errors[0].contains(&format!("invalid {variable}=")),
+            "{:.2000}",
+            errors[0]
+        );
+        assert!(errors[0].len() < 512, "{variable}: a line of {} bytes", errors[0].len());
+    }
+    assert!(
+        !scratch.join("region").exists(),
+        "a refused configuration created the region"
+    );
+    // HAMi's policy values, in either case, and the last device.
+    for (variable, value) in [
+        ("GPU_CORE_UTILIZATION_POLICY", "FORCE"),
+        ("GPU_CORE_UTILIZATION_POLICY", "force"),
+        ("GPU_CORE_UTILIZATION_POLICY", "DISABLE"),
+        ("GPU_CORE_UTILIZATION_POLICY", "disable"),
+        ("GPU_CORE_UTILIZATION_POLICY", "DEFAULT"),
+        ("GPU_CORE_UTILIZATION_POLICY", "default"),
+        ("GPU_CORE_UTILIZATION_POLICY", ""),
+        ("CUDA_DEVICE_MEMORY_LIMIT_15", "1g"),
+        ("CUDA_DEVICE_SM_LIMIT_15", "50"),
+        ("CUDA_DEVICE_MEMORY_LIMIT_16", ""),
+    ] {
+        let output = Run::new(&program)
+            .hooked()
+            .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", scratch.join("region"))
+            .env(variable, value)
+            .args(["init"])
+            .output();
+        assert_eq!(
+            String::from_utf8_lossy(&output.stdout).trim(),
+            "init 0",
+            "{variable}={value}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert!(output.stderr.is_empty(), "{}", String::from_utf8_lossy(&output.stderr));
+    }
 }
 
 #[test]
