@@ -1,22 +1,42 @@
 // Small driver/NVML calls chosen by argument, each printing "<call> <status>", for the tests of
-// missing symbols, injected panics, configuration errors, logging and fork.
+// missing symbols, injected panics, configuration errors, logging and fork. `initloop=N` calls
+// cuInit N times and `initfor=MS` for MS milliseconds, each printing "<call> <last status> <calls>".
 #define _GNU_SOURCE
 #include <cuda.h>
 #include <dlfcn.h>
 #include <nvml.h>
 #include <stdio.h>
 #include <string.h>
+#include <stdlib.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 typedef CUresult (*nvsci_fn)(void *, CUdevice, int);
 typedef nvmlReturn_t (*nvlink_fn)(nvmlDevice_t, unsigned int, nvmlPciInfo_t *);
+
+static double now_ms(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e3 + t.tv_nsec / 1e6;
+}
 
 int main(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         const char *what = argv[i];
         if (strcmp(what, "init") == 0) {
             printf("init %d\n", (int)cuInit(0));
+        } else if (strncmp(what, "initloop=", 9) == 0) {
+            long calls = strtol(what + 9, NULL, 10), done = 0;
+            CUresult status = CUDA_SUCCESS;
+            for (; done < calls; done++) status = cuInit(0);
+            printf("initloop %d %ld\n", (int)status, done);
+        } else if (strncmp(what, "initfor=", 8) == 0) {
+            double end = now_ms() + strtod(what + 8, NULL);
+            long done = 0;
+            CUresult status = CUDA_SUCCESS;
+            for (; now_ms() < end; done++) status = cuInit(0);
+            printf("initfor %d %ld\n", (int)status, done);
         } else if (strcmp(what, "count") == 0) {
             int count = -1;
             CUresult status = cuDeviceGetCount(&count);

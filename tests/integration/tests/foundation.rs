@@ -329,6 +329,66 @@ fn strict_configuration_fails_cuinit_with_one_short_line() {
     }
 }
 
+/// The number before "similar lines suppressed" in a line, if any.
+fn suppressed_count(line: &str) -> Option<u64> {
+    let before = line.split(" similar lines suppressed").next()?;
+    (before.len() < line.len()).then_some(())?;
+    before.rsplit(['(', ' ']).next()?.parse().ok()
+}
+
+#[test]
+fn a_flood_of_failing_calls_gives_few_lines_and_counts_the_rest() {
+    let program = c_program("calls", false);
+    // cuInit refused for a malformed limit writes an error line each time it is called.
+    let flood = |what: &str| {
+        let output = Run::new(&program)
+            .hooked()
+            .env("CUDA_DEVICE_MEMORY_LIMIT", "1x")
+            .args([what])
+            .output();
+        let stdout = String::from_utf8_lossy(&output.stdout).to_string();
+        let fields: Vec<&str> = stdout.split_whitespace().collect();
+        assert_eq!(fields.get(1), Some(&CUDA_ERROR_INVALID_VALUE), "{stdout}");
+        let calls: u64 = fields.get(2).and_then(|n| n.parse().ok()).unwrap_or(0);
+        (calls, output.stderr)
+    };
+    let (calls, stderr) = flood("initloop=100000");
+    assert_eq!(calls, 100_000);
+    assert!(
+        stderr.len() < 4096,
+        "{} bytes of stderr for {calls} failing calls",
+        stderr.len()
+    );
+    let lines: Vec<&str> = std::str::from_utf8(&stderr).unwrap_or_default().lines().collect();
+    assert_eq!(lines.len(), 5, "the first few lines, then silence: {lines:?}");
+    assert!(
+        lines
+            .iter()
+            .all(|l| l.contains("ERROR") && l.contains("CUDA_DEVICE_MEMORY_LIMIT"))
+    );
+    assert!(
+        lines[4].contains("suppressed"),
+        "the last one says what follows: {}",
+        lines[4]
+    );
+
+    // Past the interval (10 s) one more line, with the count of those suppressed before it.
+    let (calls, stderr) = flood("initfor=11000");
+    assert!(
+        stderr.len() < 4096,
+        "{} bytes of stderr for {calls} failing calls",
+        stderr.len()
+    );
+    let lines: Vec<&str> = std::str::from_utf8(&stderr).unwrap_or_default().lines().collect();
+    assert_eq!(lines.len(), 6, "{lines:?}");
+    let suppressed = suppressed_count(lines[5]).unwrap_or_else(|| panic!("no count in {}", lines[5]));
+    assert!(
+        suppressed > 0 && suppressed + 6 <= calls,
+        "{suppressed} of {calls}: {}",
+        lines[5]
+    );
+}
+
 #[test]
 fn quiet_by_default_and_stdout_untouched() {
     let program = c_program("calls", false);
