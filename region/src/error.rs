@@ -133,7 +133,8 @@ impl std::error::Error for LayoutError {}
 pub enum InitError {
     /// More than 16 device UUIDs.
     TooManyDevices { count: usize },
-    /// A UUID that is empty, holds a NUL, or does not fit 95 bytes.
+    /// A UUID that is empty, holds a byte that is not printable ASCII (or a space), or does not
+    /// fit 95 bytes.
     BadUuid { uuid: String },
     /// The same UUID twice.
     DuplicateUuid { uuid: String },
@@ -148,7 +149,7 @@ impl fmt::Display for InitError {
             Self::BadUuid { uuid } => {
                 write!(
                     f,
-                    "device UUID {uuid:?} is empty, holds a NUL or is longer than {}",
+                    "device UUID {uuid:?} is empty, holds a byte that is not printable ASCII or is longer than {}",
                     crate::UUID_BYTES - 1
                 )
             }
@@ -241,8 +242,13 @@ pub enum RegionError {
     SlotLost { path: PathBuf, slot: usize },
     /// All 16 device entries are taken by other UUIDs.
     TooManyDevices { path: PathBuf, uuid: String },
-    /// A UUID that is empty, holds a NUL, or does not fit 95 bytes.
+    /// A UUID that is empty, holds a byte that is not printable ASCII (or a space), or does not
+    /// fit 95 bytes.
     InvalidUuid { path: PathBuf, uuid: String },
+    /// A `uuids` entry in use that is no well-formed NUL-terminated UUID (no NUL in its 96 bytes,
+    /// empty, or bytes that are not printable ASCII) and names no device that can be told: it
+    /// may be the caller's own device, so the region is not used rather than split one GPU in two.
+    CorruptDeviceUuid { path: PathBuf, index: usize },
     /// A device index of 16 or more.
     NoSuchDevice { path: PathBuf, device: usize },
 }
@@ -320,9 +326,17 @@ impl fmt::Display for RegionError {
                 ShownPath(path),
                 crate::MAX_DEVICES
             ),
+            Self::CorruptDeviceUuid { path, index } => write!(
+                f,
+                "shared region {}: device entry {index} is not a NUL-terminated device UUID (the file was \
+                 overwritten); refusing to use the region, since that entry may be this process's GPU: remove \
+                 the file once no process uses it",
+                ShownPath(path)
+            ),
             Self::InvalidUuid { path, uuid } => write!(
                 f,
-                "shared region {}: device UUID {uuid:?} is empty, holds a NUL or is longer than {} bytes",
+                "shared region {}: device UUID {uuid:?} is empty, holds a byte that is not printable ASCII or is \
+                 longer than {} bytes",
                 ShownPath(path),
                 crate::UUID_BYTES - 1
             ),

@@ -141,8 +141,10 @@ impl InitParams {
     }
 }
 
+/// A UUID this crate writes: non-empty, printable ASCII without spaces, short enough for its NUL.
+/// What it writes always reads back as [`UuidEntry::Valid`].
 fn uuid_is_valid(uuid: &str) -> bool {
-    !uuid.is_empty() && uuid.len() < UUID_BYTES && !uuid.contains('\0')
+    !uuid.is_empty() && uuid.len() < UUID_BYTES && uuid.bytes().all(|byte| byte.is_ascii_graphic())
 }
 
 /// What [`Region::open`] found at the path. The caller decides what to log.
@@ -475,11 +477,12 @@ impl Region {
                 uuid: uuid.to_owned(),
             });
         }
-        if let Some(index) = self.find_device(uuid) {
+        if let Ok(Some(index)) = self.find_device(uuid) {
             return Ok(index);
         }
-        let _guard = self.lock()?;
-        if let Some(index) = self.find_device(uuid) {
+        let guard = self.lock()?;
+        self.repair_uuids_locked(&guard)?;
+        if let Ok(Some(index)) = self.find_device(uuid) {
             return Ok(index);
         }
         let hami = &self.file().hami;
@@ -494,15 +497,60 @@ impl Region {
         Ok(index)
     }
 
-    fn find_device(&self, uuid: &str) -> Option<usize> {
+    /// The index of the entry holding `uuid` among `uuids[0..device_num]`, or `Err` with the
+    /// index of the first entry that is not a well-formed UUID (nothing can be said then: that
+    /// entry may be this very device's).
+    fn find_device(&self, uuid: &str) -> Result<Option<usize>, usize> {
         let hami = &self.file().hami;
         let device_num = usize::try_from(hami.device_num.load(Ordering::Acquire))
             .unwrap_or(0)
             .min(MAX_DEVICES);
-        hami.uuids
-            .iter()
-            .take(device_num)
-            .position(|entry| uuid_matches(entry, uuid))
+        let mut found = None;
+        for (index, entry) in hami.uuids.iter().take(device_num).enumerate() {
+            match uuid_entry(entry) {
+                UuidEntry::Valid(bytes) => {
+                    if found.is_none() && bytes == uuid.as_bytes() {
+                        found = Some(index);
+                    }
+                }
+                UuidEntry::Overlong(_) | UuidEntry::Corrupt => return Err(index),
+            }
+        }
+        Ok(found)
+    }
+
+    /// Makes every `uuids[0..device_num]` entry a well-formed NUL-terminated UUID, or fails. An
+    /// entry that starts with a whole NVML-formatted UUID (`GPU-`/`MIG-` and 8-4-4-4-12 hex
+    /// digits) followed by anything but a NUL names that device: the rest is zeroed (the entry
+    /// keeps its identity, so processes that already use its index are unaffected). Any other
+    /// malformed entry (no NUL in its 96 bytes, empty, or bytes that are not printable ASCII) names
+    /// no device anyone can tell: it may be the one a caller is looking up, and registering that
+    /// device again would split one GPU into two region devices with a limit each, so
+    /// [`RegionError::CorruptDeviceUuid`] (fail closed).
+    fn repair_uuids_locked(&self, _guard: &LockGuard<'_>) -> Result<(), RegionError> {
+        let hami = &self.file().hami;
+        let device_num = usize::try_from(hami.device_num.load(Ordering::Relaxed))
+            .unwrap_or(0)
+            .min(MAX_DEVICES);
+        for (index, entry) in hami.uuids.iter().take(device_num).enumerate() {
+            match uuid_entry(entry) {
+                UuidEntry::Valid(_) => {}
+                UuidEntry::Overlong(prefix) => {
+                    for byte in entry.iter().skip(prefix) {
+                        byte.store(0, Ordering::Relaxed);
+                    }
+                }
+                UuidEntry::Corrupt => {
+                    return Err(RegionError::CorruptDeviceUuid {
+                        path: self.path.clone(),
+                        index,
+                    });
+                }
+            }
+        }
+        // Publishes the repaired bytes to lock-free readers.
+        fence(Ordering::Release);
+        Ok(())
     }
 
     /// Charges `bytes` of `kind` on region device `device` to `slot`, unless that would take the
@@ -1065,10 +1113,77 @@ fn write_uuid(entry: &[std::sync::atomic::AtomicU8; UUID_BYTES], uuid: &str) {
     }
 }
 
-fn uuid_matches(entry: &[std::sync::atomic::AtomicU8; UUID_BYTES], uuid: &str) -> bool {
-    let bytes = uuid.as_bytes();
-    entry
-        .iter()
-        .enumerate()
-        .all(|(index, byte)| byte.load(Ordering::Relaxed) == bytes.get(index).copied().unwrap_or(0))
+/// What one `uuids` entry holds, read within its 96 bytes.
+#[derive(Debug, PartialEq, Eq)]
+enum UuidEntry {
+    /// A non-empty string of printable ASCII without spaces, then a NUL: the string's bytes.
+    Valid(Vec<u8>),
+    /// The entry starts with a whole NVML-formatted UUID followed by something else than a NUL
+    /// (with or without a NUL further on): the length of that UUID.
+    Overlong(usize),
+    /// Anything else (no NUL at all, empty, control or non-ASCII bytes).
+    Corrupt,
+}
+
+/// Length of an NVML-formatted UUID: `GPU-` (or `MIG-`) and 8-4-4-4-12 hex digits.
+const NVML_UUID_LEN: usize = 40;
+
+fn uuid_entry(entry: &[std::sync::atomic::AtomicU8; UUID_BYTES]) -> UuidEntry {
+    let bytes: Vec<u8> = entry.iter().map(|byte| byte.load(Ordering::Relaxed)).collect();
+    let text_len = bytes.iter().position(|&byte| byte == 0);
+    let nvml_prefix = bytes.get(..NVML_UUID_LEN).is_some_and(is_nvml_uuid);
+    if let Some(len) = text_len
+        && len > 0
+        && bytes[..len].iter().all(u8::is_ascii_graphic)
+        // A whole NVML UUID with more after it is that UUID, overwritten: never another device.
+        && !(nvml_prefix && len > NVML_UUID_LEN)
+    {
+        return UuidEntry::Valid(bytes[..len].to_vec());
+    }
+    if nvml_prefix {
+        return UuidEntry::Overlong(NVML_UUID_LEN);
+    }
+    UuidEntry::Corrupt
+}
+
+/// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx` (or `MIG-`), hex digits in either case.
+fn is_nvml_uuid(bytes: &[u8]) -> bool {
+    let Some(rest) = bytes.strip_prefix(b"GPU-").or_else(|| bytes.strip_prefix(b"MIG-")) else {
+        return false;
+    };
+    let mut groups = rest.split(|&byte| byte == b'-');
+    [8, 4, 4, 4, 12].iter().all(|&len| {
+        groups
+            .next()
+            .is_some_and(|group| group.len() == len && group.iter().all(u8::is_ascii_hexdigit))
+    }) && groups.next().is_none()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(bytes: &[u8]) -> [std::sync::atomic::AtomicU8; UUID_BYTES] {
+        std::array::from_fn(|index| std::sync::atomic::AtomicU8::new(bytes.get(index).copied().unwrap_or(0)))
+    }
+
+    const UUID: &[u8] = b"GPU-00112233-4455-6677-8899-aabbccddeeff";
+
+    #[test]
+    fn uuid_entries_are_read_within_their_bytes() {
+        assert_eq!(uuid_entry(&entry(UUID)), UuidEntry::Valid(UUID.to_vec()));
+        assert_eq!(uuid_entry(&entry(b"GPU-a\0junk")), UuidEntry::Valid(b"GPU-a".to_vec()));
+        let mut overlong = UUID.to_vec();
+        overlong.resize(UUID_BYTES, b'x');
+        assert_eq!(uuid_entry(&entry(&overlong)), UuidEntry::Overlong(NVML_UUID_LEN));
+        overlong.truncate(50);
+        assert_eq!(uuid_entry(&entry(&overlong)), UuidEntry::Overlong(NVML_UUID_LEN));
+        assert_eq!(uuid_entry(&entry(&[b'A'; UUID_BYTES])), UuidEntry::Corrupt);
+        assert_eq!(uuid_entry(&entry(b"")), UuidEntry::Corrupt);
+        assert_eq!(uuid_entry(&entry(b"GPU a")), UuidEntry::Corrupt);
+        assert_eq!(uuid_entry(&entry(b"GPU-\xff")), UuidEntry::Corrupt);
+        assert!(is_nvml_uuid(b"MIG-00112233-4455-6677-8899-AABBCCDDEEFF"));
+        assert!(!is_nvml_uuid(b"GPU-00112233-4455-6677-8899-aabbccddeefg"));
+        assert!(!is_nvml_uuid(b"GPU-0011223-34455-6677-8899-aabbccddeeff"));
+    }
 }
