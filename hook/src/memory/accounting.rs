@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock, RwLock};
 
-use vgpu_region::{ChargeError, InitParams, MAX_DEVICES, MemoryKind, OpenKind, Owners, Region, Slot};
+use vgpu_region::{ChargeError, InitParams, MAX_DEVICES, MemoryKind, OpenKind, Owners, Region, RegionError, Slot};
 
 use super::devices::{self, DeviceEntry};
 use super::ledger::{Charge, Ledger};
@@ -17,6 +17,71 @@ pub struct Accounting {
     slot: RwLock<Slot>,
     devices: Vec<DeviceEntry>,
     pub ledger: Ledger,
+    /// Region updates the lock did not let through, applied before the next one.
+    pending: Mutex<Pending>,
+    /// Whether `pending` holds anything (the fast path's one load).
+    has_pending: AtomicBool,
+}
+
+/// Charges and releases this process owes the region: a release, or a charge of memory the driver
+/// has already taken (`record`), made while the region's lock could not be taken (a timeout). They
+/// are kept here, never dropped, and written at the next accounting call that gets the lock (any
+/// allocation, free or memory query of the process); the slot is freed at exit in any case.
+#[derive(Default)]
+struct Pending {
+    /// Bytes to charge, by region device index and kind.
+    charges: [[u64; KINDS]; MAX_DEVICES],
+    /// Bytes to release, by region device index and kind.
+    releases: [[u64; KINDS]; MAX_DEVICES],
+}
+
+const KINDS: usize = 3;
+const ALL_KINDS: [MemoryKind; KINDS] = [MemoryKind::Context, MemoryKind::Module, MemoryKind::Data];
+
+fn kind_index(kind: MemoryKind) -> usize {
+    match kind {
+        MemoryKind::Context => 0,
+        MemoryKind::Module => 1,
+        MemoryKind::Data => 2,
+    }
+}
+
+impl Pending {
+    fn is_empty(&self) -> bool {
+        self.charges
+            .iter()
+            .chain(&self.releases)
+            .flatten()
+            .all(|&bytes| bytes == 0)
+    }
+
+    /// Queues `bytes` on one side; what the other side owes for the same device and kind cancels
+    /// first (a queued charge and a queued release of it leave the slot as it is).
+    fn add(&mut self, release: bool, charge: &Charge) {
+        let (Some(charges), Some(releases)) = (
+            self.charges.get_mut(charge.region_index),
+            self.releases.get_mut(charge.region_index),
+        ) else {
+            return;
+        };
+        let kind = kind_index(charge.kind);
+        let (same, other) = if release {
+            (&mut releases[kind], &mut charges[kind])
+        } else {
+            (&mut charges[kind], &mut releases[kind])
+        };
+        let cancelled = charge.bytes.min(*other);
+        *other -= cancelled;
+        *same = same.saturating_add(charge.bytes - cancelled);
+    }
+}
+
+/// Whether a region error means the lock could not be taken (the update can be made later).
+fn lock_not_taken(error: &RegionError) -> bool {
+    matches!(
+        error,
+        RegionError::LockTimeout { .. } | RegionError::LockFailed { .. } | RegionError::LockUnrecoverable { .. }
+    )
 }
 
 static ACCOUNTING: OnceLock<Accounting> = OnceLock::new();
@@ -124,6 +189,8 @@ pub fn start(config: &Config) -> Result<(), String> {
         slot: RwLock::new(slot),
         devices: entries,
         ledger: Ledger::default(),
+        pending: Mutex::new(Pending::default()),
+        has_pending: AtomicBool::new(false),
     };
     if ACCOUNTING.set(accounting).is_ok() {
         // SAFETY: registers a plain function that only stores to an atomic; no other effect.
@@ -183,6 +250,10 @@ impl Accounting {
 
     /// Bytes charged on the device by every process of the region.
     pub fn used(&self, device: &DeviceEntry) -> u64 {
+        if self.has_pending.load(Ordering::Acquire) {
+            let slot = self.slot.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+            self.apply_pending(&slot);
+        }
         self.region.device_used(device.region_index)
     }
 
@@ -195,10 +266,32 @@ impl Accounting {
         self.charge_with_limit(device, kind, bytes, device.limit)
     }
 
-    /// Charges what the driver has already taken (a context): never refused.
+    /// Charges what the driver has already taken (a context, a module, a pool's reserve): never
+    /// refused. When the region's lock cannot be taken the charge is queued (see [`Pending`]) and
+    /// returned all the same, so that its release later is right.
     pub fn record(&self, ordinal: CUdevice, kind: MemoryKind, bytes: u64) -> Option<Charge> {
         let device = self.device(ordinal)?;
-        self.charge_with_limit(device, kind, bytes, None).ok().flatten()
+        let slot = self.slot.read().unwrap_or_else(|poisoned| poisoned.into_inner());
+        self.apply_pending(&slot);
+        let charge = Charge {
+            region_index: device.region_index,
+            kind,
+            bytes,
+        };
+        match self.region_try_charge(&slot, device.region_index, kind, bytes, None) {
+            Ok(()) => Some(charge),
+            Err(ChargeError::Region(error)) if lock_not_taken(&error) => {
+                tracing::warn!(
+                    "{error}; {bytes} bytes the driver has taken will be charged at the next accounting call"
+                );
+                self.queue(false, &charge);
+                Some(charge)
+            }
+            Err(error) => {
+                tracing::error!("{error}; {bytes} bytes the driver has taken are not accounted");
+                None
+            }
+        }
     }
 
     fn charge_with_limit(
@@ -209,7 +302,8 @@ impl Accounting {
         limit: Option<u64>,
     ) -> Result<Option<Charge>, CUresult> {
         let slot = self.slot.read().unwrap_or_else(|poisoned| poisoned.into_inner());
-        match self.region.try_charge(&slot, device.region_index, kind, bytes, limit) {
+        self.apply_pending(&slot);
+        match self.region_try_charge(&slot, device.region_index, kind, bytes, limit) {
             Ok(()) => Ok(Some(Charge {
                 region_index: device.region_index,
                 kind,
@@ -226,14 +320,102 @@ impl Accounting {
         }
     }
 
-    /// Releases a charge made by this process.
+    /// Releases a charge made by this process. When the region's lock cannot be taken the
+    /// release is queued (see [`Pending`]), never dropped.
     pub fn release(&self, charge: Charge) {
         let slot = self.slot.read().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if let Err(error) = self
-            .region
-            .uncharge(&slot, charge.region_index, charge.kind, charge.bytes)
-        {
-            tracing::error!("{error}; {} bytes could not be released", charge.bytes);
+        self.apply_pending(&slot);
+        match self.region_uncharge(&slot, charge.region_index, charge.kind, charge.bytes) {
+            Ok(_) => {}
+            Err(error) if lock_not_taken(&error) => {
+                tracing::warn!(
+                    "{error}; {} bytes will be released at the next accounting call",
+                    charge.bytes
+                );
+                self.queue(true, &charge);
+            }
+            Err(error) => tracing::error!("{error}; {} bytes could not be released", charge.bytes),
+        }
+    }
+
+    fn queue(&self, release: bool, charge: &Charge) {
+        let mut pending = self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        pending.add(release, charge);
+        self.has_pending.store(!pending.is_empty(), Ordering::Release);
+    }
+
+    /// Writes the queued charges, then the queued releases, as far as the lock lets them through.
+    fn apply_pending(&self, slot: &Slot) {
+        if !self.has_pending.load(Ordering::Acquire) {
+            return;
+        }
+        let mut pending = self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        'apply: for release in [false, true] {
+            for device in 0..MAX_DEVICES {
+                for kind in ALL_KINDS {
+                    let table = if release {
+                        &mut pending.releases
+                    } else {
+                        &mut pending.charges
+                    };
+                    let bytes = table[device][kind_index(kind)];
+                    if bytes == 0 {
+                        continue;
+                    }
+                    let result = if release {
+                        self.region_uncharge(slot, device, kind, bytes).map(|_| ())
+                    } else {
+                        self.region_try_charge(slot, device, kind, bytes, None)
+                            .map_err(|error| match error {
+                                ChargeError::Region(error) => error,
+                                // Without a limit only a total past 64 bits is refused.
+                                ChargeError::Refused(_) => RegionError::NoSuchDevice {
+                                    path: self.region.path().to_owned(),
+                                    device,
+                                },
+                            })
+                    };
+                    match result {
+                        Ok(()) => table[device][kind_index(kind)] = 0,
+                        Err(error) if lock_not_taken(&error) => break 'apply,
+                        Err(error) => {
+                            tracing::error!("{error}; {bytes} queued bytes could not be written");
+                            table[device][kind_index(kind)] = 0;
+                        }
+                    }
+                }
+            }
+        }
+        self.has_pending.store(!pending.is_empty(), Ordering::Release);
+    }
+
+    fn region_try_charge(
+        &self,
+        slot: &Slot,
+        device: usize,
+        kind: MemoryKind,
+        bytes: u64,
+        limit: Option<u64>,
+    ) -> Result<(), ChargeError> {
+        #[cfg(feature = "fault-injection")]
+        if fault_injection::lock_times_out() {
+            return Err(ChargeError::Region(self.fault_timeout()));
+        }
+        self.region.try_charge(slot, device, kind, bytes, limit)
+    }
+
+    fn region_uncharge(&self, slot: &Slot, device: usize, kind: MemoryKind, bytes: u64) -> Result<u64, RegionError> {
+        #[cfg(feature = "fault-injection")]
+        if fault_injection::lock_times_out() {
+            return Err(self.fault_timeout());
+        }
+        self.region.uncharge(slot, device, kind, bytes)
+    }
+
+    #[cfg(feature = "fault-injection")]
+    fn fault_timeout(&self) -> RegionError {
+        RegionError::LockTimeout {
+            path: self.region.path().to_owned(),
         }
     }
 
@@ -245,6 +427,8 @@ impl Accounting {
             return;
         }
         self.ledger.clear();
+        *self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Pending::default();
+        self.has_pending.store(false, Ordering::Release);
         match self.region.attach(std::process::id() as i32) {
             Ok(child_slot) => {
                 *slot = child_slot;
@@ -253,5 +437,20 @@ impl Accounting {
             }
             Err(error) => tracing::error!("{error}; this forked process's allocations are not accounted"),
         }
+    }
+}
+
+#[cfg(feature = "fault-injection")]
+mod fault_injection {
+    use std::path::PathBuf;
+    use std::sync::OnceLock;
+
+    /// While the file named by `VGPU_FAULT_LOCK_TIMEOUT_FILE` exists, every charge and release
+    /// fails as if the region's lock had timed out (without waiting).
+    pub fn lock_times_out() -> bool {
+        static PATH: OnceLock<Option<PathBuf>> = OnceLock::new();
+        PATH.get_or_init(|| std::env::var_os("VGPU_FAULT_LOCK_TIMEOUT_FILE").map(PathBuf::from))
+            .as_deref()
+            .is_some_and(std::path::Path::exists)
     }
 }

@@ -19,7 +19,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use vgpu_codegen::table::{Class, Table};
-use vgpu_integration::{Run, ScratchDir, Session, c_program, workspace_root};
+use vgpu_integration::{Run, ScratchDir, Session, c_program, fault_injection_hook_library, workspace_root};
 use vgpu_region::{
     EXTENSION_OFFSET, InitParams, MemoryUsage, OpenKind, REGION_FILE_SIZE, Region, SLOT_LIVE, Snapshot, read_snapshot,
 };
@@ -1686,4 +1686,45 @@ fn hostile_sizes_get_the_drivers_answer_and_change_nothing() {
         assert_eq!(session.ask(&free), format!("free {CUDA_ERROR_INVALID_VALUE}"));
         check("a double free");
     }
+}
+
+/// A release, or a context's after-the-fact charge, made while the region's lock times out is
+/// queued and written once the lock works again, never dropped (issue 16). The fault-injection
+/// build fails every region update as a lock timeout while the fault file exists.
+#[test]
+fn updates_made_while_the_lock_times_out_are_applied_once_it_works() {
+    let dir = TestDir::new("lock-timeout");
+    let fault = dir.0.join("lock-timeout");
+    let hook = fault_injection_hook_library();
+    let mut session = setup(Run::new(&program("mem_ops")).preload(&[hook.as_path()]), &dir)
+        .env("FAKE_CUDA_MEMORY", "4g")
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+        .env("VGPU_FAULT_LOCK_TIMEOUT_FILE", &fault)
+        .spawn(Duration::from_secs(30));
+    let truth = dir.truth();
+    let used = || device_used(&snapshot(&dir.region()), 0);
+    assert_eq!(session.ask("init"), "init 0");
+    // The context's charge comes after the driver made it: queued, then written.
+    std::fs::write(&fault, "").unwrap();
+    assert_eq!(session.ask("ctx 0"), "ctx 0");
+    assert_eq!(used(), 0);
+    std::fs::remove_file(&fault).unwrap();
+    let answer = session.ask(&format!("alloc {}", 177 * MIB));
+    assert_eq!(status(&answer), CUDA_SUCCESS, "{answer}");
+    assert_eq!(used(), CONTEXT + 177 * MIB, "the queued context charge was not written");
+    // The free's release is queued, then written.
+    std::fs::write(&fault, "").unwrap();
+    assert_eq!(session.ask(&format!("free {}", number(&answer, 2))), "free 0");
+    assert_eq!(truth.device(0).used(), CONTEXT);
+    assert_eq!(used(), CONTEXT + 177 * MIB, "the fault did not hold the release back");
+    std::fs::remove_file(&fault).unwrap();
+    assert_eq!(status(&session.ask("info")), CUDA_SUCCESS);
+    assert_eq!(
+        used(),
+        truth.device(0).used(),
+        "{} MiB stayed charged after the free",
+        (used() - truth.device(0).used()) / MIB
+    );
+    assert_eq!(session.ask("reset 0"), "reset 0");
+    assert_eq!((used(), truth.device(0).used()), (0, 0));
 }
