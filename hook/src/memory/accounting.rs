@@ -1,8 +1,9 @@
 //! The process's place in the shared region: opened when CUDA initialises, one slot per process
 //! (a new one after `fork`), and the charge / release operations the handlers use.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, OnceLock, RwLock};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::time::Duration;
 
 use vgpu_region::{ChargeError, InitParams, MAX_DEVICES, MemoryKind, OpenKind, Owners, Region, RegionError, Slot};
 
@@ -11,22 +12,44 @@ use super::ledger::{Charge, Ledger};
 use crate::config::Config;
 use crate::sys::cuda::{CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, CUdevice, CUresult};
 
-/// Everything memory accounting needs, for the life of the process.
+/// Everything memory accounting needs, for the life of the process: the region and the devices
+/// (the same in a forked child), and the process's own slot, ledger and queue of pending updates,
+/// reached through [`OWN`].
 pub struct Accounting {
     region: Region,
-    slot: RwLock<Slot>,
     devices: Vec<DeviceEntry>,
-    pub ledger: Ledger,
+}
+
+/// What belongs to one process: its slot, what it has charged, and the region updates it still
+/// owes. A forked child gets a new one (the parent's ledger and queue locks may be held by threads
+/// the child does not have), so its queue starts empty; the old one is left as it is, never freed.
+struct Own {
+    /// `None`: a forked child that could not attach and has no parent slot either.
+    slot: Option<&'static Slot>,
+    ledger: Ledger,
     /// Region updates the lock did not let through, applied before the next one.
     pending: Mutex<Pending>,
     /// Whether `pending` holds anything (the fast path's one load).
     has_pending: AtomicBool,
 }
 
+impl Own {
+    /// A process's own part with an empty ledger and an empty queue, leaked (never freed).
+    fn leak(slot: Option<&'static Slot>) -> &'static Own {
+        Box::leak(Box::new(Own {
+            slot,
+            ledger: Ledger::default(),
+            pending: Mutex::new(Pending::default()),
+            has_pending: AtomicBool::new(false),
+        }))
+    }
+}
+
 /// Charges and releases this process owes the region: a release, or a charge of memory the driver
 /// has already taken (`record`), made while the region's lock could not be taken (a timeout). They
 /// are kept here, never dropped, and written at the next accounting call that gets the lock (any
-/// allocation, free or memory query of the process); the slot is freed at exit in any case.
+/// allocation, free or memory query of the process); the slot is freed at exit in any case. Per
+/// process: a forked child starts with an empty queue of its own and never touches the parent's.
 #[derive(Default)]
 struct Pending {
     /// Bytes to charge, by region device index and kind.
@@ -84,18 +107,65 @@ fn lock_not_taken(error: &RegionError) -> bool {
     )
 }
 
-static ACCOUNTING: OnceLock<Accounting> = OnceLock::new();
-/// Set in a forked child until it has attached a slot of its own.
-static FORKED: AtomicBool = AtomicBool::new(false);
+/// The process's accounting, from a leaked allocation: an atomic pointer rather than a once-cell,
+/// whose initialisation a child forked in the middle would wait for forever.
+static ACCOUNTING: AtomicPtr<Accounting> = AtomicPtr::new(std::ptr::null_mut());
+/// This process's slot, ledger and queue; null in a forked child until its first use of
+/// accounting.
+static OWN: AtomicPtr<Own> = AtomicPtr::new(std::ptr::null_mut());
+/// The parent's [`Own`] in a forked child, whose slot the child charges if it cannot attach.
+static INHERITED: AtomicPtr<Own> = AtomicPtr::new(std::ptr::null_mut());
+/// Held (true) while a thread opens the region ([`start`]), and while one attaches a forked
+/// child. Flags, not locks: the child handler clears them, a held `Mutex` could not be.
+static STARTING: AtomicBool = AtomicBool::new(false);
+static ATTACHING: AtomicBool = AtomicBool::new(false);
+/// How long a thread sleeps between looks while another one starts or attaches.
+const WAIT_STEP: Duration = Duration::from_millis(1);
 
-/// The process's accounting, once CUDA has initialised with it.
+/// The process's accounting, once CUDA has initialised with it. In a forked child, the first
+/// call attaches the child's own slot.
 #[inline]
 pub fn accounting() -> Option<&'static Accounting> {
-    let accounting = ACCOUNTING.get()?;
-    if FORKED.load(Ordering::Relaxed) {
+    let accounting = ACCOUNTING.load(Ordering::Acquire);
+    if accounting.is_null() {
+        return None;
+    }
+    // SAFETY: a non-null pointer came from Box::leak in `start` and is never freed.
+    let accounting: &'static Accounting = unsafe { &*accounting };
+    if OWN.load(Ordering::Acquire).is_null() {
         accounting.after_fork();
     }
     Some(accounting)
+}
+
+/// This process's slot and ledger (after a fork, the child's own once it has attached).
+#[inline]
+fn own() -> Option<&'static Own> {
+    let own = OWN.load(Ordering::Acquire);
+    // SAFETY: a non-null pointer came from Box::leak and is never freed.
+    (!own.is_null()).then(|| unsafe { &*own })
+}
+
+/// A flag taken as a lock; cleared on drop.
+struct Flag(&'static AtomicBool);
+
+impl Flag {
+    /// Waits (sleeping) until the flag is free, then takes it.
+    fn take(flag: &'static AtomicBool) -> Flag {
+        while flag
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            std::thread::sleep(WAIT_STEP);
+        }
+        Flag(flag)
+    }
+}
+
+impl Drop for Flag {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
 }
 
 /// What an allocation path does when the process has no accounting: `cuInit` has not succeeded
@@ -125,26 +195,39 @@ pub fn unaccounted(call: impl FnOnce() -> CUresult) -> CUresult {
 }
 
 /// The table's fast path for the synchronisations: a process without pools has nothing to bring
-/// up to date there (two loads; nothing that can panic).
+/// up to date there (two loads; nothing that can panic). A forked child that has not attached yet
+/// has no pools of its own.
 #[inline(always)]
 pub fn no_pools() -> bool {
-    ACCOUNTING.get().is_none_or(|accounting| !accounting.ledger.has_pools())
+    own().is_none_or(|own| !own.ledger.has_pools())
 }
 
+/// `pthread_atfork` child handler: only atomic loads and stores (async-signal-safe). The child
+/// builds its own slot and ledger on its first use of accounting; the parent's are left alone.
 extern "C" fn forked_child() {
-    FORKED.store(true, Ordering::Relaxed);
+    let parent = OWN.swap(std::ptr::null_mut(), Ordering::AcqRel);
+    if !parent.is_null() {
+        INHERITED.store(parent, Ordering::Release);
+    }
+    STARTING.store(false, Ordering::Release);
+    ATTACHING.store(false, Ordering::Release);
 }
 
 /// Opens the region and attaches this process (after the real cuInit succeeded). Idempotent;
 /// the error is one line for the log.
 pub fn start(config: &Config) -> Result<(), String> {
-    static STARTING: Mutex<()> = Mutex::new(());
     // Frameworks call cuInit again and again: once started, no lock.
-    if ACCOUNTING.get().is_some() {
+    if !ACCOUNTING.load(Ordering::Acquire).is_null() {
         return Ok(());
     }
-    let _serial = STARTING.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    if ACCOUNTING.get().is_some() {
+    // Before anything is held: a fork in the middle of starting leaves the child free to start.
+    static ATFORK: AtomicBool = AtomicBool::new(false);
+    if !ATFORK.swap(true, Ordering::AcqRel) {
+        // SAFETY: registers a plain function that only loads and stores atomics; no other effect.
+        unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
+    }
+    let _serial = Flag::take(&STARTING);
+    if !ACCOUNTING.load(Ordering::Acquire).is_null() {
         return Ok(());
     }
     let uuids = devices::visible_uuids()?;
@@ -184,21 +267,15 @@ pub fn start(config: &Config) -> Result<(), String> {
         });
     }
     let slot = region.attach(std::process::id() as i32).map_err(|e| e.to_string())?;
-    let accounting = Accounting {
+    let own = Own::leak(Some(Box::leak(Box::new(slot))));
+    let accounting: &'static Accounting = Box::leak(Box::new(Accounting {
         region,
-        slot: RwLock::new(slot),
         devices: entries,
-        ledger: Ledger::default(),
-        pending: Mutex::new(Pending::default()),
-        has_pending: AtomicBool::new(false),
-    };
-    if ACCOUNTING.set(accounting).is_ok() {
-        // SAFETY: registers a plain function that only stores to an atomic; no other effect.
-        unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
-    }
-    if let Some(accounting) = ACCOUNTING.get() {
-        accounting.watch_suspend_flag();
-    }
+    }));
+    // The slot first: whoever sees the accounting sees this process's slot with it.
+    OWN.store(std::ptr::from_ref(own).cast_mut(), Ordering::Release);
+    ACCOUNTING.store(std::ptr::from_ref(accounting).cast_mut(), Ordering::Release);
+    accounting.watch_suspend_flag();
     Ok(())
 }
 
@@ -227,17 +304,33 @@ impl Accounting {
 
     /// Points `vgpu-smi suspend`'s flag check at this process's slot.
     fn watch_suspend_flag(&'static self) {
-        if let Some(slot) = self.region.extension().slots.get(self.slot_index()) {
+        if let Some(slot) = self
+            .slot_index()
+            .and_then(|index| self.region.extension().slots.get(index))
+        {
             crate::suspend::watch(&slot.suspend);
         }
     }
 
     /// Index of this process's slot (after a fork, the child's own one).
-    pub fn slot_index(&self) -> usize {
-        self.slot
-            .read()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .index()
+    pub fn slot_index(&self) -> Option<usize> {
+        own().and_then(|own| own.slot).map(Slot::index)
+    }
+
+    /// This process's ledger (after a fork, the child's own, empty one).
+    pub fn ledger(&self) -> &'static Ledger {
+        match own() {
+            Some(own) => &own.ledger,
+            None => &self.own().ledger,
+        }
+    }
+
+    /// This process's slot, ledger and queue, attaching a forked child's first.
+    fn own(&self) -> &'static Own {
+        match own() {
+            Some(own) => own,
+            None => self.after_fork(),
+        }
     }
 
     pub fn device(&self, ordinal: CUdevice) -> Option<&DeviceEntry> {
@@ -250,9 +343,11 @@ impl Accounting {
 
     /// Bytes charged on the device by every process of the region.
     pub fn used(&self, device: &DeviceEntry) -> u64 {
-        if self.has_pending.load(Ordering::Acquire) {
-            let slot = self.slot.read().unwrap_or_else(|poisoned| poisoned.into_inner());
-            self.apply_pending(&slot);
+        let own = self.own();
+        if own.has_pending.load(Ordering::Acquire)
+            && let Some(slot) = own.slot
+        {
+            self.apply_pending(own, slot);
         }
         self.region.device_used(device.region_index)
     }
@@ -271,20 +366,26 @@ impl Accounting {
     /// returned all the same, so that its release later is right.
     pub fn record(&self, ordinal: CUdevice, kind: MemoryKind, bytes: u64) -> Option<Charge> {
         let device = self.device(ordinal)?;
-        let slot = self.slot.read().unwrap_or_else(|poisoned| poisoned.into_inner());
-        self.apply_pending(&slot);
+        let own = self.own();
+        let Some(slot) = own.slot else {
+            tracing::error!(
+                "this forked process has no slot in the region; {bytes} bytes the driver has taken are not accounted"
+            );
+            return None;
+        };
+        self.apply_pending(own, slot);
         let charge = Charge {
             region_index: device.region_index,
             kind,
             bytes,
         };
-        match self.region_try_charge(&slot, device.region_index, kind, bytes, None) {
+        match self.region_try_charge(slot, device.region_index, kind, bytes, None) {
             Ok(()) => Some(charge),
             Err(ChargeError::Region(error)) if lock_not_taken(&error) => {
                 tracing::warn!(
                     "{error}; {bytes} bytes the driver has taken will be charged at the next accounting call"
                 );
-                self.queue(false, &charge);
+                Self::queue(own, false, &charge);
                 Some(charge)
             }
             Err(error) => {
@@ -301,9 +402,13 @@ impl Accounting {
         bytes: u64,
         limit: Option<u64>,
     ) -> Result<Option<Charge>, CUresult> {
-        let slot = self.slot.read().unwrap_or_else(|poisoned| poisoned.into_inner());
-        self.apply_pending(&slot);
-        match self.region_try_charge(&slot, device.region_index, kind, bytes, limit) {
+        let own = self.own();
+        let Some(slot) = own.slot else {
+            tracing::error!("this forked process has no slot in the region; allocation refused");
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        };
+        self.apply_pending(own, slot);
+        match self.region_try_charge(slot, device.region_index, kind, bytes, limit) {
             Ok(()) => Ok(Some(Charge {
                 region_index: device.region_index,
                 kind,
@@ -323,33 +428,39 @@ impl Accounting {
     /// Releases a charge made by this process. When the region's lock cannot be taken the
     /// release is queued (see [`Pending`]), never dropped.
     pub fn release(&self, charge: Charge) {
-        let slot = self.slot.read().unwrap_or_else(|poisoned| poisoned.into_inner());
-        self.apply_pending(&slot);
-        match self.region_uncharge(&slot, charge.region_index, charge.kind, charge.bytes) {
+        let own = self.own();
+        let Some(slot) = own.slot else {
+            return;
+        };
+        self.apply_pending(own, slot);
+        match self.region_uncharge(slot, charge.region_index, charge.kind, charge.bytes) {
             Ok(_) => {}
             Err(error) if lock_not_taken(&error) => {
                 tracing::warn!(
                     "{error}; {} bytes will be released at the next accounting call",
                     charge.bytes
                 );
-                self.queue(true, &charge);
+                Self::queue(own, true, &charge);
             }
             Err(error) => tracing::error!("{error}; {} bytes could not be released", charge.bytes),
         }
     }
 
-    fn queue(&self, release: bool, charge: &Charge) {
-        let mut pending = self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    /// Queues an update in this process's own queue (a forked child's is its own, never the
+    /// parent's).
+    fn queue(own: &Own, release: bool, charge: &Charge) {
+        let mut pending = own.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         pending.add(release, charge);
-        self.has_pending.store(!pending.is_empty(), Ordering::Release);
+        own.has_pending.store(!pending.is_empty(), Ordering::Release);
     }
 
-    /// Writes the queued charges, then the queued releases, as far as the lock lets them through.
-    fn apply_pending(&self, slot: &Slot) {
-        if !self.has_pending.load(Ordering::Acquire) {
+    /// Writes this process's queued charges, then its queued releases, as far as the lock lets
+    /// them through.
+    fn apply_pending(&self, own: &Own, slot: &Slot) {
+        if !own.has_pending.load(Ordering::Acquire) {
             return;
         }
-        let mut pending = self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut pending = own.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         'apply: for release in [false, true] {
             for device in 0..MAX_DEVICES {
                 for kind in ALL_KINDS {
@@ -386,7 +497,7 @@ impl Accounting {
                 }
             }
         }
-        self.has_pending.store(!pending.is_empty(), Ordering::Release);
+        own.has_pending.store(!pending.is_empty(), Ordering::Release);
     }
 
     fn region_try_charge(
@@ -419,24 +530,35 @@ impl Accounting {
         }
     }
 
-    /// In a forked child: a slot of its own, and none of the parent's allocations.
+    /// In a forked child, on its first use of accounting: a slot of its own, an empty ledger and
+    /// an empty queue (the parent's queued updates are the parent's to write).
+    /// One thread attaches; the others wait for it (never on a lock of the parent's).
     #[cold]
-    fn after_fork(&'static self) {
-        let mut slot = self.slot.write().unwrap_or_else(|poisoned| poisoned.into_inner());
-        if !FORKED.swap(false, Ordering::Relaxed) {
-            return;
+    #[inline(never)]
+    fn after_fork(&self) -> &'static Own {
+        let _attaching = Flag::take(&ATTACHING);
+        if let Some(own) = own() {
+            return own;
         }
-        self.ledger.clear();
-        *self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Pending::default();
-        self.has_pending.store(false, Ordering::Release);
-        match self.region.attach(std::process::id() as i32) {
-            Ok(child_slot) => {
-                *slot = child_slot;
-                drop(slot);
-                self.watch_suspend_flag();
+        let slot = match self.region.attach(std::process::id() as i32) {
+            Ok(slot) => Some(&*Box::leak(Box::new(slot))),
+            Err(error) => {
+                tracing::error!("{error}; this forked process's allocations are charged to its parent's slot");
+                let inherited = INHERITED.load(Ordering::Acquire);
+                // SAFETY: a non-null pointer came from Box::leak and is never freed.
+                (!inherited.is_null())
+                    .then(|| unsafe { &*inherited })
+                    .and_then(|own| own.slot)
             }
-            Err(error) => tracing::error!("{error}; this forked process's allocations are not accounted"),
+        };
+        let own = Own::leak(slot);
+        OWN.store(std::ptr::from_ref(own).cast_mut(), Ordering::Release);
+        let accounting = ACCOUNTING.load(Ordering::Acquire);
+        if !accounting.is_null() {
+            // SAFETY: a non-null pointer came from Box::leak in `start` and is never freed.
+            unsafe { &*accounting }.watch_suspend_flag();
         }
+        own
     }
 }
 

@@ -38,7 +38,7 @@ fn charged(
     };
     let result = call();
     match (charge, result == CUDA_SUCCESS, key_of()) {
-        (Some(charge), true, Some(key)) => accounting.ledger.insert_owned(family, key, charge, owner_of(family)),
+        (Some(charge), true, Some(key)) => accounting.ledger().insert_owned(family, key, charge, owner_of(family)),
         (Some(charge), _, _) => accounting.release(charge),
         (None, _, _) => {}
     }
@@ -54,7 +54,7 @@ fn charge_or_refuse(
     bytes: u64,
 ) -> Result<Option<Charge>, CUresult> {
     accounting.charge(ordinal, kind, bytes).or_else(|status| {
-        if !accounting.ledger.has_pools() {
+        if !accounting.ledger().has_pools() {
             return Err(status);
         }
         sync_pools(accounting);
@@ -88,7 +88,7 @@ fn current_context() -> u64 {
 
 /// Releases everything the driver freed with a context.
 fn release_owned_by(accounting: &Accounting, context: u64) {
-    for charge in accounting.ledger.take_owned_by(context) {
+    for charge in accounting.ledger().take_owned_by(context) {
         accounting.release(charge);
     }
 }
@@ -96,14 +96,14 @@ fn release_owned_by(accounting: &Accounting, context: u64) {
 /// Calls the driver to free `key`, then releases what was charged under it if the free worked.
 fn released(family: Family, key: u64, call: impl FnOnce() -> CUresult) -> CUresult {
     let Some(accounting) = accounting() else { return call() };
-    let Some((charges, owner)) = accounting.ledger.take_charges(family, key) else {
+    let Some((charges, owner)) = accounting.ledger().take_charges(family, key) else {
         return call();
     };
     let result = call();
     if result == CUDA_SUCCESS {
         charges.iter().for_each(|charge| accounting.release(*charge));
     } else {
-        accounting.ledger.put_back(family, key, charges, owner);
+        accounting.ledger().put_back(family, key, charges, owner);
     }
     result
 }
@@ -206,7 +206,7 @@ fn measured_and_recorded<H>(
     let (result, charge) = measured(ordinal, kind, call);
     // SAFETY: the driver wrote the handle on success (null is checked).
     if let (Some(charge), Some(handle), Some(accounting)) = (charge, unsafe { read(handle) }, accounting()) {
-        accounting.ledger.insert(family, handle as u64, charge);
+        accounting.ledger().insert(family, handle as u64, charge);
     }
     result
 }
@@ -376,7 +376,7 @@ pub fn alloc_pitch<P: DriverInt, S: DriverInt>(
         charges[0].bytes = actual;
     }
     accounting
-        .ledger
+        .ledger()
         .insert_all(Family::Pointer, pointer.to_u64(), charges, current_context());
     result
 }
@@ -421,20 +421,20 @@ fn sync_pool(accounting: &Accounting, pool: u64, ordinal: CUdevice) {
     let Some(reserved) = pool_attribute(pool as CUmemoryPool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) else {
         return;
     };
-    if let Some((charges, _)) = accounting.ledger.take_charges(Family::Pool, pool) {
+    if let Some((charges, _)) = accounting.ledger().take_charges(Family::Pool, pool) {
         charges.iter().for_each(|charge| accounting.release(*charge));
     }
     if reserved > 0
         && let Some(charge) = accounting.record(ordinal, MemoryKind::Data, reserved)
     {
-        accounting.ledger.insert(Family::Pool, pool, charge);
+        accounting.ledger().insert(Family::Pool, pool, charge);
     }
 }
 
 /// Brings every pool's charge up to date (pools return memory at synchronisation, which is not
 /// hooked): before a refusal, so stale pool charges never cause one.
 fn sync_pools(accounting: &Accounting) {
-    for (pool, ordinal) in accounting.ledger.pools() {
+    for (pool, ordinal) in accounting.ledger().pools() {
         sync_pool(accounting, pool, ordinal);
     }
 }
@@ -479,7 +479,7 @@ fn pooled_alloc(
     if result == CUDA_SUCCESS {
         // SAFETY: the driver wrote the pointer on success.
         if let Some(pointer) = unsafe { read(dptr) } {
-            accounting.ledger.set_pool_of(pointer, pool as u64, ordinal);
+            accounting.ledger().set_pool_of(pointer, pool as u64, ordinal);
         }
         sync_pool(accounting, pool as u64, ordinal);
     }
@@ -492,7 +492,7 @@ fn pooled_alloc(
 pub fn synchronized(_name: &'static str, call: impl FnOnce() -> CUresult) -> CUresult {
     let result = call();
     if let Some(accounting) = accounting()
-        && accounting.ledger.has_pools()
+        && accounting.ledger().has_pools()
     {
         sync_pools(accounting);
     }
@@ -525,15 +525,15 @@ pub fn alloc_from_pool_async(
 /// Frees a pointer: from a pool (the pool's charge follows its reserved memory) or charged itself.
 fn free_pointer(call: impl FnOnce() -> CUresult, pointer: u64) -> CUresult {
     let Some(accounting) = accounting() else { return call() };
-    let Some(pool) = accounting.ledger.take_pool_of(pointer) else {
+    let Some(pool) = accounting.ledger().take_pool_of(pointer) else {
         return released(Family::Pointer, pointer, call);
     };
     let result = call();
-    let ordinal = accounting.ledger.pool_device(pool).unwrap_or(0);
+    let ordinal = accounting.ledger().pool_device(pool).unwrap_or(0);
     if result == CUDA_SUCCESS {
         sync_pool(accounting, pool, ordinal);
     } else {
-        accounting.ledger.set_pool_of(pointer, pool, ordinal);
+        accounting.ledger().set_pool_of(pointer, pool, ordinal);
     }
     result
 }
@@ -558,7 +558,7 @@ pub fn pool_trim(_name: &'static str, call: impl FnOnce() -> CUresult, pool: CUm
     let result = call();
     if result == CUDA_SUCCESS
         && let Some(accounting) = accounting()
-        && let Some(ordinal) = accounting.ledger.pool_device(pool as u64)
+        && let Some(ordinal) = accounting.ledger().pool_device(pool as u64)
     {
         sync_pool(accounting, pool as u64, ordinal);
     }
@@ -571,10 +571,10 @@ pub fn pool_destroy(_name: &'static str, call: impl FnOnce() -> CUresult, pool: 
     if result == CUDA_SUCCESS
         && let Some(accounting) = accounting()
     {
-        if let Some((charges, _)) = accounting.ledger.take_charges(Family::Pool, pool as u64) {
+        if let Some((charges, _)) = accounting.ledger().take_charges(Family::Pool, pool as u64) {
             charges.iter().for_each(|charge| accounting.release(*charge));
         }
-        accounting.ledger.forget_pool(pool as u64);
+        accounting.ledger().forget_pool(pool as u64);
     }
     result
 }
@@ -786,7 +786,7 @@ pub fn primary_ctx_retain(
     let Some(accounting) = accounting() else {
         return unaccounted(call);
     };
-    accounting.ledger.with_primary(device, |primary| {
+    accounting.ledger().with_primary(device, |primary| {
         if primary.references > 0 {
             let result = call();
             if result == CUDA_SUCCESS {
@@ -810,7 +810,7 @@ pub fn primary_ctx_retain(
 pub fn primary_ctx_release(name: &'static str, call: impl FnOnce() -> CUresult, device: CUdevice) -> CUresult {
     let Some(accounting) = accounting() else { return call() };
     let reset = name.starts_with("cuDevicePrimaryCtxReset");
-    accounting.ledger.with_primary(device, |primary| {
+    accounting.ledger().with_primary(device, |primary| {
         let result = call();
         if result == CUDA_SUCCESS {
             primary.references = if reset { 0 } else { primary.references.saturating_sub(1) };

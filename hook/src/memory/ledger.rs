@@ -229,17 +229,6 @@ impl Ledger {
         }
     }
 
-    /// Forgets everything (a forked child starts with no allocations of its own).
-    pub fn clear(&self) {
-        self.charges().clear();
-        self.pool_pointers().clear();
-        self.pool_devices().clear();
-        self.primary
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .clear();
-    }
-
     /// Runs `update` on the primary context record of a device.
     pub fn with_primary<R>(&self, ordinal: i32, update: impl FnOnce(&mut Primary) -> R) -> R {
         let mut primary = self.primary.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -306,8 +295,5 @@ mod tests {
         assert_eq!(ledger.take_owned_by(77), vec![charge, charge]);
         assert_eq!(ledger.take_owned_by(0), vec![]);
         assert!(ledger.take_charges(Family::Pointer, 0x4000).is_some());
-        ledger.insert(Family::Graph, 7, charge);
-        ledger.clear();
-        assert_eq!(ledger.take_charges(Family::Graph, 7), None);
     }
 }

@@ -748,7 +748,10 @@ impl Runtime {
         let Some(accounting) = crate::memory::accounting() else {
             return;
         };
-        let Some(slot) = accounting.region().hami().procs.get(accounting.slot_index()) else {
+        let Some(slot) = accounting
+            .slot_index()
+            .and_then(|index| accounting.region().hami().procs.get(index))
+        else {
             return;
         };
         for (index, (ring, device)) in history.iter_mut().zip(&self.devices).enumerate() {

@@ -105,12 +105,33 @@ pub struct State {
     pub engine_end: [u64; MAX_DEVICES],
 }
 
-static STATE: LazyLock<Mutex<State>> = LazyLock::new(|| Mutex::new(State::new()));
+static STATE: LazyLock<Mutex<State>> = LazyLock::new(|| {
+    // SAFETY: registers plain functions of this library, which is never unloaded.
+    unsafe { libc::pthread_atfork(Some(hold_for_fork), Some(release_after_fork), Some(release_after_fork)) };
+    Mutex::new(State::new())
+});
 static TRUTH: OnceLock<Result<Truth, String>> = OnceLock::new();
 
 thread_local! {
     /// The calling thread's context stack (top = current).
     static STACK: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+}
+
+thread_local! {
+    /// The state's lock, held by the forking thread across `fork`.
+    static HELD_FOR_FORK: RefCell<Option<MutexGuard<'static, State>>> = const { RefCell::new(None) };
+}
+
+/// `fork` takes the state's lock first, so that the child never inherits it held by a thread it
+/// does not have (a threaded program that forks while others call the driver).
+extern "C" fn hold_for_fork() {
+    let guard = lock();
+    let _ = HELD_FOR_FORK.try_with(|held| *held.borrow_mut() = Some(guard));
+}
+
+/// In the parent and in the child after `fork`: the lock taken before it is released.
+extern "C" fn release_after_fork() {
+    let _ = HELD_FOR_FORK.try_with(|held| held.borrow_mut().take());
 }
 
 /// The process state, whatever a panicking thread left behind.

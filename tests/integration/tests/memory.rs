@@ -1728,3 +1728,53 @@ fn updates_made_while_the_lock_times_out_are_applied_once_it_works() {
     assert_eq!(session.ask("reset 0"), "reset 0");
     assert_eq!((used(), truth.device(0).used()), (0, 0));
 }
+
+/// Issue 16: a threaded process that forks while its other threads allocate. Each child must get
+/// through its first CUDA calls (none of the library's locks inherited held), with a slot of its
+/// own, and neither the child's charges nor the parent's may end up in the wrong slot.
+#[test]
+fn forking_a_threaded_process_never_blocks_the_child() {
+    const FORKS: u32 = 40;
+    let _heavy = heavy();
+    let dir = TestDir::new("fork-threads");
+    let mut session = setup(Run::new(&program("fork_threads")).hooked(), &dir)
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "4g")
+        .args(["16", FORKS.to_string().as_str(), "5000"])
+        .spawn(Duration::from_secs(300));
+    let report = session.read_line().unwrap_or_default();
+    let counts: BTreeMap<String, u64> = report
+        .split_whitespace()
+        .collect::<Vec<_>>()
+        .chunks(2)
+        .filter_map(|pair| Some((pair.first()?.to_string(), pair.get(1)?.parse().ok()?)))
+        .collect();
+    assert_eq!(
+        (counts.get("completed"), counts.get("hung"), counts.get("failed")),
+        (Some(&u64::from(FORKS)), Some(&0), Some(&0)),
+        "{report}"
+    );
+    assert_eq!(counts.get("thread_errors"), Some(&0), "{report}");
+    // The children are gone (each left 2 MiB for the region and the driver to reclaim); the
+    // parent holds its context and 8 MiB, in its own slot.
+    let (region, device) = join_region(&dir);
+    region.reap_dead().expect("reap the region");
+    let truth = dir.truth();
+    truth.reclaim_dead();
+    let now = region.snapshot();
+    let parent = usage(&now, session.pid(), 0);
+    assert_eq!(
+        (parent.context, parent.data),
+        (CONTEXT, 8 * MIB),
+        "the parent's slot after {FORKS} forks"
+    );
+    assert_eq!(
+        (region.device_used(device), truth.device(0).used()),
+        (CONTEXT + 8 * MIB, CONTEXT + 8 * MIB),
+        "region and truth after the children exited"
+    );
+    let output = session.finish();
+    assert!(output.status.success(), "{output:?}");
+    region.reap_dead().expect("reap the region");
+    truth.reclaim_dead();
+    assert_eq!((region.device_used(device), truth.device(0).used()), (0, 0));
+}
