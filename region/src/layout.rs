@@ -236,8 +236,15 @@ pub struct Extension {
     pub next_generation: AtomicU64,
     /// Seconds since the epoch when the file was initialised.
     pub created_unix_secs: AtomicU64,
+    /// Per region device index: data allocations and frees under way, whose region charge and
+    /// driver memory may disagree. Low 32 bits: how many are under way; high 32 bits: how many
+    /// began (wrapping). A context measurement reads NVML only while it is 0 and unchanged.
+    pub memory_in_flight: [AtomicU64; MAX_DEVICES],
+    /// Pid of a process reading a consistent (NVML, region) pair; new data calls wait for it a
+    /// little (bounded), so that one comes soon.
+    pub memory_quiesce: AtomicU64,
     /// Reserved for later header fields; 0.
-    pub reserved_header: [AtomicU64; 97],
+    pub reserved_header: [AtomicU64; 80],
     /// Per-slot state, parallel to `procs`.
     pub slots: [SlotExtension; MAX_SLOTS],
     /// The compute limiter's token bucket per region device index.
@@ -358,7 +365,7 @@ pub fn layout_listing() -> String {
             size: size_of::<Extension>(),
             fields: fields!(Extension => magic, version, extension_size, hami_region_size, creator_pid,
                 header_reserved, lock, device_used, last_reap_ns, next_generation, created_unix_secs,
-                reserved_header, slots, compute, reserved),
+                memory_in_flight, memory_quiesce, reserved_header, slots, compute, reserved),
         },
         StructListing {
             name: "SlotExtension",

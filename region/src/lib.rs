@@ -646,6 +646,59 @@ impl Region {
             .map_or(0, |total| total.load(Ordering::Acquire))
     }
 
+    /// Marks a data allocation or free under way on a region device (see
+    /// [`Extension::memory_in_flight`]); waits up to 2 ms while another process reads a
+    /// consistent pair. Pair with [`Region::memory_call_done`].
+    pub fn memory_call_begins(&self, device: usize) {
+        let ext = &self.file().ext;
+        let Some(word) = ext.memory_in_flight.get(device) else {
+            return;
+        };
+        let start = std::time::Instant::now();
+        while ext.memory_quiesce.load(Ordering::Acquire) != 0 && start.elapsed() < std::time::Duration::from_millis(2) {
+            std::thread::yield_now();
+        }
+        word.fetch_add((1 << 32) + 1, Ordering::AcqRel);
+    }
+
+    /// Ends what [`Region::memory_call_begins`] marked.
+    pub fn memory_call_done(&self, device: usize) {
+        if let Some(word) = self.file().ext.memory_in_flight.get(device) {
+            // Never below 0 in the count (a foreign writer could have zeroed it).
+            let _ = word.fetch_update(Ordering::AcqRel, Ordering::Acquire, |value| {
+                (value & 0xffff_ffff != 0).then(|| value - 1)
+            });
+        }
+    }
+
+    /// Runs `read` when no data call of the region is under way on the device and none began
+    /// while it ran, retrying until `deadline`; `None` if that never happened.
+    pub fn quiet_read<T>(&self, device: usize, deadline: std::time::Instant, mut read: impl FnMut() -> T) -> Option<T> {
+        let ext = &self.file().ext;
+        let word = ext.memory_in_flight.get(device)?;
+        let pid = u64::from(std::process::id());
+        let _ = ext
+            .memory_quiesce
+            .compare_exchange(0, pid, Ordering::AcqRel, Ordering::Acquire);
+        let result = loop {
+            let before = word.load(Ordering::Acquire);
+            if before & 0xffff_ffff == 0 {
+                let value = read();
+                if word.load(Ordering::Acquire) == before {
+                    break Some(value);
+                }
+            }
+            if std::time::Instant::now() >= deadline {
+                break None;
+            }
+            std::thread::yield_now();
+        };
+        let _ = ext
+            .memory_quiesce
+            .compare_exchange(pid, 0, Ordering::AcqRel, Ordering::Acquire);
+        result
+    }
+
     /// Frees the slots of dead processes and returns how many.
     pub fn reap_dead(&self) -> Result<usize, RegionError> {
         let guard = self.lock()?;

@@ -352,6 +352,16 @@ impl Accounting {
         self.region.device_used(device.region_index)
     }
 
+    /// Marks a data call under way on a region device until the guard drops, so that a context
+    /// measurement in any process of the region never reads NVML in the middle of it.
+    pub fn in_flight(&self, region_index: usize) -> InFlight<'_> {
+        self.region.memory_call_begins(region_index);
+        InFlight {
+            region: &self.region,
+            region_index,
+        }
+    }
+
     /// Charges `bytes` against the device's limit. `Err` is the status the application gets:
     /// out of memory when over the limit (or when the region cannot be updated: fail closed).
     pub fn charge(&self, ordinal: CUdevice, kind: MemoryKind, bytes: u64) -> Result<Option<Charge>, CUresult> {
@@ -574,5 +584,17 @@ mod fault_injection {
         PATH.get_or_init(|| std::env::var_os("VGPU_FAULT_LOCK_TIMEOUT_FILE").map(PathBuf::from))
             .as_deref()
             .is_some_and(std::path::Path::exists)
+    }
+}
+
+/// A data call under way (see [`Accounting::in_flight`]).
+pub struct InFlight<'a> {
+    region: &'a Region,
+    region_index: usize,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.region.memory_call_done(self.region_index);
     }
 }

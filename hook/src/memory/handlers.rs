@@ -5,6 +5,7 @@
 //! ([`unaccounted`]); frees and queries go to the driver.
 
 use std::ffi::c_uint;
+use std::time::{Duration, Instant};
 
 use vgpu_region::MemoryKind;
 
@@ -32,6 +33,9 @@ fn charged(
     let Some(ordinal) = ordinal.or_else(current_ordinal) else {
         return call();
     };
+    let _in_flight = accounting
+        .device(ordinal)
+        .map(|device| accounting.in_flight(device.region_index));
     let charge = match charge_or_refuse(accounting, ordinal, kind, bytes) {
         Ok(charge) => charge,
         Err(status) => return status,
@@ -99,6 +103,10 @@ fn released(family: Family, key: u64, call: impl FnOnce() -> CUresult) -> CUresu
     let Some((charges, owner)) = accounting.ledger().take_charges(family, key) else {
         return call();
     };
+    let _in_flight = charges
+        .iter()
+        .next()
+        .map(|charge| accounting.in_flight(charge.region_index));
     let result = call();
     if result == CUDA_SUCCESS {
         charges.iter().for_each(|charge| accounting.release(*charge));
@@ -157,6 +165,9 @@ fn nvml_used(device: crate::sys::nvml::nvmlDevice_t) -> Option<u64> {
 /// during the measurement cannot inflate the charge without bound.
 const MEASURED_CEILING: u64 = 4 << 30;
 
+/// How long a measurement waits for a moment when no data call of the region is under way.
+const QUIET_WAIT: Duration = Duration::from_millis(500);
+
 /// Runs a call that makes the driver take memory we cannot size beforehand (a context, a
 /// module), measuring it with NVML, and records the measured amount (never refused: the driver
 /// has already taken it).
@@ -167,24 +178,39 @@ fn measured(ordinal: CUdevice, kind: MemoryKind, call: impl FnOnce() -> CUresult
     let Some(device) = accounting.device(ordinal) else {
         return (call(), None);
     };
-    let before = nvml_usage(&device.uuid);
-    let others_before = accounting.used(device);
+    // NVML and the region's total are read as a pair while no data call of the region is under
+    // way (its charge and the driver's memory may disagree then): the region's net change over
+    // the window, charges less releases, is then exactly what the others made the driver take.
+    let pair = || (nvml_usage(&device.uuid), accounting.used(device));
+    let quiet = |limit| {
+        accounting
+            .region()
+            .quiet_read(device.region_index, Instant::now() + limit, pair)
+    };
+    let before = quiet(QUIET_WAIT).unwrap_or_else(pair);
     let result = call();
     if result != CUDA_SUCCESS {
         return (result, None);
     }
-    let others_during = accounting.used(device).saturating_sub(others_before);
-    let taken = match (before, nvml_usage(&device.uuid)) {
+    let after = quiet(QUIET_WAIT).unwrap_or_else(pair);
+    let taken = match (before, after) {
         // NVML's count for this very process: exact, whatever others do meanwhile.
         (
-            Some(before),
-            Some(NvmlUsage {
-                own: Some(own_after), ..
-            }),
+            (Some(before), _),
+            (
+                Some(NvmlUsage {
+                    own: Some(own_after), ..
+                }),
+                _,
+            ),
         ) => own_after.saturating_sub(before.own.unwrap_or(0)),
-        // The GPU's total: less what other processes of the region charged meanwhile (other
-        // containers' and concurrent context creations can still inflate it; the cap bounds that).
-        (Some(before), Some(after)) => after.device.saturating_sub(before.device).saturating_sub(others_during),
+        // The GPU's total less the net change of the region's total (other containers and
+        // concurrent context creations can still skew it; the cap and the floor bound that).
+        ((Some(before), used_before), (Some(after), used_after)) => {
+            let gpu = i128::from(after.device) - i128::from(before.device);
+            let region = i128::from(used_after) - i128::from(used_before);
+            u64::try_from((gpu - region).max(0)).unwrap_or(u64::MAX)
+        }
         _ => 0,
     };
     let charge = accounting.record(ordinal, kind, taken.min(MEASURED_CEILING));

@@ -317,7 +317,8 @@ fn running<T>(
         return Err(NVML_ERROR_INVALID_ARGUMENT);
     }
     let truth = truth()?;
-    let list: Vec<(c_uint, c_ulonglong)> = if graphics {
+    // FAKE_NVML_NO_PROCESSES: list none, as on a VM (the H200's) or in a container (host pids).
+    let list: Vec<(c_uint, c_ulonglong)> = if graphics || std::env::var_os("FAKE_NVML_NO_PROCESSES").is_some() {
         Vec::new()
     } else {
         truth.reclaim_dead();

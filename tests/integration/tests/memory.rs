@@ -1778,3 +1778,57 @@ fn forking_a_threaded_process_never_blocks_the_child() {
     truth.reclaim_dead();
     assert_eq!((region.device_used(device), truth.device(0).used()), (0, 0));
 }
+
+/// Issue 16, item 9: where NVML lists no processes, a context is measured on the GPU's total;
+/// other processes of the region allocating and freeing meanwhile must not skew its charge.
+#[test]
+fn context_charges_are_exact_while_other_processes_churn() {
+    const CHURN_CONTEXT: u64 = 64 * MIB;
+    let _heavy = heavy();
+    let dir = TestDir::new("context-churn");
+    let env = |run: Run| {
+        setup(run, &dir)
+            .env("FAKE_CUDA_MEMORY", "64g")
+            .env("FAKE_CUDA_CONTEXT_BYTES", CHURN_CONTEXT.to_string())
+            .env("FAKE_NVML_NO_PROCESSES", "1")
+            .env("CUDA_DEVICE_MEMORY_LIMIT", (16 * GIB).to_string())
+    };
+    let mut churners: Vec<Session> = (1..=3)
+        .map(|seed| {
+            env(Run::new(&program("mem_race")).hooked())
+                .args([seed.to_string().as_str(), "0"])
+                .spawn(Duration::from_secs(120))
+        })
+        .collect();
+    for churner in &mut churners {
+        let ready = churner.read_line().unwrap_or_default();
+        assert!(ready.starts_with("ready "), "a churner did not start: {ready:?}");
+    }
+    let mut measurer = env(Run::new(&program("mem_ops")).hooked()).spawn(Duration::from_secs(120));
+    assert_eq!(status(&measurer.ask("init")), CUDA_SUCCESS);
+    let pid = measurer.pid();
+    let mut charged = Vec::new();
+    for _ in 0..20 {
+        assert_eq!(status(&measurer.ask("ctx 0")), CUDA_SUCCESS);
+        charged.push(usage(&snapshot(&dir.region()), pid, 0).context);
+        assert_eq!(status(&measurer.ask("reset 0")), CUDA_SUCCESS);
+    }
+    measurer.send("quit");
+    let _ = measurer.finish();
+    let mut allocs = 0;
+    for churner in &mut churners {
+        churner.send("stop");
+        let report = race_report(&churner.read_line().unwrap_or_default());
+        allocs += report["allocs"];
+        assert_eq!(report["errors"], 0, "a churner's call failed: {report:?}");
+        let _ = churner.finish();
+    }
+    assert!(allocs > 100, "too little churn to test anything: {allocs} allocations");
+    let exact = charged.iter().filter(|&&bytes| bytes == CHURN_CONTEXT).count();
+    assert_eq!(
+        exact,
+        20,
+        "{exact} of 20 contexts charged exactly {CHURN_CONTEXT} bytes while 3 processes churned; charged (MiB): {:?}",
+        charged.iter().map(|bytes| bytes / MIB).collect::<Vec<_>>()
+    );
+}
