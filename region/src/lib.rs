@@ -654,9 +654,21 @@ impl Region {
         let Some(word) = ext.memory_in_flight.get(device) else {
             return;
         };
-        let start = std::time::Instant::now();
-        while ext.memory_quiesce.load(Ordering::Acquire) != 0 && start.elapsed() < std::time::Duration::from_millis(2) {
-            std::thread::yield_now();
+        let measurer = ext.memory_quiesce.load(Ordering::Acquire);
+        if measurer != 0 {
+            // A measurer that died (or a value no process holds) must not slow every later call.
+            let pid = i32::try_from(measurer).unwrap_or(0);
+            if !process::is_alive(pid, 0) {
+                let _ = ext
+                    .memory_quiesce
+                    .compare_exchange(measurer, 0, Ordering::AcqRel, Ordering::Acquire);
+            }
+            let start = std::time::Instant::now();
+            while ext.memory_quiesce.load(Ordering::Acquire) != 0
+                && start.elapsed() < std::time::Duration::from_millis(2)
+            {
+                std::thread::yield_now();
+            }
         }
         word.fetch_add((1 << 32) + 1, Ordering::AcqRel);
     }

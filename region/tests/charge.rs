@@ -3,6 +3,7 @@
 mod common;
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use common::{ScratchDir, one_device, own_pid};
 use vgpu_region::{
@@ -297,5 +298,39 @@ fn the_file_decodes_like_the_live_region() {
     assert_eq!(
         from_file.processes[0].start_time,
         vgpu_region::process_start_time(own_pid())
+    );
+}
+
+#[test]
+fn a_dead_measurer_does_not_slow_data_calls() {
+    let dir = ScratchDir::new("dead-measurer");
+    let region = open(&dir);
+    // The mark a context measurement leaves when its process is killed in the middle of it.
+    let mut child = std::process::Command::new("true")
+        .spawn()
+        .expect("spawn a short-lived process");
+    let dead = child.id();
+    child.wait().expect("reap it");
+    region
+        .extension()
+        .memory_quiesce
+        .store(u64::from(dead), Ordering::Release);
+    region.memory_call_begins(0);
+    region.memory_call_done(0);
+    assert_eq!(
+        region.extension().memory_quiesce.load(Ordering::Acquire),
+        0,
+        "the dead process's mark is cleared by the next data call"
+    );
+    // A live measurer's mark stands (the call waits at most 2 ms for it).
+    region
+        .extension()
+        .memory_quiesce
+        .store(u64::from(std::process::id()), Ordering::Release);
+    region.memory_call_begins(0);
+    region.memory_call_done(0);
+    assert_eq!(
+        region.extension().memory_quiesce.load(Ordering::Acquire),
+        u64::from(std::process::id())
     );
 }

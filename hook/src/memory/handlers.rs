@@ -165,8 +165,10 @@ fn nvml_used(device: crate::sys::nvml::nvmlDevice_t) -> Option<u64> {
 /// during the measurement cannot inflate the charge without bound.
 const MEASURED_CEILING: u64 = 4 << 30;
 
-/// How long a measurement waits for a moment when no data call of the region is under way.
-const QUIET_WAIT: Duration = Duration::from_millis(500);
+/// How long a measurement waits for a moment when no data call of the region is under way. Short:
+/// a process killed in the middle of a data call leaves its mark behind, and every later
+/// measurement on that device then waits this long before it reads anyway (as without the marks).
+const QUIET_WAIT: Duration = Duration::from_millis(50);
 
 /// Runs a call that makes the driver take memory we cannot size beforehand (a context, a
 /// module), measuring it with NVML, and records the measured amount (never refused: the driver
