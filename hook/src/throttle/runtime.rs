@@ -680,7 +680,11 @@ impl Runtime {
         let next = boost::smoothed(current, target, starting || readings == 0);
         boost.store((next * f64::from(BOOST_UNIT)).round() as u32, Ordering::Relaxed);
         if (next - current).abs() >= 0.01 {
-            tracing::debug!("compute limiter: device {ordinal} boost factor {next:.3} (busy share {share:.3})");
+            // Both sources of the share, so that a run can tell which one set the factor.
+            tracing::debug!(
+                "compute limiter: device {ordinal} boost factor {next:.3} (busy share {share:.3}: the container's \
+                 {own:.3}, NVML's {gpu:.3})"
+            );
         }
     }
 
