@@ -141,30 +141,26 @@ mod tests {
         assert_eq!(array_bytes(u64::MAX, 2, 1, CU_AD_FORMAT_FLOAT, 1), None);
     }
 
+    /// A 4096 x 4096 RGBA8 2D array: 64 MiB at its first level.
+    const RGBA8_4096: CUDA_ARRAY3D_DESCRIPTOR = CUDA_ARRAY3D_DESCRIPTOR {
+        Width: 4096,
+        Height: 4096,
+        Depth: 0,
+        Format: CU_AD_FORMAT_UNSIGNED_INT8,
+        NumChannels: 4,
+        Flags: 0,
+    };
+
     #[test]
     fn mipmap_levels_shrink() {
-        let descriptor = CUDA_ARRAY3D_DESCRIPTOR {
-            Width: 4096,
-            Height: 4096,
-            Depth: 0,
-            Format: CU_AD_FORMAT_UNSIGNED_INT8,
-            NumChannels: 4,
-            Flags: 0,
-        };
+        let descriptor = RGBA8_4096;
         // 64 MiB, 16 MiB, 4 MiB, then 1 MiB rounded up to 2 MiB.
         assert_eq!(mipmapped_bytes(&descriptor, 4), Some((64 + 16 + 4 + 2) << 20));
     }
 
     #[test]
     fn mipmap_levels_stop_at_the_most_an_array_can_have() {
-        let descriptor = CUDA_ARRAY3D_DESCRIPTOR {
-            Width: 4096,
-            Height: 4096,
-            Depth: 0,
-            Format: CU_AD_FORMAT_UNSIGNED_INT8,
-            NumChannels: 4,
-            Flags: 0,
-        };
+        let descriptor = RGBA8_4096;
         // 4096 has 13 levels: 64 + 16 + 4 MiB, then ten levels of 2 MiB or less, 2 MiB each.
         let full = Some((64 + 16 + 4 + 10 * 2) << 20);
         assert_eq!(mipmapped_bytes(&descriptor, 13), full);

@@ -17,7 +17,8 @@
 //!
 //! A key's first launch is never measured: with lazy module loading (CUDA's default) the driver
 //! loads the function inside that call and may synchronise the context, so its time is the
-//! host's, not the kernel's (on the H200, 10-22 ms for a 3 us kernel). While a key is young its
+//! host's, not the kernel's (on the H200 such calls took 10-22 ms, and a 3 us kernel was measured
+//! at 0.15-2 ms: docs/compute-limit.md). While a key is young its
 //! estimate is the median of its measurements (the smaller of two): one distorted measurement
 //! (the host, another context) cannot set it, and a kernel whose time varies is not under-charged
 //! as it would be by the smallest.

@@ -53,10 +53,9 @@ pub const HOLD_RELEASE_NS: u64 = 2_000_000;
 pub const LONG_CALL_NS: u64 = 500_000;
 /// What an event pair adds to a launch it brackets on an idle stream: the GPU's launch latency and
 /// the completion the end event waits for, time in which no kernel executes (NVML counts it idle)
-/// and which launches queued back to back overlap. On the H200 a bracket reads 1.0-1.2 us more than
-/// NVML's busy time per launch, whatever the launch: a 64K-element kernel 3.3 us against 2.25, a
-/// graph of eight 10.4 us against 9.4 (docs/compute-limit.md). Taken off every measurement, but
-/// never more than a third of it.
+/// and which launches queued back to back overlap. On the H200 a bracket reads about 1 us more than
+/// NVML's busy time per launch, for a 3 us kernel and a graph of eight alike
+/// (docs/compute-limit.md). Taken off every measurement, but never more than a third of it.
 pub const BRACKET_OVERHEAD_NS: u64 = 1_000;
 
 /// Cleared when the driver refuses a stream wait: holds are not tried again.

@@ -5,6 +5,7 @@
 //! expect them built first (`make test` does: `cargo build --workspace`, and the fault-injection
 //! build into `target/fault-injection`). A missing one is a test failure naming the command.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
@@ -384,5 +385,27 @@ impl Drop for ScratchDir {
         if !std::thread::panicking() {
             let _ = std::fs::remove_dir_all(&self.0);
         }
+    }
+}
+
+/// The numeric `key=value` fields of a test program's output line, after its first word
+/// (`done launches=12 seconds=3.0`).
+#[derive(Debug)]
+pub struct Fields(pub BTreeMap<String, f64>);
+
+impl Fields {
+    pub fn parse(line: &str) -> Fields {
+        Fields(
+            line.split_whitespace()
+                .skip(1)
+                .filter_map(|field| field.split_once('='))
+                .filter_map(|(key, value)| Some((key.to_string(), value.parse::<f64>().ok()?)))
+                .collect(),
+        )
+    }
+
+    /// The field's value; panics (failing the test) when the program did not print it.
+    pub fn get(&self, key: &str) -> f64 {
+        *self.0.get(key).unwrap_or_else(|| panic!("no {key} in {:?}", self.0))
     }
 }

@@ -18,7 +18,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use vgpu_integration::{Run, ScratchDir, Session, c_program};
+use vgpu_integration::{Fields, Run, ScratchDir, Session, c_program};
 use vgpu_region::{COMPUTE_OFFSET, EXTENSION_OFFSET, InitParams, Region, SLOT_LIVE, read_snapshot};
 
 /// Simulated duration of the test kernel.
@@ -92,15 +92,7 @@ fn start(run: Run) -> Session {
 }
 
 /// The program's final line, parsed into its `key=value` fields.
-struct Done(BTreeMap<String, f64>);
-
-impl Done {
-    fn get(&self, key: &str) -> f64 {
-        *self.0.get(key).unwrap_or_else(|| panic!("no {key} in {:?}", self.0))
-    }
-}
-
-fn finish(mut session: Session) -> Done {
+fn finish(mut session: Session) -> Fields {
     let output = session.finish();
     let stdout = String::from_utf8_lossy(&output.stdout);
     assert!(
@@ -113,13 +105,7 @@ fn finish(mut session: Session) -> Done {
         .lines()
         .find(|line| line.starts_with("done "))
         .unwrap_or_else(|| panic!("no summary line in {stdout:?}"));
-    let fields = line
-        .split_whitespace()
-        .skip(1)
-        .filter_map(|field| field.split_once('='))
-        .filter_map(|(key, value)| Some((key.to_string(), value.parse::<f64>().ok()?)))
-        .collect();
-    let done = Done(fields);
+    let done = Fields::parse(line);
     assert_eq!(done.get("errors"), 0.0, "launches failed: {line}");
     done
 }
@@ -133,7 +119,7 @@ fn busy_share(truth: &truth::Truth) -> f64 {
 }
 
 /// Runs programs side by side and measures the device's busy share in the middle of their runs.
-fn measure(dir: &TestDir, runs: Vec<Run>) -> (f64, Vec<Done>) {
+fn measure(dir: &TestDir, runs: Vec<Run>) -> (f64, Vec<Fields>) {
     let sessions: Vec<Session> = runs.into_iter().map(start).collect();
     let truth = dir.truth();
     std::thread::sleep(WARM_UP);

@@ -19,12 +19,11 @@
 #[path = "../../fake-driver/src/truth.rs"]
 mod truth;
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
-use vgpu_integration::{Run, ScratchDir, Session, c_program};
+use vgpu_integration::{Fields, Run, ScratchDir, Session, c_program};
 
 /// Host time of each first launch (a function's lazy load, a graph's upload), in microseconds.
 const LAZY_LOAD_US: &str = "20000";
@@ -67,26 +66,6 @@ fn job(dir: &JobDir, env: &[(&str, &str)], args: &str) -> Run {
         run = run.env(key, value);
     }
     run.args(args.split_whitespace())
-}
-
-/// One output line's `key=value` fields.
-#[derive(Debug)]
-struct Fields(BTreeMap<String, f64>);
-
-impl Fields {
-    fn parse(line: &str) -> Fields {
-        Fields(
-            line.split_whitespace()
-                .skip(1)
-                .filter_map(|field| field.split_once('='))
-                .filter_map(|(key, value)| Some((key.to_string(), value.parse::<f64>().ok()?)))
-                .collect(),
-        )
-    }
-
-    fn get(&self, key: &str) -> f64 {
-        *self.0.get(key).unwrap_or_else(|| panic!("no {key} in {:?}", self.0))
-    }
 }
 
 /// What a job printed: its windows (`loop`, `graph`), its summary, its devices (`devices`).

@@ -274,13 +274,17 @@ fn strict_configuration_fails_cuinit_with_one_short_line() {
         ("CUDA_DEVICE_MEMORY_SHARED_CACHE", relative.as_str()),
         ("CUDA_DEVICE_MEMORY_LIMIT", long.as_str()),
     ];
-    for (variable, value) in refused {
-        let output = Run::new(&program)
+    // `init` with one variable set, in a region folder of this test's.
+    let init_with = |variable: &str, value: &str| {
+        Run::new(&program)
             .hooked()
             .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", scratch.join("region"))
             .env(variable, value)
             .args(["init"])
-            .output();
+            .output()
+    };
+    for (variable, value) in refused {
+        let output = init_with(variable, value);
         assert_eq!(
             String::from_utf8_lossy(&output.stdout).trim(),
             format!("init {CUDA_ERROR_INVALID_VALUE}"),
@@ -313,12 +317,7 @@ fn strict_configuration_fails_cuinit_with_one_short_line() {
         ("CUDA_DEVICE_SM_LIMIT_15", "50"),
         ("CUDA_DEVICE_MEMORY_LIMIT_16", ""),
     ] {
-        let output = Run::new(&program)
-            .hooked()
-            .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", scratch.join("region"))
-            .env(variable, value)
-            .args(["init"])
-            .output();
+        let output = init_with(variable, value);
         assert_eq!(
             String::from_utf8_lossy(&output.stdout).trim(),
             "init 0",
