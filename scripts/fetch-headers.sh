@@ -1,14 +1,12 @@
 #!/usr/bin/env bash
-# Fetch the pinned CUDA and NVML header wheels into .cuda-headers/<version>/include.
+# Fetch the pinned CUDA and NVML header wheels of every version in cuda-versions.txt into
+# .cuda-headers/<version>/include.
 # The headers are NVIDIA's and are never committed; this folder is ignored by git.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 dest="$root/.cuda-headers"
-declare -A wheels=(
-  [13.0]="nvidia-cuda-runtime==13.0.96 nvidia-nvml-dev==13.0.87"
-  [12.9]="nvidia-cuda-runtime-cu12==12.9.79 nvidia-nvml-dev-cu12==12.9.79"
-)
-for version in 13.0 12.9; do
+# cuda-versions.txt: one line per supported version, `version wheel...` (the list lives there only).
+grep -Ev '^[[:space:]]*(#|$)' "$root/cuda-versions.txt" | while read -r version pins; do
   include="$dest/$version/include"
   if [ -f "$include/cuda.h" ] && [ -f "$include/nvml.h" ] && [ -f "$include/cudaTypedefs.h" ] \
      && [ -f "$include/cudaGL.h" ]; then
@@ -18,7 +16,7 @@ for version in 13.0 12.9; do
   # shellcheck disable=SC2086
   python3 -m pip download --quiet --no-deps --only-binary=:all: \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-    -d "$download" ${wheels[$version]}
+    -d "$download" $pins
   mkdir -p "$include"
   python3 - "$download" "$include" <<'PY'
 import pathlib, sys, zipfile
