@@ -9,7 +9,7 @@ cargo build --quiet --release -p vgpu-hook -p vgpu-fake-driver
 work="$root/target/bench"
 mkdir -p "$work/fake"
 for name in libcuda.so.1 libcuda.so libnvidia-ml.so.1; do ln -sf "$root/target/release/libvgpu_fake_driver.so" "$work/fake/$name"; done
-cc -O2 -o "$work/passthrough_loop" tests/programs/passthrough_loop.c -I"${CUDA_INCLUDE_DIR:-$root/.cuda-headers/13.0/include}" -L"$work/fake" -lcuda
+cc -O2 -o "$work/passthrough_loop" tests/programs/passthrough_loop.c -I"$(scripts/cuda-include.sh)" -L"$work/fake" -lcuda
 instructions() { # preload calls what
   LD_LIBRARY_PATH="$work/fake" LD_PRELOAD="$1" CUDA_DEVICE_MEMORY_LIMIT=8g \
     CUDA_DEVICE_MEMORY_SHARED_CACHE="$work/region.cache" valgrind --tool=callgrind --callgrind-out-file="$work/cg.out" \

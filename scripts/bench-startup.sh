@@ -9,7 +9,7 @@ cargo build --quiet --release -p vgpu-hook -p vgpu-fake-driver
 work="$root/target/bench"
 mkdir -p "$work/fake"
 for name in libcuda.so.1 libcuda.so libnvidia-ml.so.1; do ln -sf "$root/target/release/libvgpu_fake_driver.so" "$work/fake/$name"; done
-cc -O2 -o "$work/init_time" tests/programs/init_time.c -I"${CUDA_INCLUDE_DIR:-$root/.cuda-headers/13.0/include}" -L"$work/fake" -lcuda
+cc -O2 -o "$work/init_time" tests/programs/init_time.c -I"$(scripts/cuda-include.sh)" -L"$work/fake" -lcuda
 hook="$root/target/release/libvgpu.so"
 region="$work/startup-region.cache"
 median() { sort -n | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }

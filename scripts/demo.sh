@@ -10,7 +10,7 @@ cargo build --quiet --release -p vgpu-hook
 hook="$root/target/release/libvgpu.so"
 work="$root/target/demo"
 mkdir -p "$work"
-include="${CUDA_INCLUDE_DIR:-$root/.cuda-headers/13.0/include}"
+include=$(scripts/cuda-include.sh)
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   echo "== real GPU: $(nvidia-smi -L | head -1)"
   driver_dir=""

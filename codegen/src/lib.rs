@@ -3,8 +3,10 @@
 //! The pipeline: locate the headers ([`headers`]), read every prototype with bindgen and syn
 //! ([`prototypes`]), join them with `cuda-api.toml` ([`table`], [`route`]), and emit the input of
 //! the hook macros plus a human-readable coverage listing ([`emit`]). [`variants`] reads
-//! `cudaTypedefs.h` to learn which CUDA version introduced each versioned entry point.
+//! `cudaTypedefs.h` to learn which CUDA version introduced each versioned entry point;
+//! [`compat`] absorbs struct and constant differences between releases.
 
+pub mod compat;
 pub mod emit;
 pub mod headers;
 pub mod prototypes;

@@ -124,6 +124,9 @@ fn read_one(library: Library, header: &Path, include_dir: &Path, origin: &'stati
         Library::Cuda => version.ok_or_else(|| Error(format!("{} defines no CUDA_VERSION", header.display())))?,
         Library::Nvml => 0,
     };
+    if library == Library::Cuda {
+        kept.extend(crate::compat::generate(&kept)?);
+    }
     functions.sort_by(|a, b| a.name.cmp(&b.name));
     functions.dedup_by(|a, b| a.name == b.name);
     let types = syn::File {

@@ -16,7 +16,7 @@ int main(void) {
     if (!lib) { fprintf(stderr, "procaddr: %s\n", dlerror()); return 2; }
     proc_v2_fn get = (proc_v2_fn)dlsym(lib, "cuGetProcAddress_v2");
     if (!get) { fprintf(stderr, "procaddr: no cuGetProcAddress_v2\n"); return 2; }
-    const int versions[] = {11040, 12000, 12090, 13000};
+    const int versions[] = {11040, 12000, 12090, 13000, 13050};
     const cuuint64_t flags[] = {CU_GET_PROC_ADDRESS_DEFAULT, CU_GET_PROC_ADDRESS_LEGACY_STREAM,
                                 CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM};
     char name[256];

@@ -12,6 +12,7 @@ use vgpu_region::MemoryKind;
 use super::accounting::{Accounting, accounting, unaccounted};
 use super::devices::current_ordinal;
 use super::ledger::{Charge, Family};
+use super::location::device_of;
 use super::sizes::{ArrayDescriptor, mipmapped_bytes};
 use super::units::{DriverInt, read, write};
 use crate::hooks::real;
@@ -609,8 +610,8 @@ pub fn pool_destroy(_name: &'static str, call: impl FnOnce() -> CUresult, pool: 
 
 // ------------------------------------------------------------------ virtual memory management
 
-/// `cuMemCreate`: charged to the device in the allocation's location; host locations are not
-/// device memory.
+/// `cuMemCreate`: charged to the device in the allocation's location (a locality domain is
+/// part of its device); host locations are not device memory.
 pub fn create(
     _name: &'static str,
     call: impl FnOnce() -> CUresult,
@@ -623,13 +624,16 @@ pub fn create(
     let Some(prop) = (unsafe { read(prop) }) else {
         return call();
     };
-    if prop.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE || handle.is_null() || size == 0 {
+    let Some(device) = device_of(&prop.location) else {
+        return call();
+    };
+    if handle.is_null() || size == 0 {
         return call();
     }
     // SAFETY: the driver wrote the handle on success.
     let key = || unsafe { read(handle) };
     charged(
-        Some(prop.location.id),
+        Some(device),
         MemoryKind::Data,
         size as u64,
         call,
@@ -715,10 +719,14 @@ fn graph_alloc_node(
     if bytes == 0 {
         return call();
     }
-    let ordinal = (location.type_ == CU_MEM_LOCATION_TYPE_DEVICE).then_some(location.id);
-    charged(ordinal, MemoryKind::Data, bytes, call, Family::Graph, || {
-        Some(graph as u64)
-    })
+    charged(
+        device_of(&location),
+        MemoryKind::Data,
+        bytes,
+        call,
+        Family::Graph,
+        || Some(graph as u64),
+    )
 }
 
 /// `cuGraphAddMemAllocNode`: the node's bytes are charged while the graph exists.

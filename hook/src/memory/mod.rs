@@ -6,6 +6,7 @@ mod accounting;
 mod devices;
 mod handlers;
 mod ledger;
+mod location;
 mod sizes;
 mod units;
 

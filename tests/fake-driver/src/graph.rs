@@ -319,7 +319,7 @@ pub unsafe extern "C" fn cuGraphAddMemAllocNode(
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let (node, dptr) =
-            initialised()?.alloc_node(hGraph as usize, params.bytesize as u64, params.poolProps.location.id)?;
+            initialised()?.alloc_node(hGraph as usize, params.bytesize as u64, params.poolProps.location.id())?;
         // SAFETY: `nodeParams` is valid (read above); the driver returns the address in it.
         unsafe { put(&raw mut (*nodeParams).dptr, dptr) }?;
         put_node(phGraphNode, node)
@@ -380,7 +380,7 @@ fn add_generic_node(phGraphNode: *mut CUgraphNode, hGraph: CUgraph, nodeParams: 
             if alloc.poolProps.location.type_ != CU_MEM_LOCATION_TYPE_DEVICE {
                 return Err(CUDA_ERROR_INVALID_VALUE);
             }
-            let (node, dptr) = state.alloc_node(graph, alloc.bytesize as u64, alloc.poolProps.location.id)?;
+            let (node, dptr) = state.alloc_node(graph, alloc.bytesize as u64, alloc.poolProps.location.id())?;
             // SAFETY: `nodeParams` is valid (read above); the driver returns the address in it.
             unsafe { put(&raw mut (*nodeParams).__bindgen_anon_1.alloc.dptr, dptr) }?;
             node

@@ -259,7 +259,7 @@ pub unsafe extern "C" fn cuMemPoolCreate(pool: *mut CUmemoryPool, poolProps: *co
         let props = unsafe { get(poolProps) }?;
         let mut state = initialised()?;
         let (ordinal, phys) = match props.location.type_ {
-            CU_MEM_LOCATION_TYPE_DEVICE => (props.location.id, Some(state.device(props.location.id)?)),
+            CU_MEM_LOCATION_TYPE_DEVICE => (props.location.id(), Some(state.device(props.location.id())?)),
             CU_MEM_LOCATION_TYPE_HOST | CU_MEM_LOCATION_TYPE_HOST_NUMA | CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT => {
                 (0, None)
             }

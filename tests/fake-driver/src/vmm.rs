@@ -57,7 +57,7 @@ pub unsafe extern "C" fn cuMemCreate(
         let mut state = initialised()?;
         let bytes = vmm_charge(size as u64, state::config().granularity)?;
         let (ordinal, phys) = match prop.location.type_ {
-            CU_MEM_LOCATION_TYPE_DEVICE => (prop.location.id, Some(state.device(prop.location.id)?)),
+            CU_MEM_LOCATION_TYPE_DEVICE => (prop.location.id(), Some(state.device(prop.location.id())?)),
             CU_MEM_LOCATION_TYPE_HOST | CU_MEM_LOCATION_TYPE_HOST_NUMA | CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT => {
                 (0, None)
             }

@@ -69,12 +69,10 @@ pub fn fake_driver_dir() -> PathBuf {
     .clone()
 }
 
-/// The include folder with cuda.h and nvml.h.
+/// The include folder with cuda.h and nvml.h: the one the libraries were built from
+/// (`CUDA_INCLUDE_DIR`, `$CUDA_HOME/include`, or the fetched default version).
 pub fn include_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("CUDA_INCLUDE_DIR") {
-        return PathBuf::from(dir);
-    }
-    workspace_root().join(".cuda-headers").join("13.0").join("include")
+    vgpu_codegen::headers::locate(&workspace_root()).unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Compiles `tests/programs/<name>.c` (once per test process) and returns the executable, or the
