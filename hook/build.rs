@@ -1,4 +1,5 @@
-//! Generates the hook from the CUDA and NVML headers and `cuda-api.toml`.
+//! Generates the hook from the CUDA and NVML headers, `cuda-api.toml` and the handlers'
+//! signatures in `src/`.
 
 use std::path::PathBuf;
 
@@ -17,7 +18,10 @@ fn main() {
     for header in ["cuda.h", "nvml.h", "cudaTypedefs.h"] {
         println!("cargo:rerun-if-changed={}", include_dir.join(header).display());
     }
-    let generated = match vgpu_codegen::generate(&include_dir, &table) {
+    // The handlers' signatures bind the functions' arguments by name.
+    let handlers_src = manifest_dir.join("src");
+    println!("cargo:rerun-if-changed={}", handlers_src.display());
+    let generated = match vgpu_codegen::generate(&include_dir, &table, &handlers_src) {
         Ok(generated) => generated,
         Err(e) => fail(&e.to_string()),
     };

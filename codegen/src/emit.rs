@@ -3,7 +3,8 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
-use crate::route::Routed;
+use crate::handlers;
+use crate::route::{Arg, Routed};
 use crate::table::{Class, format_version};
 
 /// The `hook_macros::hooks!` input: one `extern "C"` block whose items carry their routing in a
@@ -17,13 +18,23 @@ pub fn hooks_input(routed: &[Routed]) -> String {
             function.class.key().replace('-', "_")
         );
         if let Some(handler) = &function.handler {
-            let _ = write!(attr, ", handler = crate::{handler}");
-            if !function.args.is_empty() {
-                let _ = write!(attr, ", args({})", function.args.join(", "));
-            }
+            let args: Vec<String> = function
+                .args
+                .iter()
+                .map(|arg| match arg {
+                    Arg::Call => handlers::CALL.to_string(),
+                    Arg::EntryPoint => handlers::ENTRY_POINT.to_string(),
+                    Arg::Param(name) => name.clone(),
+                    Arg::PerThread(value) => format!("{} = {value}", handlers::PER_THREAD),
+                })
+                .collect();
+            let _ = write!(attr, ", handler = crate::{handler}, args({})", args.join(", "));
             if let Some(fast_path) = &function.fast_path {
                 let _ = write!(attr, ", fast_path = crate::{fast_path}");
             }
+        }
+        if function.suspendable {
+            attr.push_str(", suspendable");
         }
         let params: Vec<String> = function
             .prototype
@@ -68,7 +79,7 @@ pub fn coverage(routed: &[Routed], cuda_version: u32) -> String {
         .iter()
         .map(|function| {
             let handler = match &function.handler {
-                Some(handler) => format!("  {handler}({})", function.args.join(", ")),
+                Some(handler) => format!("  {handler}({})", function.shown_args().join(", ")),
                 None => String::new(),
             };
             // Shown so that losing a fast path (the handler back on every call) is a snapshot
@@ -76,6 +87,12 @@ pub fn coverage(routed: &[Routed], cuda_version: u32) -> String {
             let handler = match &function.fast_path {
                 Some(fast_path) => format!("{handler}  fast: {fast_path}"),
                 None => handler,
+            };
+            // The generated prologue that holds the call while `vgpu-smi suspend` holds the process.
+            let handler = if function.suspendable {
+                format!("{handler}  suspendable")
+            } else {
+                handler
             };
             format!(
                 "{:width$}  {:16}{handler}",

@@ -1,13 +1,15 @@
 //! Code generation for the vgpu hook.
 //!
 //! The pipeline: locate the headers ([`headers`]), read every prototype with bindgen and syn
-//! ([`prototypes`]), join them with `cuda-api.toml` ([`table`], [`route`]), and emit the input of
+//! ([`prototypes`]), join them with `cuda-api.toml` ([`table`], [`route`]) and the handlers'
+//! signatures ([`handlers`]), and emit the input of
 //! the hook macros plus a human-readable coverage listing ([`emit`]). [`variants`] reads
 //! `cudaTypedefs.h` to learn which CUDA version introduced each versioned entry point;
 //! [`compat`] absorbs struct and constant differences between releases.
 
 pub mod compat;
 pub mod emit;
+pub mod handlers;
 pub mod headers;
 pub mod prototypes;
 pub mod route;
@@ -75,22 +77,44 @@ pub struct Generated {
     pub variants: Vec<variants::VariantSet>,
 }
 
-/// Runs the whole pipeline over the headers in `include_dir` and the table at `table_path`.
-pub fn generate(include_dir: &Path, table_path: &Path) -> Result<Generated> {
+/// What bindgen reads from one header folder: the slow half of the pipeline, shared by the hook,
+/// the fake driver and the tests.
+pub struct Headers {
+    pub cuda: prototypes::Header,
+    pub nvml: prototypes::Header,
+    /// Which variant of each base name each CUDA version gets from `cuGetProcAddress`.
+    pub variants: Vec<variants::VariantSet>,
+}
+
+/// Reads `cuda.h` (with the interop headers), `nvml.h` and `cudaTypedefs.h` in `include_dir`.
+pub fn read_headers(include_dir: &Path) -> Result<Headers> {
     let cuda = prototypes::read_header(Library::Cuda, include_dir)?;
     let nvml = prototypes::read_header(Library::Nvml, include_dir)?;
-    let table = table::Table::load(table_path)?;
-    let mut routed = route::join(&cuda, &table, Library::Cuda, cuda.version)?;
-    routed.extend(route::join(&nvml, &table, Library::Nvml, cuda.version)?);
-    table.check_all_used(&routed, cuda.version)?;
     let variants = variants::read(include_dir, &cuda.functions)?;
+    Ok(Headers { cuda, nvml, variants })
+}
+
+/// Runs the whole pipeline over the headers in `include_dir`, the table at `table_path` and the
+/// handlers defined below `handlers_src` (the hook's `src` folder).
+pub fn generate(include_dir: &Path, table_path: &Path, handlers_src: &Path) -> Result<Generated> {
+    generate_from(&read_headers(include_dir)?, table_path, handlers_src)
+}
+
+/// The pipeline's second half: joins headers already read with the table and the handlers.
+pub fn generate_from(headers: &Headers, table_path: &Path, handlers_src: &Path) -> Result<Generated> {
+    let (cuda, nvml) = (&headers.cuda, &headers.nvml);
+    let table = table::Table::load(table_path)?;
+    let handlers = handlers::Handlers::load(handlers_src)?;
+    let mut routed = route::join(cuda, &table, &handlers, Library::Cuda, cuda.version)?;
+    routed.extend(route::join(nvml, &table, &handlers, Library::Nvml, cuda.version)?);
+    table.check_all_used(&routed, cuda.version)?;
     Ok(Generated {
         cuda_version: cuda.version,
         hooks_input: emit::hooks_input(&routed),
         coverage: emit::coverage(&routed, cuda.version),
-        cuda_types: cuda.types,
-        nvml_types: nvml.types,
+        cuda_types: cuda.types.clone(),
+        nvml_types: nvml.types.clone(),
         routed,
-        variants,
+        variants: headers.variants.clone(),
     })
 }

@@ -23,7 +23,11 @@ fn main() -> ExitCode {
             }
         },
     };
-    match vgpu_codegen::generate(&include_dir, &root.join("cuda-api.toml")) {
+    match vgpu_codegen::generate(
+        &include_dir,
+        &root.join("cuda-api.toml"),
+        &root.join("hook").join("src"),
+    ) {
         Ok(generated) => {
             print!(
                 "{}",

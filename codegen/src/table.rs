@@ -1,6 +1,6 @@
 //! `cuda-api.toml`: the single source of truth for which entry points are special.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 
 use serde::Deserialize;
@@ -38,16 +38,25 @@ impl Class {
 #[serde(deny_unknown_fields)]
 pub struct Entry {
     pub class: Class,
-    /// Path below the hook crate's root, e.g. `memory::alloc`. Required unless passthrough.
+    /// Path below the hook crate's root, e.g. `memory::alloc`. Required unless passthrough. Its
+    /// parameters bind by name ([`crate::handlers`]).
     #[serde(default)]
     pub handler: Option<String>,
-    /// The parameters the handler receives, by their header names, after the call itself.
-    #[serde(default)]
-    pub args: Vec<String>,
     /// A `fn() -> bool` below the hook crate's root: while it returns true the wrapper calls the
     /// real function directly, skipping the handler (e.g. launches while nothing is limited).
     #[serde(default)]
     pub fast_path: Option<String>,
+    /// The wrapper first waits while `vgpu-smi suspend` holds the process (copies, sets,
+    /// launches): a prologue the generator writes, before the fast path and the handler.
+    #[serde(default)]
+    pub suspendable: bool,
+    /// Header parameters that some of the functions name differently, by the name the handler
+    /// knows them by: `{ hGraph = "hGraphExec" }`.
+    #[serde(default)]
+    pub aliases: BTreeMap<String, String>,
+    /// The functions, by their exact names. Naming one variant of a family (a base name and its
+    /// `_vN`, `_ptsz`, `_ptds`) claims the family: every variant the headers declare must then be
+    /// in some entry, or the build fails naming it.
     pub functions: Vec<String>,
     /// First CUDA version (as in `CUDA_VERSION`, e.g. 12030) whose headers have these functions.
     #[serde(default)]
@@ -108,6 +117,11 @@ impl Table {
             match (entry.class, &entry.handler) {
                 (Class::Passthrough, Some(_)) => {
                     return Err(Error(format!("{label}: a passthrough entry takes no handler")));
+                }
+                (Class::Passthrough, None) if !entry.suspendable && entry.why.is_none() => {
+                    return Err(Error(format!(
+                        "{label}: a passthrough entry is listed for the reader: say `why`"
+                    )));
                 }
                 (Class::Passthrough, None) => {}
                 (_, None) => return Err(Error(format!("{label}: class {} needs a handler", entry.class.key()))),
@@ -204,7 +218,8 @@ mod tests {
 
     #[test]
     fn fast_path_needs_a_handler() {
-        let without_handler = "[[entry]]\nclass = \"passthrough\"\nfast_path = \"a::b\"\nfunctions = [\"cuInit\"]\n";
+        let without_handler =
+            "[[entry]]\nclass = \"passthrough\"\nfast_path = \"a::b\"\nwhy = \"x\"\nfunctions = [\"cuInit\"]\n";
         assert!(Table::parse(without_handler).is_err());
         let with_handler =
             "[[entry]]\nclass = \"overridden\"\nhandler = \"a::b\"\nfast_path = \"a::c\"\nfunctions = [\"cuInit\"]\n";
@@ -219,12 +234,22 @@ mod tests {
     }
 
     #[test]
+    fn a_listed_passthrough_says_why_or_is_suspendable() {
+        let bare = "[[entry]]\nclass = \"passthrough\"\nfunctions = [\"cuMemcpy\"]\n";
+        let error = Table::parse(bare).err().map(|e| e.0).unwrap_or_default();
+        assert!(error.contains("listed for the reader: say `why`"), "{error}");
+        let suspendable = "[[entry]]\nclass = \"passthrough\"\nsuspendable = true\nfunctions = [\"cuMemcpy\"]\n";
+        assert!(Table::parse(suspendable).is_ok_and(|t| t.entries[0].suspendable));
+    }
+
+    #[test]
     fn version_ranges() {
         let entry = Entry {
             class: Class::Passthrough,
             handler: None,
-            args: vec![],
             fast_path: None,
+            suspendable: false,
+            aliases: BTreeMap::new(),
             functions: vec!["x".into()],
             since: Some(12030),
             until: Some(13000),

@@ -2,14 +2,17 @@
 //!
 //! - one exported `extern "C"` wrapper per function, whose body runs under `catch_unwind`, resolves
 //!   the real function lazily through its slot, and either forwards the call (passthrough) or hands
-//!   a closure that makes the call to the handler the table names;
+//!   a closure that makes the call to the handler the table names; a `suspendable` function first
+//!   waits while `vgpu-smi suspend` holds the process (`crate::suspend::wait_while_suspended`);
 //! - `EXPORTS`: every function's name, wrapper address and real-function slot, sorted by name (the
 //!   table that `dlsym` and `cuGetProcAddress` answer from);
 //! - `real::<name>()`: typed access to each real function for the runtime's own calls.
 //!
 //! Input: `extern "C" { #[vgpu(library = cuda, class = memory_accounted,
-//! handler = crate::memory::alloc, args(dptr, bytesize))] fn cuMemAlloc_v2(..) -> CUresult; .. }`.
-//! An argument may also be a constant the generator states, `args(.., per_thread = true)`.
+//! handler = crate::memory::alloc, args(call, dptr, bytesize))] fn cuMemAlloc_v2(..) -> CUresult; .. }`.
+//! `args` are in the handler's parameter order, which the generator bound by name: `call` is the
+//! closure that calls the real function, `entry_point` the function's name, a constant the
+//! generator states is `per_thread = true`, and any other name is the wrapper's parameter.
 
 use proc_macro::TokenStream;
 use proc_macro2::{Span, TokenStream as TokenStream2};
@@ -22,9 +25,23 @@ struct Function {
     library: Ident,
     /// The handler and its arguments: parameter names, or constants the generator states
     /// (`per_thread = true`).
-    handler: Option<(Path, Vec<TokenStream2>)>,
+    handler: Option<(Path, Vec<Arg>)>,
     /// While this `fn() -> bool` holds, the wrapper calls the real function without the handler.
     fast_path: Option<Path>,
+    /// Whether the wrapper first waits while the process is suspended.
+    suspendable: bool,
+}
+
+/// One handler argument.
+enum Arg {
+    /// The closure that calls the real function.
+    Call,
+    /// The function's name.
+    EntryPoint,
+    /// A constant the generator states.
+    Constant(syn::LitBool),
+    /// The wrapper's parameter of this name.
+    Param(Ident),
 }
 
 struct Input {
@@ -44,6 +61,7 @@ impl Parse for Input {
             let mut handler_path = None;
             let mut handler_args = Vec::new();
             let mut fast_path = None;
+            let mut suspendable = false;
             let attrs = std::mem::take(&mut item.attrs);
             for attr in attrs {
                 if !attr.path().is_ident("vgpu") {
@@ -59,15 +77,20 @@ impl Parse for Input {
                         handler_path = Some(meta.value()?.parse::<Path>()?);
                     } else if meta.path.is_ident("fast_path") {
                         fast_path = Some(meta.value()?.parse::<Path>()?);
+                    } else if meta.path.is_ident("suspendable") {
+                        suspendable = true;
                     } else if meta.path.is_ident("args") {
                         meta.parse_nested_meta(|arg| {
                             let ident = arg.path.require_ident()?.clone();
                             if arg.input.peek(syn::Token![=]) {
                                 // A constant the generator states, passed as its value.
-                                let value: syn::LitBool = arg.value()?.parse()?;
-                                handler_args.push(quote!(#value));
+                                handler_args.push(Arg::Constant(arg.value()?.parse()?));
+                            } else if ident == "call" {
+                                handler_args.push(Arg::Call);
+                            } else if ident == "entry_point" {
+                                handler_args.push(Arg::EntryPoint);
                             } else {
-                                handler_args.push(quote!(#ident));
+                                handler_args.push(Arg::Param(ident));
                             }
                             Ok(())
                         })?;
@@ -91,11 +114,25 @@ impl Parse for Input {
                 (_, Some(path)) => Some((path, handler_args)),
                 (_, None) => return Err(syn::Error::new_spanned(class, "this class needs a handler")),
             };
+            if let Some((_, args)) = &handler {
+                for arg in args {
+                    if let Arg::Param(ident) = arg {
+                        let known = item.sig.inputs.iter().any(|input| {
+                            matches!(input, syn::FnArg::Typed(typed)
+                                if matches!(typed.pat.as_ref(), syn::Pat::Ident(p) if p.ident == *ident))
+                        });
+                        if !known {
+                            return Err(syn::Error::new_spanned(ident, "not a parameter of this function"));
+                        }
+                    }
+                }
+            }
             functions.push(Function {
                 item,
                 library,
                 handler,
                 fast_path,
+                suspendable,
             });
         }
         Ok(Input { functions })
@@ -199,6 +236,12 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
         let body = match &function.handler {
             None => passthrough,
             Some((path, args)) => {
+                let args = args.iter().map(|arg| match arg {
+                    Arg::Call => quote!(move || unsafe { real(#(#param_names),*) }),
+                    Arg::EntryPoint => quote!(#name_text),
+                    Arg::Constant(value) => quote!(#value),
+                    Arg::Param(ident) => quote!(#ident),
+                });
                 let handled = quote! {
                     crate::real::guard(#name_text, #panicked, move || {
                         let Some(address) = EXPORTS[#index].real_address() else {
@@ -206,8 +249,9 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
                         };
                         // SAFETY: as for passthrough functions: the real function of this name.
                         let real = unsafe { ::core::mem::transmute::<*mut ::core::ffi::c_void, #real_type>(address) };
-                        // SAFETY (the closure): the application's arguments, passed on unchanged.
-                        #path(#name_text, move || unsafe { real(#(#param_names),*) }, #(#args),*)
+                        // SAFETY (the closure, `call`): the application's arguments, passed on
+                        // unchanged.
+                        #path(#(#args),*)
                     })
                 };
                 if function.fast_path.is_some() {
@@ -227,10 +271,18 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
                 }
             }
         };
+        // Copies, sets and launches hold while `vgpu-smi suspend` holds the process: the check is
+        // two loads; the wait itself runs under its own panic guard.
+        let prologue = if function.suspendable {
+            quote!(crate::suspend::wait_while_suspended();)
+        } else {
+            quote!()
+        };
         wrappers.push(quote! {
             #[allow(non_snake_case, clippy::too_many_arguments, clippy::missing_safety_doc)]
             #[cfg_attr(not(test), unsafe(no_mangle))]
             pub unsafe extern "C" fn #name(#(#param_names: #param_types),*) -> #ret {
+                #prologue
                 #body
             }
         });

@@ -13,7 +13,7 @@ pub fn config() -> Result<&'static Config, &'static ConfigError> {
 }
 
 /// `cuInit`: a malformed limit fails initialisation (fail closed) instead of running unlimited.
-pub fn cu_init(_name: &'static str, call: impl FnOnce() -> CUresult, _flags: std::ffi::c_uint) -> CUresult {
+pub fn cu_init(call: impl FnOnce() -> CUresult) -> CUresult {
     crate::log::ensure();
     let config = match config() {
         Ok(config) => config,

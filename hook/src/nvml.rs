@@ -78,7 +78,6 @@ pub fn virtual_memory(physical_total: u64, physical_free: u64, limit: u64, used:
 
 /// `nvmlDeviceGetMemoryInfo` and `_v2`.
 pub fn device_memory_info<M: MemoryReport>(
-    _name: &'static str,
     call: impl FnOnce() -> nvmlReturn_t,
     device: nvmlDevice_t,
     memory: *mut M,
@@ -322,7 +321,6 @@ fn write_process_list<P: ProcessInfo>(
 /// `nvmlDeviceGetComputeRunningProcesses`, `_v2` and `_v3`: the region's live processes on the
 /// GPU with the memory charged to them, when it has any there; NVML's own answer otherwise.
 pub fn running_compute_processes<P: ProcessInfo>(
-    _name: &'static str,
     call: impl FnOnce() -> nvmlReturn_t,
     device: nvmlDevice_t,
     info_count: *mut c_uint,
@@ -339,7 +337,6 @@ pub fn running_compute_processes<P: ProcessInfo>(
 /// here too would make nvidia-smi show each as "C+G", and other containers' processes are not
 /// the container's to see); NVML's own answer otherwise.
 pub fn running_graphics_processes<P: ProcessInfo>(
-    _name: &'static str,
     call: impl FnOnce() -> nvmlReturn_t,
     device: nvmlDevice_t,
     info_count: *mut c_uint,
@@ -364,7 +361,6 @@ fn measured_utilisation(device: nvmlDevice_t) -> Option<u32> {
 /// `nvmlDeviceGetUtilizationRates`: NVML's figure, unless it reports 0% (or cannot measure) while
 /// the region's processes run on the GPU: then the library's own measurement.
 pub fn utilization_rates(
-    _name: &'static str,
     call: impl FnOnce() -> nvmlReturn_t,
     device: nvmlDevice_t,
     utilization: *mut crate::sys::nvml::nvmlUtilization_t,
@@ -398,13 +394,13 @@ pub fn utilization_rates(
 /// the library's measurement, stamped now. Same sizing protocol as NVML: too small a count (or a
 /// null buffer) gets `NVML_ERROR_INSUFFICIENT_SIZE` and the count needed.
 pub fn process_utilization(
-    _name: &'static str,
     call: impl FnOnce() -> nvmlReturn_t,
     device: nvmlDevice_t,
-    samples: *mut crate::sys::nvml::nvmlProcessUtilizationSample_t,
-    sample_count: *mut c_uint,
+    utilization: *mut crate::sys::nvml::nvmlProcessUtilizationSample_t,
+    process_samples_count: *mut c_uint,
     last_seen_time_stamp: std::ffi::c_ulonglong,
 ) -> nvmlReturn_t {
+    let (samples, sample_count) = (utilization, process_samples_count);
     use crate::sys::nvml::{NVML_ERROR_INSUFFICIENT_SIZE, NVML_ERROR_INVALID_ARGUMENT, NVML_ERROR_NOT_FOUND};
     let result = call();
     if result != NVML_ERROR_NOT_FOUND {

@@ -1,6 +1,7 @@
 //! Suspending a process's GPU work from outside: `vgpu-smi suspend` sets the `suspend` field of
-//! the process's slot extension in the shared region, `vgpu-smi resume` clears it. Launches and
-//! copies call [`wait_while_suspended`] first and hold there while it is set. This replaces
+//! the process's slot extension in the shared region, `vgpu-smi resume` clears it. The wrappers of
+//! launches, copies and sets (`suspendable` in `cuda-api.toml`) call [`wait_while_suspended`]
+//! first, a prologue the generator writes, and hold there while it is set. This replaces
 //! HAMi-core's SIGUSR1/SIGUSR2 handlers: the library never installs a signal handler.
 //!
 //! Cost when not suspended: two loads (the flag's address, set when the process attaches to the
@@ -30,14 +31,9 @@ pub fn suspended() -> bool {
     !flag.is_null() && unsafe { &*flag }.load(Ordering::Acquire) != 0
 }
 
-/// The table's fast path for copies: while not suspended they go straight to the driver.
-#[inline(always)]
-pub fn running() -> bool {
-    !suspended()
-}
-
 /// Returns at once unless this process's slot is suspended; otherwise sleeps until it is resumed.
-/// A process that has not initialised CUDA (no region, no slot) is never suspended.
+/// A process that has not initialised CUDA (no region, no slot) is never suspended. It runs in
+/// the wrapper before its panic guard, so the wait has a guard of its own.
 #[inline(always)]
 pub fn wait_while_suspended() {
     if suspended() {
@@ -48,16 +44,17 @@ pub fn wait_while_suspended() {
 #[cold]
 #[inline(never)]
 fn wait_for_resume() {
-    tracing::info!("suspended by vgpu-smi: GPU work waits until `vgpu-smi resume`");
-    while suspended() {
-        std::thread::sleep(POLL_INTERVAL);
+    let waited = std::panic::catch_unwind(|| {
+        tracing::info!("suspended by vgpu-smi: GPU work waits until `vgpu-smi resume`");
+        while suspended() {
+            std::thread::sleep(POLL_INTERVAL);
+        }
+        tracing::info!("resumed");
+    });
+    // A panic (in logging) must not cross into C: the call goes on once resumed.
+    if waited.is_err() {
+        while suspended() {
+            std::thread::sleep(POLL_INTERVAL);
+        }
     }
-    tracing::info!("resumed");
-}
-
-/// A table handler for entry points that only need the wait (copies, sets): `cuda-api.toml`
-/// routes them here with no arguments; the call is made once the process is not suspended.
-pub fn gate<R>(_name: &'static str, call: impl FnOnce() -> R) -> R {
-    wait_while_suspended();
-    call()
 }

@@ -8,7 +8,10 @@
 //!   variants `cuGetProcAddress` chooses from.
 //!
 //! Hand-written exports are found by parsing `src/**/*.rs` with syn and collecting the functions
-//! marked `#[unsafe(no_mangle)]`.
+//! marked `#[unsafe(no_mangle)]`. A function of a newer release is written under
+//! `#[cfg(cuda_api = "13050")]` (the `CUDA_VERSION` that introduced it): this script sets
+//! `cuda_api` to every supported release up to the headers' own, so it exists exactly where the
+//! headers declare it.
 
 use std::collections::BTreeMap;
 use std::error::Error;
@@ -44,10 +47,20 @@ fn main() -> Result<()> {
     let nvml = prototypes::read_header(Library::Nvml, &include_dir)?;
     let variant_sets = variants::read(&include_dir, &cuda.functions)?;
 
+    let releases = cuda_api_releases(cuda.version);
+    let values: Vec<String> = headers::versions()
+        .iter()
+        .map(|v| format!("\"{}\"", release_number(v)))
+        .collect();
+    println!("cargo::rustc-check-cfg=cfg(cuda_api, values({}))", values.join(", "));
+    for release in &releases {
+        println!("cargo::rustc-cfg=cuda_api=\"{release}\"");
+    }
+
     let src = manifest_dir.join("src");
     println!("cargo:rerun-if-changed={}", src.display());
     let mut hand_written = BTreeMap::new();
-    collect_hand_written(&src, &src, &mut hand_written)?;
+    collect_hand_written(&src, &src, &releases, &mut hand_written)?;
 
     let exports = exports_source(&cuda.functions, &nvml.functions, &hand_written, &variant_sets)?;
     std::fs::write(out_dir.join("cuda_types.rs"), &cuda.types)?;
@@ -56,16 +69,33 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// `13.5` as `13050`, as in `CUDA_VERSION`.
+fn release_number(version: &str) -> u32 {
+    let (major, minor) = version.split_once('.').unwrap_or((version, "0"));
+    major.parse::<u32>().unwrap_or(0) * 1000 + minor.parse::<u32>().unwrap_or(0) * 10
+}
+
+/// The supported releases up to the headers' `CUDA_VERSION`: the values `cuda_api` is set to.
+fn cuda_api_releases(version: u32) -> Vec<u32> {
+    let mut releases: Vec<u32> = headers::versions()
+        .iter()
+        .map(|v| release_number(v))
+        .filter(|&release| release <= version)
+        .collect();
+    releases.sort_unstable();
+    releases
+}
+
 /// Walks `dir` and records, for every `#[unsafe(no_mangle)]` function, the Rust path of the module
 /// that defines it (`crate::memory`).
-fn collect_hand_written(src: &Path, dir: &Path, found: &mut BTreeMap<String, String>) -> Result<()> {
+fn collect_hand_written(src: &Path, dir: &Path, releases: &[u32], found: &mut BTreeMap<String, String>) -> Result<()> {
     let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)?
         .map(|e| e.map(|e| e.path()))
         .collect::<std::io::Result<_>>()?;
     entries.sort();
     for path in entries {
         if path.is_dir() {
-            collect_hand_written(src, &path, found)?;
+            collect_hand_written(src, &path, releases, found)?;
             continue;
         }
         if path.extension().is_none_or(|ext| ext != "rs") {
@@ -75,7 +105,7 @@ fn collect_hand_written(src: &Path, dir: &Path, found: &mut BTreeMap<String, Str
         let text = std::fs::read_to_string(&path)?;
         let file = syn::parse_file(&text).map_err(|e| format!("{}: {e}", path.display()))?;
         let module = module_path(src, &path)?;
-        collect_items(&file.items, &module, found)?;
+        collect_items(&file.items, &module, releases, found)?;
     }
     Ok(())
 }
@@ -97,10 +127,17 @@ fn module_path(src: &Path, file: &Path) -> Result<String> {
     Ok(path)
 }
 
-fn collect_items(items: &[syn::Item], module: &str, found: &mut BTreeMap<String, String>) -> Result<()> {
+fn collect_items(
+    items: &[syn::Item],
+    module: &str,
+    releases: &[u32],
+    found: &mut BTreeMap<String, String>,
+) -> Result<()> {
     for item in items {
         match item {
-            syn::Item::Fn(function) if function.attrs.iter().any(is_no_mangle) => {
+            syn::Item::Fn(function)
+                if function.attrs.iter().any(is_no_mangle) && compiled(&function.attrs, releases) =>
+            {
                 let name = function.sig.ident.to_string();
                 if let Some(previous) = found.insert(name.clone(), module.to_string()) {
                     return Err(format!("{name} is exported twice ({previous} and {module})").into());
@@ -108,13 +145,35 @@ fn collect_items(items: &[syn::Item], module: &str, found: &mut BTreeMap<String,
             }
             syn::Item::Mod(inner) => {
                 if let Some((_, items)) = &inner.content {
-                    collect_items(items, &format!("{module}::{}", inner.ident), found)?;
+                    collect_items(items, &format!("{module}::{}", inner.ident), releases, found)?;
                 }
             }
             _ => {}
         }
     }
     Ok(())
+}
+
+/// Whether an item's `#[cfg(cuda_api = "N")]` (if any) holds for these headers.
+fn compiled(attrs: &[syn::Attribute], releases: &[u32]) -> bool {
+    attrs.iter().filter(|attr| attr.path().is_ident("cfg")).all(|attr| {
+        let Ok(syn::Meta::NameValue(value)) = attr.parse_args::<syn::Meta>() else {
+            return true;
+        };
+        if !value.path.is_ident("cuda_api") {
+            return true;
+        }
+        match &value.value {
+            syn::Expr::Lit(syn::ExprLit {
+                lit: syn::Lit::Str(text),
+                ..
+            }) => text
+                .value()
+                .parse::<u32>()
+                .is_ok_and(|release| releases.contains(&release)),
+            _ => true,
+        }
+    })
 }
 
 fn is_no_mangle(attr: &syn::Attribute) -> bool {

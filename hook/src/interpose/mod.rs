@@ -3,4 +3,4 @@
 pub mod dlsym;
 pub mod proc_address;
 
-pub use proc_address::{get_proc_address, get_proc_address_v2};
+pub use proc_address::get_proc_address;

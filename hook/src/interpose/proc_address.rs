@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::hooks::EXPORTS;
 use crate::real::Library;
-use crate::sys::cuda::{CUDA_SUCCESS, CUdriverProcAddressQueryResult, CUresult, cuuint64_t};
+use crate::sys::cuda::{CUDA_SUCCESS, CUresult, cuuint64_t};
 
 /// Answers we returned unchanged because the real address is none of our exports.
 static UNMAPPED: AtomicU64 = AtomicU64::new(0);
@@ -124,31 +124,17 @@ fn symbol_at(address: *mut c_void) -> String {
 
 /// `cuGetProcAddress` (CUDA 11.3 form).
 pub fn get_proc_address(
-    _name: &'static str,
     call: impl FnOnce() -> CUresult,
     symbol: *const c_char,
     pfn: *mut *mut c_void,
-    version: c_int,
+    cuda_version: c_int,
     flags: cuuint64_t,
 ) -> CUresult {
     crate::log::ensure();
     let result = call();
     if result == CUDA_SUCCESS {
         // SAFETY: the driver accepted these pointers and wrote *pfn.
-        unsafe { map_answer(symbol, pfn, version, flags) };
+        unsafe { map_answer(symbol, pfn, cuda_version, flags) };
     }
     result
-}
-
-/// `cuGetProcAddress_v2` (CUDA 12.0 form, with the query result, which is left as the driver set it).
-pub fn get_proc_address_v2(
-    _name: &'static str,
-    call: impl FnOnce() -> CUresult,
-    symbol: *const c_char,
-    pfn: *mut *mut c_void,
-    version: c_int,
-    flags: cuuint64_t,
-    _status: *mut CUdriverProcAddressQueryResult,
-) -> CUresult {
-    get_proc_address(_name, call, symbol, pfn, version, flags)
 }

@@ -253,12 +253,7 @@ fn virtual_view(accounting: &Accounting, ordinal: CUdevice, free: u64, total: u6
 /// `cuMemGetInfo` and `_v2`. The driver accepts one NULL output and fills the other (OptiX asks
 /// for the total alone), so either one is virtualised on its own; with both NULL there is nothing
 /// to show and the driver's answer stands.
-pub fn get_info<S: DriverInt>(
-    _name: &'static str,
-    call: impl FnOnce() -> CUresult,
-    free: *mut S,
-    total: *mut S,
-) -> CUresult {
+pub fn get_info<S: DriverInt>(call: impl FnOnce() -> CUresult, free: *mut S, total: *mut S) -> CUresult {
     let result = call();
     if result != CUDA_SUCCESS || (free.is_null() && total.is_null()) {
         return result;
@@ -296,24 +291,19 @@ fn physical_total_memory(ordinal: CUdevice) -> Option<u64> {
 }
 
 /// `cuDeviceTotalMem` and `_v2`: the limit, when it is below the physical total.
-pub fn device_total_mem<S: DriverInt>(
-    _name: &'static str,
-    call: impl FnOnce() -> CUresult,
-    bytes: *mut S,
-    device: CUdevice,
-) -> CUresult {
+pub fn device_total_mem<S: DriverInt>(call: impl FnOnce() -> CUresult, bytes: *mut S, dev: CUdevice) -> CUresult {
     let result = call();
     if result != CUDA_SUCCESS {
         return result;
     }
     let limit = accounting()
-        .and_then(|a| a.device(device))
+        .and_then(|a| a.device(dev))
         .and_then(|d| d.limit)
         .or_else(|| {
             // Before cuInit's accounting starts (or without a region), the configuration still says.
             crate::init::config()
                 .ok()
-                .and_then(|config| config.memory_limit_of(usize::try_from(device).ok()?))
+                .and_then(|config| config.memory_limit_of(usize::try_from(dev).ok()?))
         });
     // SAFETY: the driver accepted and wrote the pointer.
     if let (Some(limit), Some(physical)) = (limit, unsafe { read(bytes) }) {
@@ -326,17 +316,12 @@ pub fn device_total_mem<S: DriverInt>(
 // ------------------------------------------------------------------ data
 
 /// `cuMemAlloc` and `_v2`.
-pub fn alloc<P: DriverInt, S: DriverInt>(
-    _name: &'static str,
-    call: impl FnOnce() -> CUresult,
-    dptr: *mut P,
-    size: S,
-) -> CUresult {
-    if dptr.is_null() || size.to_u64() == 0 {
+pub fn alloc<P: DriverInt, S: DriverInt>(call: impl FnOnce() -> CUresult, dptr: *mut P, bytesize: S) -> CUresult {
+    if dptr.is_null() || bytesize.to_u64() == 0 {
         return call();
     }
     // SAFETY: the driver wrote the pointer on success.
-    charged(None, MemoryKind::Data, size.to_u64(), call, Family::Pointer, || {
+    charged(None, MemoryKind::Data, bytesize.to_u64(), call, Family::Pointer, || {
         unsafe { read(dptr) }.map(P::to_u64)
     })
 }
@@ -344,16 +329,15 @@ pub fn alloc<P: DriverInt, S: DriverInt>(
 /// `cuMemAllocPitch` and `_v2`: reserves the width rounded to the pitch alignment times the
 /// height, then corrects to the returned pitch times the height.
 pub fn alloc_pitch<P: DriverInt, S: DriverInt>(
-    _name: &'static str,
     call: impl FnOnce() -> CUresult,
     dptr: *mut P,
-    pitch: *mut S,
-    width: S,
+    p_pitch: *mut S,
+    width_in_bytes: S,
     height: S,
-    _element_size: c_uint,
 ) -> CUresult {
     const PITCH_ALIGNMENT: u64 = 512;
-    let (width, height) = (width.to_u64(), height.to_u64());
+    let pitch = p_pitch;
+    let (width, height) = (width_in_bytes.to_u64(), height.to_u64());
     let estimate = width
         .checked_next_multiple_of(PITCH_ALIGNMENT)
         .and_then(|w| w.checked_mul(height));
@@ -411,14 +395,8 @@ pub fn alloc_pitch<P: DriverInt, S: DriverInt>(
 }
 
 /// `cuMemAllocManaged`: charged in full; it may all migrate to the device.
-pub fn alloc_managed(
-    name: &'static str,
-    call: impl FnOnce() -> CUresult,
-    dptr: *mut CUdeviceptr,
-    size: usize,
-    _flags: c_uint,
-) -> CUresult {
-    alloc(name, call, dptr, size)
+pub fn alloc_managed(call: impl FnOnce() -> CUresult, dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
+    alloc(call, dptr, bytesize)
 }
 
 // Stream-ordered pools are charged what they hold physically (their reserved memory), not what
@@ -469,7 +447,6 @@ fn sync_pools(accounting: &Accounting) {
 }
 
 fn pooled_alloc(
-    name: &'static str,
     call: impl FnOnce() -> CUresult,
     dptr: *mut CUdeviceptr,
     size: usize,
@@ -482,7 +459,7 @@ fn pooled_alloc(
         return call();
     };
     let Some(pool) = pool.filter(|pool| !pool.is_null()).or_else(|| device_pool(ordinal)) else {
-        return alloc(name, call, dptr, size);
+        return alloc(call, dptr, size);
     };
     if dptr.is_null() || size == 0 {
         return call();
@@ -518,7 +495,7 @@ fn pooled_alloc(
 /// `cuStreamSynchronize`, `cuCtxSynchronize`, `cuEventSynchronize`: pools return freed memory
 /// here, so their charges are brought up to date (processes without pools take the table's fast
 /// path, `no_pools`, and never get here; the check stays for a pool made meanwhile).
-pub fn synchronized(_name: &'static str, call: impl FnOnce() -> CUresult) -> CUresult {
+pub fn synchronized(call: impl FnOnce() -> CUresult) -> CUresult {
     let result = call();
     if let Some(accounting) = accounting()
         && accounting.ledger().has_pools()
@@ -529,26 +506,18 @@ pub fn synchronized(_name: &'static str, call: impl FnOnce() -> CUresult) -> CUr
 }
 
 /// `cuMemAllocAsync` and `_ptsz`: from the current device's pool.
-pub fn alloc_async(
-    name: &'static str,
-    call: impl FnOnce() -> CUresult,
-    dptr: *mut CUdeviceptr,
-    size: usize,
-    _stream: CUstream,
-) -> CUresult {
-    pooled_alloc(name, call, dptr, size, None)
+pub fn alloc_async(call: impl FnOnce() -> CUresult, dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
+    pooled_alloc(call, dptr, bytesize, None)
 }
 
 /// `cuMemAllocFromPoolAsync` and `_ptsz`.
 pub fn alloc_from_pool_async(
-    name: &'static str,
     call: impl FnOnce() -> CUresult,
     dptr: *mut CUdeviceptr,
-    size: usize,
+    bytesize: usize,
     pool: CUmemoryPool,
-    _stream: CUstream,
 ) -> CUresult {
-    pooled_alloc(name, call, dptr, size, Some(pool))
+    pooled_alloc(call, dptr, bytesize, Some(pool))
 }
 
 /// Frees a pointer: from a pool (the pool's charge follows its reserved memory) or charged itself.
@@ -568,22 +537,17 @@ fn free_pointer(call: impl FnOnce() -> CUresult, pointer: u64) -> CUresult {
 }
 
 /// `cuMemFree` and `_v2`.
-pub fn free<P: DriverInt>(_name: &'static str, call: impl FnOnce() -> CUresult, dptr: P) -> CUresult {
+pub fn free<P: DriverInt>(call: impl FnOnce() -> CUresult, dptr: P) -> CUresult {
     free_pointer(call, dptr.to_u64())
 }
 
 /// `cuMemFreeAsync` and `_ptsz`.
-pub fn free_async(
-    _name: &'static str,
-    call: impl FnOnce() -> CUresult,
-    dptr: CUdeviceptr,
-    _stream: CUstream,
-) -> CUresult {
+pub fn free_async(call: impl FnOnce() -> CUresult, dptr: CUdeviceptr) -> CUresult {
     free_pointer(call, dptr)
 }
 
 /// `cuMemPoolTrimTo`: the pool's charge follows what it still holds.
-pub fn pool_trim(_name: &'static str, call: impl FnOnce() -> CUresult, pool: CUmemoryPool, _keep: usize) -> CUresult {
+pub fn pool_trim(call: impl FnOnce() -> CUresult, pool: CUmemoryPool) -> CUresult {
     let result = call();
     if result == CUDA_SUCCESS
         && let Some(accounting) = accounting()
@@ -595,7 +559,7 @@ pub fn pool_trim(_name: &'static str, call: impl FnOnce() -> CUresult, pool: CUm
 }
 
 /// `cuMemPoolDestroy`: the pool's charge goes with it.
-pub fn pool_destroy(_name: &'static str, call: impl FnOnce() -> CUresult, pool: CUmemoryPool) -> CUresult {
+pub fn pool_destroy(call: impl FnOnce() -> CUresult, pool: CUmemoryPool) -> CUresult {
     let result = call();
     if result == CUDA_SUCCESS
         && let Some(accounting) = accounting()
@@ -613,12 +577,10 @@ pub fn pool_destroy(_name: &'static str, call: impl FnOnce() -> CUresult, pool: 
 /// `cuMemCreate`: charged to the device in the allocation's location (a locality domain is
 /// part of its device); host locations are not device memory.
 pub fn create(
-    _name: &'static str,
     call: impl FnOnce() -> CUresult,
     handle: *mut CUmemGenericAllocationHandle,
     size: usize,
     prop: *const CUmemAllocationProp,
-    _flags: u64,
 ) -> CUresult {
     // SAFETY: the driver requires a valid prop; null is checked.
     let Some(prop) = (unsafe { read(prop) }) else {
@@ -643,7 +605,7 @@ pub fn create(
 }
 
 /// `cuMemRelease`.
-pub fn release(_name: &'static str, call: impl FnOnce() -> CUresult, handle: CUmemGenericAllocationHandle) -> CUresult {
+pub fn release(call: impl FnOnce() -> CUresult, handle: CUmemGenericAllocationHandle) -> CUresult {
     released(Family::PhysicalHandle, handle, call)
 }
 
@@ -651,59 +613,53 @@ pub fn release(_name: &'static str, call: impl FnOnce() -> CUresult, handle: CUm
 
 /// `cuArrayCreate` and `_v2`.
 pub fn array_create<D: ArrayDescriptor>(
-    _name: &'static str,
     call: impl FnOnce() -> CUresult,
-    handle: *mut CUarray,
-    descriptor: *const D,
+    p_handle: *mut CUarray,
+    p_allocate_array: *const D,
 ) -> CUresult {
     // SAFETY: null is checked; otherwise the driver requires a valid descriptor.
-    let Some(bytes) = unsafe { descriptor.as_ref() }.and_then(ArrayDescriptor::bytes) else {
+    let Some(bytes) = unsafe { p_allocate_array.as_ref() }.and_then(ArrayDescriptor::bytes) else {
         return call();
     };
     // SAFETY: the driver wrote the handle on success.
-    let key = || unsafe { read(handle) }.map(|array| array as u64);
+    let key = || unsafe { read(p_handle) }.map(|array| array as u64);
     charged(None, MemoryKind::Data, bytes, call, Family::Array, key)
 }
 
 /// `cuArray3DCreate` and `_v2`.
 pub fn array3d_create<D: ArrayDescriptor>(
-    _name: &'static str,
     call: impl FnOnce() -> CUresult,
-    handle: *mut CUarray,
-    descriptor: *const D,
+    p_handle: *mut CUarray,
+    p_allocate_array: *const D,
 ) -> CUresult {
-    array_create(_name, call, handle, descriptor)
+    array_create(call, p_handle, p_allocate_array)
 }
 
 /// `cuArrayDestroy`.
-pub fn array_destroy(_name: &'static str, call: impl FnOnce() -> CUresult, handle: CUarray) -> CUresult {
-    released(Family::Array, handle as u64, call)
+pub fn array_destroy(call: impl FnOnce() -> CUresult, h_array: CUarray) -> CUresult {
+    released(Family::Array, h_array as u64, call)
 }
 
 /// `cuMipmappedArrayCreate`.
 pub fn mipmapped_array_create(
-    _name: &'static str,
     call: impl FnOnce() -> CUresult,
-    handle: *mut CUmipmappedArray,
-    descriptor: *const CUDA_ARRAY3D_DESCRIPTOR,
-    levels: c_uint,
+    p_handle: *mut CUmipmappedArray,
+    p_mipmapped_array_desc: *const CUDA_ARRAY3D_DESCRIPTOR,
+    num_mipmap_levels: c_uint,
 ) -> CUresult {
     // SAFETY: null is checked; otherwise the driver requires a valid descriptor.
-    let Some(bytes) = unsafe { descriptor.as_ref() }.and_then(|d| mipmapped_bytes(d, levels)) else {
+    let Some(bytes) = unsafe { p_mipmapped_array_desc.as_ref() }.and_then(|d| mipmapped_bytes(d, num_mipmap_levels))
+    else {
         return call();
     };
     // SAFETY: the driver wrote the handle on success.
-    let key = || unsafe { read(handle) }.map(|h| h as u64);
+    let key = || unsafe { read(p_handle) }.map(|h| h as u64);
     charged(None, MemoryKind::Data, bytes, call, Family::MipmappedArray, key)
 }
 
 /// `cuMipmappedArrayDestroy`.
-pub fn mipmapped_array_destroy(
-    _name: &'static str,
-    call: impl FnOnce() -> CUresult,
-    handle: CUmipmappedArray,
-) -> CUresult {
-    released(Family::MipmappedArray, handle as u64, call)
+pub fn mipmapped_array_destroy(call: impl FnOnce() -> CUresult, h_mipmapped_array: CUmipmappedArray) -> CUresult {
+    released(Family::MipmappedArray, h_mipmapped_array as u64, call)
 }
 
 // ------------------------------------------------------------------ graph memory
@@ -731,29 +687,26 @@ fn graph_alloc_node(
 
 /// `cuGraphAddMemAllocNode`: the node's bytes are charged while the graph exists.
 pub fn graph_add_mem_alloc_node(
-    _name: &'static str,
     call: impl FnOnce() -> CUresult,
-    _node: *mut CUgraphNode,
-    graph: CUgraph,
-    params: *mut CUDA_MEM_ALLOC_NODE_PARAMS,
+    h_graph: CUgraph,
+    node_params: *mut CUDA_MEM_ALLOC_NODE_PARAMS,
 ) -> CUresult {
     // SAFETY: null is checked; otherwise the driver requires valid parameters.
-    let Some(params) = (unsafe { read(params) }) else {
+    let Some(params) = (unsafe { read(node_params) }) else {
         return call();
     };
-    graph_alloc_node(call, graph, params.bytesize, params.poolProps.location)
+    graph_alloc_node(call, h_graph, params.bytesize, params.poolProps.location)
 }
 
-/// `cuGraphAddNode` and `_v2`: charged like `cuGraphAddMemAllocNode` for memory allocation nodes.
+/// The `cuGraphAddNode` family: charged like `cuGraphAddMemAllocNode` for memory allocation
+/// nodes.
 pub fn graph_add_node(
-    _name: &'static str,
     call: impl FnOnce() -> CUresult,
-    _node: *mut CUgraphNode,
-    graph: CUgraph,
-    params: *mut CUgraphNodeParams,
+    h_graph: CUgraph,
+    node_params: *mut CUgraphNodeParams,
 ) -> CUresult {
     // SAFETY: null is checked; otherwise the driver requires valid parameters.
-    let Some(params) = (unsafe { params.as_ref() }) else {
+    let Some(params) = (unsafe { node_params.as_ref() }) else {
         return call();
     };
     if params.type_ != CU_GRAPH_NODE_TYPE_MEM_ALLOC {
@@ -761,64 +714,35 @@ pub fn graph_add_node(
     }
     // SAFETY: the type says the union holds allocation parameters.
     let alloc = unsafe { params.__bindgen_anon_1.alloc };
-    graph_alloc_node(call, graph, alloc.bytesize, alloc.poolProps.location)
-}
-
-/// The `cuGraphInstantiate` family: the memory was charged when its nodes were added.
-pub fn graph_instantiate(
-    _name: &'static str,
-    call: impl FnOnce() -> CUresult,
-    _exec: *mut CUgraphExec,
-    _graph: CUgraph,
-) -> CUresult {
-    call()
-}
-
-/// `cuGraphExecDestroy`.
-pub fn graph_exec_destroy(_name: &'static str, call: impl FnOnce() -> CUresult, _exec: CUgraphExec) -> CUresult {
-    call()
+    graph_alloc_node(call, h_graph, alloc.bytesize, alloc.poolProps.location)
 }
 
 /// `cuGraphDestroy`: releases its memory nodes' charges.
-pub fn graph_destroy(_name: &'static str, call: impl FnOnce() -> CUresult, graph: CUgraph) -> CUresult {
-    released(Family::Graph, graph as u64, call)
-}
-
-/// `cuDeviceGraphMemTrim`.
-pub fn graph_mem_trim(_name: &'static str, call: impl FnOnce() -> CUresult, _device: CUdevice) -> CUresult {
-    call()
+pub fn graph_destroy(call: impl FnOnce() -> CUresult, h_graph: CUgraph) -> CUresult {
+    released(Family::Graph, h_graph as u64, call)
 }
 
 // ------------------------------------------------------------------ contexts and modules
 
 /// The `cuCtxCreate` family: a context is charged what the driver took for it.
-pub fn ctx_create(
-    _name: &'static str,
-    call: impl FnOnce() -> CUresult,
-    context: *mut CUcontext,
-    device: CUdevice,
-) -> CUresult {
-    measured_and_recorded(Some(device), MemoryKind::Context, Family::Context, call, context)
+pub fn ctx_create(call: impl FnOnce() -> CUresult, pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
+    measured_and_recorded(Some(dev), MemoryKind::Context, Family::Context, call, pctx)
 }
 
 /// `cuCtxDestroy` and `_v2`.
-pub fn ctx_destroy(_name: &'static str, call: impl FnOnce() -> CUresult, context: CUcontext) -> CUresult {
-    let result = released(Family::Context, context as u64, call);
+pub fn ctx_destroy(call: impl FnOnce() -> CUresult, ctx: CUcontext) -> CUresult {
+    let result = released(Family::Context, ctx as u64, call);
     if result == CUDA_SUCCESS
         && let Some(accounting) = accounting()
     {
-        release_owned_by(accounting, context as u64);
+        release_owned_by(accounting, ctx as u64);
     }
     result
 }
 
 /// `cuDevicePrimaryCtxRetain`: the first retain creates the primary context and is charged.
-pub fn primary_ctx_retain(
-    _name: &'static str,
-    call: impl FnOnce() -> CUresult,
-    context: *mut CUcontext,
-    device: CUdevice,
-) -> CUresult {
+pub fn primary_ctx_retain(call: impl FnOnce() -> CUresult, pctx: *mut CUcontext, dev: CUdevice) -> CUresult {
+    let (context, device) = (pctx, dev);
     let Some(accounting) = accounting() else {
         return unaccounted(call);
     };
@@ -841,11 +765,18 @@ pub fn primary_ctx_retain(
     })
 }
 
-/// `cuDevicePrimaryCtxRelease`, `Reset` and their `_v2`: the charge goes with the last reference
-/// (a reset destroys the context whatever the count).
-pub fn primary_ctx_release(name: &'static str, call: impl FnOnce() -> CUresult, device: CUdevice) -> CUresult {
+/// `cuDevicePrimaryCtxRelease` and `_v2`: the charge goes with the last reference.
+pub fn primary_ctx_release(call: impl FnOnce() -> CUresult, dev: CUdevice) -> CUresult {
+    primary_ctx_drop(call, dev, false)
+}
+
+/// `cuDevicePrimaryCtxReset` and `_v2`: a reset destroys the context whatever the count.
+pub fn primary_ctx_reset(call: impl FnOnce() -> CUresult, dev: CUdevice) -> CUresult {
+    primary_ctx_drop(call, dev, true)
+}
+
+fn primary_ctx_drop(call: impl FnOnce() -> CUresult, device: CUdevice, reset: bool) -> CUresult {
     let Some(accounting) = accounting() else { return call() };
-    let reset = name.starts_with("cuDevicePrimaryCtxReset");
     accounting.ledger().with_primary(device, |primary| {
         let result = call();
         if result == CUDA_SUCCESS {
@@ -863,21 +794,21 @@ pub fn primary_ctx_release(name: &'static str, call: impl FnOnce() -> CUresult, 
 }
 
 /// The `cuModuleLoad` family: charged what the driver took for the module's code and data.
-pub fn module_load(_name: &'static str, call: impl FnOnce() -> CUresult, module: *mut CUmodule) -> CUresult {
+pub fn module_load(call: impl FnOnce() -> CUresult, module: *mut CUmodule) -> CUresult {
     measured_and_recorded(None, MemoryKind::Module, Family::Module, call, module)
 }
 
 /// `cuModuleUnload`.
-pub fn module_unload(_name: &'static str, call: impl FnOnce() -> CUresult, module: CUmodule) -> CUresult {
-    released(Family::Module, module as u64, call)
+pub fn module_unload(call: impl FnOnce() -> CUresult, hmod: CUmodule) -> CUresult {
+    released(Family::Module, hmod as u64, call)
 }
 
 /// The `cuLibraryLoad` family.
-pub fn library_load(_name: &'static str, call: impl FnOnce() -> CUresult, library: *mut CUlibrary) -> CUresult {
+pub fn library_load(call: impl FnOnce() -> CUresult, library: *mut CUlibrary) -> CUresult {
     measured_and_recorded(None, MemoryKind::Module, Family::Library, call, library)
 }
 
 /// `cuLibraryUnload`.
-pub fn library_unload(_name: &'static str, call: impl FnOnce() -> CUresult, library: CUlibrary) -> CUresult {
+pub fn library_unload(call: impl FnOnce() -> CUresult, library: CUlibrary) -> CUresult {
     released(Family::Library, library as u64, call)
 }

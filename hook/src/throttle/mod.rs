@@ -35,17 +35,12 @@ const ON: u8 = 2;
 
 static MODE: AtomicU8 = AtomicU8::new(UNDECIDED);
 
-/// The whole cost of the limiter when nothing is limited: one load and one branch.
+/// The whole cost of the limiter when nothing is limited: one load and one branch. The table's
+/// fast path of every launch entry point: while it holds, the generated wrapper calls the driver
+/// directly (after its suspend prologue).
 #[inline(always)]
-fn unlimited() -> bool {
+pub fn unlimited() -> bool {
     MODE.load(Ordering::Relaxed) == OFF
-}
-
-/// The generated wrappers of launch entry points call the driver directly when this holds:
-/// nothing is limited and `vgpu-smi` has not suspended the process (three loads, two branches).
-#[inline(always)]
-pub fn fast_path() -> bool {
-    unlimited() && !crate::suspend::suspended()
 }
 
 /// `CLOCK_MONOTONIC` in ns: the clock the region's bucket runs on, shared by all processes (the
@@ -108,36 +103,42 @@ fn limited(stream: Stream, key: u64, measurable: bool, call: impl FnOnce() -> CU
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub fn launch_kernel(
-    _name: &'static str,
     call: impl FnOnce() -> CUresult,
-    function: CUfunction,
-    grid_x: c_uint,
-    grid_y: c_uint,
-    grid_z: c_uint,
-    block_x: c_uint,
-    block_y: c_uint,
-    block_z: c_uint,
-    stream: CUstream,
+    f: CUfunction,
+    grid_dim_x: c_uint,
+    grid_dim_y: c_uint,
+    grid_dim_z: c_uint,
+    block_dim_x: c_uint,
+    block_dim_y: c_uint,
+    block_dim_z: c_uint,
+    h_stream: CUstream,
     per_thread: bool,
 ) -> CUresult {
-    crate::suspend::wait_while_suspended();
     if unlimited() {
         return call();
     }
-    let key = kernel_key(function, [grid_x, grid_y, grid_z, block_x, block_y, block_z]);
-    limited(Stream::new(stream, per_thread), key, true, call)
+    let key = kernel_key(
+        f,
+        [
+            grid_dim_x,
+            grid_dim_y,
+            grid_dim_z,
+            block_dim_x,
+            block_dim_y,
+            block_dim_z,
+        ],
+    );
+    limited(Stream::new(h_stream, per_thread), key, true, call)
 }
 
 /// `cuLaunchKernelEx` and `_ptsz`: grid, block and stream are in the config.
 #[inline(always)]
 pub fn launch_kernel_ex(
-    _name: &'static str,
     call: impl FnOnce() -> CUresult,
     config: *const CUlaunchConfig,
-    function: CUfunction,
+    f: CUfunction,
     per_thread: bool,
 ) -> CUresult {
-    crate::suspend::wait_while_suspended();
     if unlimited() {
         return call();
     }
@@ -148,7 +149,7 @@ pub fn launch_kernel_ex(
     // read, before the driver is called with it.
     let c = unsafe { &*config };
     let key = kernel_key(
-        function,
+        f,
         [
             c.gridDimX,
             c.gridDimY,
@@ -165,20 +166,18 @@ pub fn launch_kernel_ex(
 /// estimate of its first kernel, not measured (its launches span several contexts).
 #[inline(always)]
 pub fn launch_cooperative_multi_device(
-    _name: &'static str,
     call: impl FnOnce() -> CUresult,
-    launches: *mut CUDA_LAUNCH_PARAMS,
-    device_count: c_uint,
+    launch_params_list: *mut CUDA_LAUNCH_PARAMS,
+    num_devices: c_uint,
 ) -> CUresult {
-    crate::suspend::wait_while_suspended();
     if unlimited() {
         return call();
     }
-    if launches.is_null() || device_count == 0 {
+    if launch_params_list.is_null() || num_devices == 0 {
         return call();
     }
-    // SAFETY: the application passes `device_count` (> 0) launch parameters; the first is read.
-    let first = unsafe { &*launches };
+    // SAFETY: the application passes `num_devices` (> 0) launch parameters; the first is read.
+    let first = unsafe { &*launch_params_list };
     let key = kernel_key(
         first.function,
         [
@@ -196,29 +195,26 @@ pub fn launch_cooperative_multi_device(
 /// `cuGraphLaunch` and `_ptsz`: a graph is not a way around the limit.
 #[inline(always)]
 pub fn graph_launch(
-    _name: &'static str,
     call: impl FnOnce() -> CUresult,
-    graph_exec: CUgraphExec,
-    stream: CUstream,
+    h_graph_exec: CUgraphExec,
+    h_stream: CUstream,
     per_thread: bool,
 ) -> CUresult {
-    crate::suspend::wait_while_suspended();
     if unlimited() {
         return call();
     }
-    limited(Stream::new(stream, per_thread), graph_key(graph_exec), true, call)
+    limited(Stream::new(h_stream, per_thread), graph_key(h_graph_exec), true, call)
 }
 
 /// `cuLaunch` and `cuLaunchGrid` (pre-4.0 API, legacy stream).
 #[inline(always)]
-pub fn launch_legacy(_name: &'static str, call: impl FnOnce() -> CUresult, function: CUfunction) -> CUresult {
-    crate::suspend::wait_while_suspended();
+pub fn launch_legacy(call: impl FnOnce() -> CUresult, f: CUfunction) -> CUresult {
     if unlimited() {
         return call();
     }
     limited(
         Stream::new(std::ptr::null_mut(), false),
-        kernel_key(function, [0; 6]),
+        kernel_key(f, [0; 6]),
         true,
         call,
     )
@@ -226,15 +222,9 @@ pub fn launch_legacy(_name: &'static str, call: impl FnOnce() -> CUresult, funct
 
 /// `cuLaunchGridAsync`.
 #[inline(always)]
-pub fn launch_legacy_async(
-    _name: &'static str,
-    call: impl FnOnce() -> CUresult,
-    function: CUfunction,
-    stream: CUstream,
-) -> CUresult {
-    crate::suspend::wait_while_suspended();
+pub fn launch_legacy_async(call: impl FnOnce() -> CUresult, f: CUfunction, h_stream: CUstream) -> CUresult {
     if unlimited() {
         return call();
     }
-    limited(Stream::new(stream, false), kernel_key(function, [0; 6]), true, call)
+    limited(Stream::new(h_stream, false), kernel_key(f, [0; 6]), true, call)
 }

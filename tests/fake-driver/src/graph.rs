@@ -415,6 +415,20 @@ pub unsafe extern "C" fn cuGraphAddNode_v2(
     cu(|| add_generic_node(phGraphNode, hGraph, nodeParams))
 }
 
+/// CUDA 13.5: as `_v2` (kernel nodes may name a context, which the fake does not check).
+#[cfg(cuda_api = "13050")]
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuGraphAddNode_v3(
+    phGraphNode: *mut CUgraphNode,
+    hGraph: CUgraph,
+    _dependencies: *const CUgraphNode,
+    _dependencyData: *const CUgraphEdgeData,
+    _numDependencies: usize,
+    nodeParams: *mut CUgraphNodeParams,
+) -> CUresult {
+    cu(|| add_generic_node(phGraphNode, hGraph, nodeParams))
+}
+
 fn instantiate(phGraphExec: *mut CUgraphExec, hGraph: CUgraph) -> CuResult {
     if phGraphExec.is_null() {
         return Err(CUDA_ERROR_INVALID_VALUE);

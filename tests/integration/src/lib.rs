@@ -75,6 +75,19 @@ pub fn include_dir() -> PathBuf {
     vgpu_codegen::headers::locate(&workspace_root()).unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// `CUDA_VERSION` of the headers of this build (`13050` for 13.5).
+pub fn cuda_version() -> u32 {
+    static VERSION: OnceLock<u32> = OnceLock::new();
+    *VERSION.get_or_init(|| {
+        let cuda_h = include_dir().join("cuda.h");
+        let text = std::fs::read_to_string(&cuda_h).unwrap_or_else(|e| panic!("{}: {e}", cuda_h.display()));
+        text.lines()
+            .find_map(|line| line.trim().strip_prefix("#define CUDA_VERSION "))
+            .and_then(|value| value.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{} defines no CUDA_VERSION", cuda_h.display()))
+    })
+}
+
 /// Compiles `tests/programs/<name>.c` (once per test process) and returns the executable, or the
 /// shared object when `shared` is set.
 pub fn c_program(name: &str, shared: bool) -> PathBuf {

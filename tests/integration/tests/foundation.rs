@@ -16,7 +16,13 @@ const CUDA_ERROR_UNKNOWN: &str = "999";
 const NVML_ERROR_FUNCTION_NOT_FOUND: &str = "13";
 
 fn generated() -> vgpu_codegen::Generated {
-    vgpu_codegen::generate(&include_dir(), &workspace_root().join("cuda-api.toml")).expect("generate from the headers")
+    let root = workspace_root();
+    vgpu_codegen::generate(
+        &include_dir(),
+        &root.join("cuda-api.toml"),
+        &root.join("hook").join("src"),
+    )
+    .expect("generate from the headers")
 }
 
 fn stderr_lines(output: &std::process::Output) -> Vec<String> {

@@ -19,7 +19,9 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use vgpu_codegen::table::{Class, Table};
-use vgpu_integration::{Run, ScratchDir, Session, c_program, fault_injection_hook_library, workspace_root};
+use vgpu_integration::{
+    Run, ScratchDir, Session, c_program, cuda_version, fault_injection_hook_library, workspace_root,
+};
 use vgpu_region::{
     EXTENSION_OFFSET, InitParams, MemoryUsage, OpenKind, REGION_FILE_SIZE, Region, SLOT_LIVE, Snapshot, read_snapshot,
 };
@@ -190,8 +192,8 @@ struct Case {
     steps: Vec<Expect>,
 }
 
-/// Entry points that allocate nothing themselves (frees, destroys, trims, instantiation,
-/// context and module teardown), and the case whose run calls them: the test checks each is
+/// Entry points that allocate nothing themselves (frees, destroys, trims, context and module
+/// teardown), and the case whose run calls them: the test checks each is
 /// called there and that the step's state is right.
 const COVERED_BY: &[(&str, &str)] = &[
     ("cuMemFree_v2", "cuMemAlloc_v2"),
@@ -202,14 +204,7 @@ const COVERED_BY: &[(&str, &str)] = &[
     ("cuMemRelease", "cuMemCreate"),
     ("cuArrayDestroy", "cuArrayCreate_v2"),
     ("cuMipmappedArrayDestroy", "cuMipmappedArrayCreate"),
-    ("cuGraphInstantiate", "cuGraphAddMemAllocNode"),
-    ("cuGraphInstantiate_v2", "cuGraphAddMemAllocNode"),
-    ("cuGraphInstantiateWithFlags", "cuGraphAddMemAllocNode"),
-    ("cuGraphInstantiateWithParams", "cuGraphAddMemAllocNode"),
-    ("cuGraphInstantiateWithParams_ptsz", "cuGraphAddMemAllocNode"),
-    ("cuGraphExecDestroy", "cuGraphAddMemAllocNode"),
     ("cuGraphDestroy", "cuGraphAddMemAllocNode"),
-    ("cuDeviceGraphMemTrim", "cuGraphAddMemAllocNode"),
     ("cuCtxDestroy", "cuCtxCreate"),
     ("cuCtxDestroy_v2", "cuCtxCreate_v2"),
     ("cuDevicePrimaryCtxRelease", "cuDevicePrimaryCtxRetain"),
@@ -361,7 +356,11 @@ fn cases() -> Vec<Case> {
             at("cuGraphDestroy", CUDA_SUCCESS, C, 0, C),
         ],
     );
-    for name in ["cuGraphAddNode", "cuGraphAddNode_v2"] {
+    let mut add_node = vec!["cuGraphAddNode", "cuGraphAddNode_v2"];
+    if cuda_version() >= 13050 {
+        add_node.push("cuGraphAddNode_v3");
+    }
+    for name in add_node {
         add(
             name,
             vec![
@@ -432,13 +431,14 @@ fn cases() -> Vec<Case> {
     cases
 }
 
-/// Every function cuda-api.toml classes as memory-accounted.
+/// Every function cuda-api.toml classes as memory-accounted in the headers of this build.
 fn memory_accounted() -> BTreeSet<String> {
     let table = Table::load(&workspace_root().join("cuda-api.toml")).expect("read cuda-api.toml");
+    let version = cuda_version();
     table
         .entries
         .iter()
-        .filter(|entry| entry.class == Class::MemoryAccounted)
+        .filter(|entry| entry.class == Class::MemoryAccounted && entry.applies_to(version))
         .flat_map(|entry| entry.functions.iter().cloned())
         .collect()
 }
