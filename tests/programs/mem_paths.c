@@ -181,6 +181,16 @@ static void vmm(void) {
     CUmemGenericAllocationHandle handle = 0;
     step("cuMemCreate", cuMemCreate(&handle, VMM_BYTES, &prop, 0));
     step("cuMemRelease", cuMemRelease(handle));
+#if CUDA_VERSION >= 13050
+    // A locality domain (CUDA 13.5) is part of its device's memory: charged to the device.
+    memset(&prop.location, 0, sizeof prop.location);
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE_LOCALITY_DOMAIN;
+    prop.location.localized.deviceId = 0;
+    prop.location.localized.localityDomainId = 0;
+    step("cuMemCreate", cuMemCreate(&handle, VMM_BYTES, &prop, 0));
+    step("cuMemRelease", cuMemRelease(handle));
+    prop.location.id = 0;
+#endif
     // Host memory is not device memory: nothing charged.
     prop.location.type = CU_MEM_LOCATION_TYPE_HOST;
     step("cuMemCreate", cuMemCreate(&handle, VMM_BYTES, &prop, 0));

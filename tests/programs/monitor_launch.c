@@ -8,6 +8,8 @@
 //     load                 -> load <status>                          cuModuleLoadData + cuModuleGetFunction("busy_1000us")
 //     launch <n>           -> launch <status> <milliseconds>         n launches of the kernel, then cuCtxSynchronize
 //     copy <pointer>       -> copy <status> <milliseconds>           cuMemcpyHtoD_v2 of 4 bytes
+//     call <name>          -> call <status> <milliseconds>           the entry point <name> (found with dlsym)
+//                                                                    with eight null arguments; nosym if absent
 //     procs <v> <index>    -> procs <status> <count> <pid>:<bytes>.. nvmlDeviceGetComputeRunningProcesses (v 1, 2, 3),
 //                                                                    sized by a first call with a count of 0
 //     graphics <index>     -> graphics <status> <count>              nvmlDeviceGetGraphicsRunningProcesses_v3, same way
@@ -19,7 +21,9 @@
 //     quit                 -> (exits)
 // The legacy and _v2 process queries are only declared without the automatic upgrade to _v3.
 #define NVML_NO_UNVERSIONED_FUNC_DEFS
+#define _GNU_SOURCE
 #include <cuda.h>
+#include <dlfcn.h>
 #include <nvml.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -100,6 +104,17 @@ int main(void) {
             double start = now_ms();
             CUresult status = cuMemcpyHtoD_v2((CUdeviceptr)number, &value, sizeof value);
             printf("copy %d %.1f\n", (int)status, now_ms() - start);
+        } else if (strcmp(command, "call") == 0) {
+            // Null arguments: the driver refuses them, but a suspended process waits first.
+            typedef CUresult (*any_fn)(void *, void *, void *, void *, void *, void *, void *, void *);
+            any_fn fn = (any_fn)dlsym(RTLD_DEFAULT, arg);
+            if (!fn) {
+                printf("call nosym 0\n");
+            } else {
+                double start = now_ms();
+                CUresult status = fn(NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL);
+                printf("call %d %.1f\n", (int)status, now_ms() - start);
+            }
         } else if (strcmp(command, "procs") == 0) {
             compute_processes((int)number, (unsigned)strtoul(arg2, NULL, 10));
         } else if (strcmp(command, "graphics") == 0) {

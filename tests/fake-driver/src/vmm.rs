@@ -58,6 +58,17 @@ pub unsafe extern "C" fn cuMemCreate(
         let bytes = vmm_charge(size as u64, state::config().granularity)?;
         let (ordinal, phys) = match prop.location.type_ {
             CU_MEM_LOCATION_TYPE_DEVICE => (prop.location.id(), Some(state.device(prop.location.id())?)),
+            // CUDA 13.5: a locality domain of a device is that device's memory (the fake has one
+            // domain per device); `localized.deviceId` is the union's first byte.
+            #[cfg(cuda_api = "13050")]
+            CU_MEM_LOCATION_TYPE_DEVICE_LOCALITY_DOMAIN => {
+                let [device, domain, ..] = prop.location.id().to_ne_bytes();
+                if domain != 0 {
+                    return Err(CUDA_ERROR_INVALID_VALUE);
+                }
+                let ordinal = i32::from(device);
+                (ordinal, Some(state.device(ordinal)?))
+            }
             CU_MEM_LOCATION_TYPE_HOST | CU_MEM_LOCATION_TYPE_HOST_NUMA | CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT => {
                 (0, None)
             }

@@ -304,19 +304,26 @@ fn cases() -> Vec<Case> {
             ],
         );
     }
-    // VMM: device-located handles charge their size until released; host-located ones nothing;
-    // releasing a handle nobody created is the driver's answer.
-    add(
-        "cuMemCreate",
-        vec![
-            ready,
+    // VMM: device-located handles charge their size until released (a 13.5 locality domain is
+    // its device's memory); host-located ones nothing; releasing a handle nobody created is the
+    // driver's answer.
+    let mut vmm = vec![
+        ready,
+        at("cuMemCreate", CUDA_SUCCESS, C, 6 * MIB, C + 6 * MIB),
+        at("cuMemRelease", CUDA_SUCCESS, C, 0, C),
+    ];
+    if cuda_version() >= 13050 {
+        vmm.extend([
             at("cuMemCreate", CUDA_SUCCESS, C, 6 * MIB, C + 6 * MIB),
             at("cuMemRelease", CUDA_SUCCESS, C, 0, C),
-            at("cuMemCreate", CUDA_SUCCESS, C, 0, C),
-            at("cuMemRelease", CUDA_SUCCESS, C, 0, C),
-            at("cuMemRelease", CUDA_ERROR_INVALID_VALUE, C, 0, C),
-        ],
-    );
+        ]);
+    }
+    vmm.extend([
+        at("cuMemCreate", CUDA_SUCCESS, C, 0, C),
+        at("cuMemRelease", CUDA_SUCCESS, C, 0, C),
+        at("cuMemRelease", CUDA_ERROR_INVALID_VALUE, C, 0, C),
+    ]);
+    add("cuMemCreate", vmm);
     // Arrays: the fake's rule (see tests/fake-driver/src/array.rs), which the region must match.
     // 1000 × 300 × 4 channels × 4 bytes = 4.8 MB → 6 MiB; 200 × 200 × 100 × 2 × 2 = 16 MB → 16 MiB;
     // mipmapped 1024² × 16 bytes over 3 levels = 21 MiB → 22 MiB.

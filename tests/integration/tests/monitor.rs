@@ -614,6 +614,66 @@ fn launches_and_copies_wait_while_suspended() {
     run_smi(&["resume", "--region", &region_argument]);
 }
 
+/// Every suspendable entry point waits while the process is suspended: the generator's prologue,
+/// with no handler. Among them the copies and host functions CUDA 13.5 added.
+#[test]
+fn every_suspendable_entry_point_waits_while_suspended() {
+    let root = vgpu_integration::workspace_root();
+    let table = vgpu_codegen::table::Table::load(&root.join("cuda-api.toml")).expect("read cuda-api.toml");
+    let version = vgpu_integration::cuda_version();
+    let suspendable: Vec<&str> = table
+        .entries
+        .iter()
+        .filter(|entry| entry.suspendable && entry.class == vgpu_codegen::table::Class::Passthrough)
+        .filter(|entry| entry.applies_to(version))
+        .flat_map(|entry| entry.functions.iter().map(String::as_str))
+        .collect();
+    let mut checked: Vec<&str> = vec!["cuLaunchHostFunc", "cuLaunchHostFunc_ptsz", "cuMemcpyBatchAsync_ptsz"];
+    if version >= 13050 {
+        checked.extend([
+            "cuMemcpyWithAttributesAsync",
+            "cuMemcpyWithAttributesAsync_ptsz",
+            "cuMemcpy3DWithAttributesAsync",
+            "cuMemcpy3DWithAttributesAsync_ptsz",
+            "cuFabricCpyBatchAsync",
+            "cuFabricCpyBatchAsync_ptsz",
+            "cuLaunchHostFunc_v2",
+            "cuLaunchHostFunc_v2_ptsz",
+        ]);
+    }
+    for name in &checked {
+        assert!(suspendable.contains(name), "{name} is not suspendable in cuda-api.toml");
+    }
+    let dir = TestDir::new("suspend-new");
+    let region = dir.region("container");
+    let region_argument = region.display().to_string();
+    let mut process = container_process(&dir, &region, &[], &[0], 0);
+    let pid = pid_of(&process).to_string();
+    let call = |session: &mut Session, name: &str| -> (String, f64) {
+        let answer = ask(session, &format!("call {name}"));
+        (answer[0].clone(), answer[1].parse().expect("milliseconds"))
+    };
+    for name in checked {
+        // Not suspended: straight to the driver, which refuses the null arguments.
+        let (status, ms) = call(&mut process, name);
+        assert!(status != "nosym" && status != "0", "{name}: {status}");
+        assert!(ms < 100.0, "{name} took {ms} ms while not suspended");
+        run_smi(&["suspend", "--pid", &pid, "--region", &region_argument]);
+        process.send(&format!("call {name}"));
+        std::thread::sleep(Duration::from_millis(200));
+        run_smi(&["resume", "--pid", &pid, "--region", &region_argument]);
+        let answer = process.read_line().expect("the call returns after resume");
+        let fields: Vec<&str> = answer.split_whitespace().collect();
+        assert_eq!(
+            fields.get(1),
+            Some(&status.as_str()),
+            "{name}: the driver's answer after resume: {answer}"
+        );
+        let waited: f64 = fields.get(2).and_then(|ms| ms.parse().ok()).expect("call time");
+        assert!(waited >= 150.0, "{name} did not wait while suspended: {answer}");
+    }
+}
+
 #[test]
 fn suspend_and_resume_set_the_flag_that_the_monitor_shows() {
     let dir = TestDir::new("suspend-flag");
