@@ -53,6 +53,16 @@ int main(int argc, char **argv) {
             void *lib = dlopen("libcuda.so.1", RTLD_NOW);
             nvsci_fn fn = (nvsci_fn)dlsym(lib, "cuDeviceGetNvSciSyncAttributes");
             printf("missing-cuda %d\n", fn ? (int)fn(NULL, 0, 0) : -1);
+        } else if (strcmp(what, "newer") == 0) {
+            // A function of a driver newer than the hook's headers (the fake's stand-in), found
+            // with dlsym: the driver's own, unhooked.
+            void *lib = dlopen("libcuda.so.1", RTLD_NOW);
+            CUresult (*fn)(void) = (CUresult (*)(void))dlsym(lib, "cuFakeNewerDriverFunction");
+            Dl_info info;
+            const char *file = "-";
+            if (fn && dladdr((void *)fn, &info) && info.dli_fname)
+                file = strrchr(info.dli_fname, '/') ? strrchr(info.dli_fname, '/') + 1 : info.dli_fname;
+            printf("newer %d %s\n", fn ? (int)fn() : -1, file);
         } else if (strcmp(what, "missing-nvml") == 0) {
             void *lib = dlopen("libnvidia-ml.so.1", RTLD_NOW);
             nvlink_fn fn = (nvlink_fn)dlsym(lib, "nvmlDeviceGetNvLinkRemotePciInfo_v2");

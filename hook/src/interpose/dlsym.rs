@@ -101,15 +101,21 @@ pub unsafe fn find_export(symbol: *const c_char) -> Option<&'static crate::real:
     None
 }
 
-/// Called by the trampoline with the symbol name: our wrapper, or null after making sure the real
-/// `dlsym` is known so the trampoline can jump to it.
+/// Called by the trampoline with dlsym's arguments: our wrapper, or null after making sure the
+/// real `dlsym` is known so the trampoline can jump to it. A driver name we do not export (a
+/// driver newer than our headers) is reported once ([`super::unmapped`]).
 #[cfg_attr(test, allow(dead_code))]
-extern "C" fn lookup(symbol: *const c_char) -> *mut c_void {
+extern "C" fn lookup(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
     // SAFETY: dlsym's contract makes `symbol` a NUL-terminated string (or null, handled).
     if let Some(export) = unsafe { find_export(symbol) } {
         return export.wrapper as *mut c_void;
     }
     resolve_real_dlsym();
+    if !symbol.is_null() {
+        // A panic must not unwind into the trampoline: the report is skipped then.
+        // SAFETY: symbol is non-null and NUL-terminated (dlsym's contract).
+        let _ = std::panic::catch_unwind(|| unsafe { super::unmapped::check_dlsym(handle, symbol) });
+    }
     std::ptr::null_mut()
 }
 
@@ -120,13 +126,13 @@ extern "C" fn lookup(symbol: *const c_char) -> *mut c_void {
 /// As glibc's `dlsym`.
 pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void {
     // Save the arguments, align the stack for the call (entry rsp is 8 mod 16; two pushes and
-    // 8 more make it 0), ask `lookup`, restore, and either return its answer or tail-jump to the
-    // real dlsym with the caller's return address still on top of the stack.
+    // 8 more make it 0), ask `lookup` with the same two arguments, restore, and either return its
+    // answer or tail-jump to the real dlsym with the caller's return address still on top of the
+    // stack.
     core::arch::naked_asm!(
         "push rdi",
         "push rsi",
         "sub rsp, 8",
-        "mov rdi, rsi",
         "call {lookup}",
         "add rsp, 8",
         "pop rsi",
@@ -153,7 +159,6 @@ pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *m
         "stp x29, x30, [sp, #-32]!",
         "stp x0, x1, [sp, #16]",
         "mov x29, sp",
-        "mov x0, x1",
         "bl {lookup}",
         "mov x2, x0",
         "ldp x0, x1, [sp, #16]",

@@ -2,5 +2,6 @@
 
 pub mod dlsym;
 pub mod proc_address;
+pub mod unmapped;
 
 pub use proc_address::get_proc_address;

@@ -87,6 +87,10 @@ unsafe fn map_answer(symbol: *const c_char, pfn: *mut *mut c_void, version: c_in
         }
         None => {
             let unmapped = UNMAPPED.fetch_add(1, Ordering::Relaxed) + 1;
+            // A driver function we do not export: a driver newer than our headers.
+            if let Some(name) = super::unmapped::driver_symbol(answer) {
+                super::unmapped::report("cuGetProcAddress", &name);
+            }
             if tracing::enabled!(tracing::Level::DEBUG) {
                 tracing::debug!(
                     "cuGetProcAddress({}, {version}, {flags:#x}) -> {answer:p} ({}) unchanged (mapped {}, unchanged {unmapped})",
@@ -102,8 +106,7 @@ unsafe fn map_answer(symbol: *const c_char, pfn: *mut *mut c_void, version: c_in
     unsafe { *pfn = mapped };
 }
 
-/// What the loader knows about an address: `file:symbol`, for the debug log of unmapped answers
-/// (an exported symbol of libcuda here would mean our header is older than the driver).
+/// What the loader knows about an address: `file:symbol`, for the debug log of unmapped answers.
 fn symbol_at(address: *mut c_void) -> String {
     // SAFETY: dladdr only reads loader tables; Dl_info is plain data and zero is a valid state.
     let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };

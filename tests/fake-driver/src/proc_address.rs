@@ -2,12 +2,13 @@
 //! a base name; the variant is the newest one introduced at or before `cudaVersion` (from
 //! `cudaTypedefs.h`, see `vgpu_codegen::variants`), preferring a per-thread-stream variant when
 //! `flags` has `CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM` (`CU_GET_PROC_ADDRESS_DEFAULT`
-//! is treated as the legacy stream). The pointer is this library's export of that variant.
+//! is treated as the legacy stream). The pointer is this library's export of that variant. The
+//! exports standing for a newer driver's functions (`NEWER_THAN_HEADERS`) are found by name.
 
 use std::ffi::{c_char, c_int, c_void};
 
 use crate::cuda::*;
-use crate::exports::{NOT_EXPORTED, VARIANTS, lookup};
+use crate::exports::{NEWER_THAN_HEADERS, NOT_EXPORTED, VARIANTS, lookup};
 use crate::ffi::{CuResult, cu, put, string};
 
 /// The variants of one base name with the CUDA version that introduced each, oldest first.
@@ -53,6 +54,12 @@ fn resolve(
     // SAFETY: a NUL-terminated name from the caller (null is rejected).
     let name = unsafe { string(symbol) }?;
     let per_thread = flags & u64::from(CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) != 0;
+    // A function of a driver newer than the headers: found under its own name.
+    if NEWER_THAN_HEADERS.contains(&name.as_str())
+        && let Some(address) = lookup(&name)
+    {
+        return Ok((address, CU_GET_PROC_ADDRESS_SUCCESS));
+    }
     Ok(match select(VARIANTS, &name, version, per_thread) {
         Choice::Found(variant) if !NOT_EXPORTED.contains(&variant) => match lookup(variant) {
             Some(address) => (address, CU_GET_PROC_ADDRESS_SUCCESS),
@@ -86,6 +93,14 @@ fn get_proc_address(
     } else {
         Err(CUDA_ERROR_NOT_FOUND)
     }
+}
+
+/// A function no header declares, standing for one a driver newer than the headers adds (see
+/// build.rs, `NEWER_THAN_HEADERS`): the hook does not export it and must say so when the
+/// application is handed it.
+#[unsafe(no_mangle)]
+pub extern "C" fn cuFakeNewerDriverFunction() -> CUresult {
+    CUDA_SUCCESS
 }
 
 #[unsafe(no_mangle)]

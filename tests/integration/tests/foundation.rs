@@ -200,6 +200,61 @@ fn missing_symbols_return_not_found_and_log_once() {
     );
 }
 
+/// A driver newer than the headers answers with functions the hook does not export: each is
+/// reported once, at warning level (the default), naming it and saying the library is older.
+/// The fake exports `cuFakeNewerDriverFunction` for this, a name no header declares.
+#[test]
+fn a_newer_drivers_function_is_reported_once_per_function() {
+    let warnings = |output: &std::process::Output, via: &str| -> Vec<String> {
+        stderr_lines(output)
+            .into_iter()
+            .filter(|line| line.contains(&format!("{via} answered with the driver's cuFakeNewerDriverFunction")))
+            .collect()
+    };
+    // Through cuGetProcAddress: 5 versions x 3 flags, asked twice; the answer is the driver's.
+    let output = Run::new(&c_program("procaddr", false))
+        .hooked()
+        .stdin("cuFakeNewerDriverFunction\ncuFakeNewerDriverFunction\n")
+        .output();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert_eq!(stdout.lines().count(), 30, "{stdout}");
+    for line in stdout.lines() {
+        let fields: Vec<&str> = line.split(' ').collect();
+        assert_eq!(fields[3], CUDA_SUCCESS, "{line}");
+        assert!(
+            fields[5].starts_with("libcuda.so"),
+            "{line}: not the driver's own function"
+        );
+    }
+    let lines = warnings(&output, "cuGetProcAddress");
+    assert_eq!(lines.len(), 1, "{:?}", stderr_lines(&output));
+    assert!(
+        lines[0].contains(" WARN ") && lines[0].contains("is older than the driver"),
+        "{}",
+        lines[0]
+    );
+    // Through dlsym on the driver's handle, twice.
+    let output = Run::new(&c_program("calls", false))
+        .hooked()
+        .args(["newer", "newer", "init", "count"])
+        .output();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.starts_with("newer 0 libcuda.so"), "{stdout}");
+    assert_eq!(warnings(&output, "dlsym").len(), 1, "{:?}", stderr_lines(&output));
+    // Names the hook exports, and other libraries' cu* names, are not reported.
+    let output = Run::new(&c_program("calls", false))
+        .hooked()
+        .args(["init", "count", "missing-cuda"])
+        .output();
+    assert!(
+        !stderr_lines(&output)
+            .iter()
+            .any(|line| line.contains("older than the driver")),
+        "{:?}",
+        stderr_lines(&output)
+    );
+}
+
 #[test]
 fn injected_panic_becomes_an_error_code() {
     let program = c_program("calls", false);
