@@ -2,7 +2,7 @@
 CARGO ?= cargo
 FAULT_DIR := target/fault-injection
 
-.PHONY: headers build release demo test lint fault-build bench-callgrind fuzz clean
+.PHONY: headers build release demo test versions lint fault-build bench-callgrind fuzz clean
 
 headers:
 	scripts/fetch-headers.sh
@@ -23,9 +23,15 @@ lint: headers
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
-test: build fault-build lint
+# Every older release of cuda-versions.txt first (its hook and fake driver, the header-dependent
+# tests), then the default build and every test, then the default library on an older fake driver.
+test: fault-build versions build lint
 	$(CARGO) test --workspace
+	scripts/test-versions.sh cross
 	# fuzzing needs nightly: `make fuzz` (see fuzz/README.md)
+
+versions: headers
+	scripts/test-versions.sh older
 
 bench-callgrind: build
 	scripts/bench-callgrind.sh

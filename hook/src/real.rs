@@ -118,10 +118,12 @@ impl Export {
     #[inline(never)]
     fn resolve(&self) -> Option<*mut c_void> {
         let found = self.lookup_real();
-        // A missing function is reported when something calls it, once.
+        // A missing function is reported when something calls it, once (per function, so the
+        // line is not rate-limited: a driver older than the headers lacks dozens).
         if found.is_none() && !self.reported.swap(true, Ordering::Relaxed) {
             crate::log::ensure();
             tracing::error!(
+                target: crate::log::ONCE_PER_SUBJECT,
                 "{} is missing from {}; calls to it return not-found",
                 self.name.to_string_lossy(),
                 self.library.soname().to_string_lossy()

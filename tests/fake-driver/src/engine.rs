@@ -439,6 +439,7 @@ pub unsafe extern "C" fn cuCtxSynchronize() -> CUresult {
 }
 
 /// CUDA 13's form: synchronises the given context (null: the current one).
+#[cfg(cuda_api = "13000")]
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuCtxSynchronize_v2(ctx: CUcontext) -> CUresult {
     cu(|| {

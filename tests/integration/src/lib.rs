@@ -53,11 +53,24 @@ pub fn fault_injection_hook_library() -> PathBuf {
 
 /// A folder holding `libcuda.so.1` and `libnvidia-ml.so.1` (and the unversioned link names), all
 /// links to the fake driver, for `LD_LIBRARY_PATH` and for linking test programs.
+/// `VGPU_TEST_FAKE_DRIVER` names another build of the fake (one made from an older release's
+/// headers: the hook on an older driver, as on a machine whose driver predates the headers).
 pub fn fake_driver_dir() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
-        let fake = require(profile_dir().join("libvgpu_fake_driver.so"), "cargo build --workspace");
-        let dir = profile_dir().join("fake-driver");
+        let (fake, dir) = match std::env::var_os("VGPU_TEST_FAKE_DRIVER") {
+            Some(path) => {
+                let path = require(PathBuf::from(path), "scripts/test-versions.sh");
+                (
+                    std::fs::canonicalize(&path).unwrap_or(path),
+                    profile_dir().join("fake-driver-other"),
+                )
+            }
+            None => (
+                require(profile_dir().join("libvgpu_fake_driver.so"), "cargo build --workspace"),
+                profile_dir().join("fake-driver"),
+            ),
+        };
         std::fs::create_dir_all(&dir).expect("create the fake driver folder");
         for name in ["libcuda.so.1", "libcuda.so", "libnvidia-ml.so.1", "libnvidia-ml.so"] {
             let link = dir.join(name);

@@ -200,6 +200,67 @@ fn missing_symbols_return_not_found_and_log_once() {
     );
 }
 
+/// The headers may be newer than the driver (the H200's 580 driver is CUDA 13.0; the library is
+/// built from 13.5): every function the driver lacks is still exported, and answers not-found
+/// when called, with one error line per function. With the default fake that is its
+/// `NOT_EXPORTED` pair; with `VGPU_TEST_FAKE_DRIVER` set to a fake built from older headers
+/// (scripts/test-versions.sh), every function newer than it.
+#[test]
+fn functions_the_driver_lacks_answer_not_found_with_one_line_each() {
+    let generated = generated();
+    let driver = vgpu_integration::fake_driver_dir().join("libcuda.so.1");
+    let driver_path = std::ffi::CString::new(driver.display().to_string()).expect("path");
+    // SAFETY: a NUL-terminated path; the library is the fake driver, which runs no constructor
+    // that matters here, and stays loaded for the test process's life.
+    let handle = unsafe { libc::dlopen(driver_path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    assert!(!handle.is_null(), "cannot load {}", driver.display());
+    let lacking: Vec<(String, &str)> = generated
+        .routed
+        .iter()
+        .filter(|f| {
+            let name = std::ffi::CString::new(f.prototype.name.as_str()).expect("name");
+            // SAFETY: a valid handle and a NUL-terminated name.
+            unsafe { libc::dlsym(handle, name.as_ptr()) }.is_null()
+        })
+        .map(|f| {
+            let expected = match f.library {
+                vgpu_codegen::Library::Cuda => CUDA_ERROR_NOT_FOUND,
+                vgpu_codegen::Library::Nvml => NVML_ERROR_FUNCTION_NOT_FOUND,
+            };
+            (f.prototype.name.clone(), expected)
+        })
+        .collect();
+    assert!(
+        lacking.iter().any(|(name, _)| name == "cuDeviceGetNvSciSyncAttributes"),
+        "{lacking:?}"
+    );
+    // Each called twice.
+    let calls: Vec<String> = lacking
+        .iter()
+        .flat_map(|(name, _)| [format!("call={name}"), format!("call={name}")])
+        .collect();
+    let output = Run::new(&c_program("calls", false))
+        .hooked()
+        .args(std::iter::once("init".to_string()).chain(calls))
+        .output();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let answers: Vec<&str> = stdout.lines().skip(1).collect();
+    assert_eq!(answers.len(), lacking.len() * 2, "{stdout}");
+    for (answer, (name, expected)) in answers.chunks(2).zip(&lacking) {
+        for line in answer {
+            assert_eq!(*line, format!("call {name} {expected}"), "{stdout}");
+        }
+    }
+    let errors = stderr_lines(&output);
+    for (name, _) in &lacking {
+        let said = errors
+            .iter()
+            .filter(|line| line.contains(&format!(" {name} is missing from")))
+            .count();
+        assert_eq!(said, 1, "{name}: {errors:?}");
+    }
+}
+
 /// A driver newer than the headers answers with functions the hook does not export: each is
 /// reported once, at warning level (the default), naming it and saying the library is older.
 /// The fake exports `cuFakeNewerDriverFunction` for this, a name no header declares.

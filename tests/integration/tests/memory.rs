@@ -286,13 +286,16 @@ fn cases() -> Vec<Case> {
         );
     }
     // Synchronisations give a pool's freed blocks back to the device; the pool's charge follows.
-    for name in [
+    let mut synchronizations = vec![
         "cuStreamSynchronize",
         "cuStreamSynchronize_ptsz",
         "cuCtxSynchronize",
-        "cuCtxSynchronize_v2",
         "cuEventSynchronize",
-    ] {
+    ];
+    if cuda_version() >= 13000 {
+        synchronizations.push("cuCtxSynchronize_v2");
+    }
+    for name in synchronizations {
         let b = 6 * MIB;
         add(
             name,
