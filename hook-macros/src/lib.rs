@@ -3,7 +3,8 @@
 //! - one exported `extern "C"` wrapper per function, whose body runs under `catch_unwind`, resolves
 //!   the real function lazily through its slot, and either forwards the call (passthrough) or hands
 //!   a closure that makes the call to the handler the table names; a `suspendable` function first
-//!   waits while `vgpu-smi suspend` holds the process (`crate::suspend::wait_while_suspended`);
+//!   waits while `vgpu-smi suspend` holds the process (`crate::suspend::suspended` on the direct
+//!   path, `crate::suspend::wait_while_suspended` on the slow one);
 //! - `EXPORTS`: every function's name, wrapper address and real-function slot, sorted by name (the
 //!   table that `dlsym` and `cuGetProcAddress` answer from);
 //! - `real::<name>()`: typed access to each real function for the runtime's own calls.
@@ -215,13 +216,19 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
             // SAFETY: the application's arguments, passed on unchanged to the function it called.
             unsafe { real(#(#param_names),*) }
         };
-        // The table's fast path (e.g. launches while nothing is limited): a check and a call,
-        // nothing that needs the arguments saved (an unresolved slot takes the handler's path,
-        // which resolves it). It runs outside the panic guard, so a fast-path function must not
-        // panic: loads and compares only.
-        let fast_path = if let Some(fast_path) = &function.fast_path {
+        // The direct path: a check and a call, nothing that needs the arguments saved (an
+        // unresolved slot takes the slow path, which resolves it). It holds while the process is
+        // not suspended (for `suspendable` functions) and the table's fast path (e.g. launches
+        // while nothing is limited) says so. It runs outside the panic guard, so a fast-path
+        // function must not panic: loads and compares only.
+        let not_suspended = function.suspendable.then(|| quote!(!crate::suspend::suspended()));
+        let fast = function.fast_path.as_ref().map(|fast_path| quote!(#fast_path()));
+        let direct_condition: Vec<TokenStream2> = not_suspended.into_iter().chain(fast).collect();
+        let direct = if direct_condition.is_empty() {
+            quote! {}
+        } else {
             quote! {
-                if #fast_path()
+                if #(#direct_condition)&&*
                     && let Some(address) = EXPORTS[#index].resolved()
                 {
                     // SAFETY: as below: the real function of this name and prototype.
@@ -230,10 +237,16 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
                     return unsafe { real(#(#param_names),*) };
                 }
             }
-        } else {
-            quote! {}
         };
-        let body = match &function.handler {
+        // Copies, sets and launches hold while `vgpu-smi suspend` holds the process. The wait is
+        // on the slow path only, in a function of its own: a call on the direct path would make
+        // the wrapper save its arguments on every call. It runs under a panic guard of its own.
+        let wait = if function.suspendable {
+            quote!(crate::suspend::wait_while_suspended();)
+        } else {
+            quote!()
+        };
+        let slow = match &function.handler {
             None => passthrough,
             Some((path, args)) => {
                 let args = args.iter().map(|arg| match arg {
@@ -242,7 +255,7 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
                     Arg::Constant(value) => quote!(#value),
                     Arg::Param(ident) => quote!(#ident),
                 });
-                let handled = quote! {
+                quote! {
                     crate::real::guard(#name_text, #panicked, move || {
                         let Some(address) = EXPORTS[#index].real_address() else {
                             return #not_found;
@@ -253,36 +266,29 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
                         // unchanged.
                         #path(#(#args),*)
                     })
-                };
-                if function.fast_path.is_some() {
-                    // The handler in a function of its own, so the fast path needs no frame.
-                    quote! {
-                        #fast_path
-                        #[inline(never)]
-                        #[allow(non_snake_case, clippy::too_many_arguments)]
-                        unsafe extern "C" fn handled(#(#param_names: #param_types),*) -> #ret {
-                            #handled
-                        }
-                        // SAFETY: the wrapper's own arguments, passed on unchanged.
-                        unsafe { handled(#(#param_names),*) }
-                    }
-                } else {
-                    handled
                 }
             }
         };
-        // Copies, sets and launches hold while `vgpu-smi suspend` holds the process: the check is
-        // two loads; the wait itself runs under its own panic guard.
-        let prologue = if function.suspendable {
-            quote!(crate::suspend::wait_while_suspended();)
+        let body = if !direct_condition.is_empty() {
+            // The slow path in a function of its own, so the direct path needs no frame.
+            quote! {
+                #direct
+                #[inline(never)]
+                #[allow(non_snake_case, clippy::too_many_arguments)]
+                unsafe extern "C" fn slow(#(#param_names: #param_types),*) -> #ret {
+                    #wait
+                    #slow
+                }
+                // SAFETY: the wrapper's own arguments, passed on unchanged.
+                unsafe { slow(#(#param_names),*) }
+            }
         } else {
-            quote!()
+            slow
         };
         wrappers.push(quote! {
             #[allow(non_snake_case, clippy::too_many_arguments, clippy::missing_safety_doc)]
             #[cfg_attr(not(test), unsafe(no_mangle))]
             pub unsafe extern "C" fn #name(#(#param_names: #param_types),*) -> #ret {
-                #prologue
                 #body
             }
         });
