@@ -8,13 +8,9 @@ use std::os::unix::ffi::OsStringExt;
 
 use libfuzzer_sys::fuzz_target;
 
-// The hook crate is a cdylib, which a fuzz binary cannot link, so its config module is compiled
-// in directly. `from_env` and `log_level_from_env` read the real environment and are not fuzzed.
-#[allow(dead_code)]
-#[path = "../../hook/src/config.rs"]
-mod config;
-
-use config::{Config, ConfigError, MAX_DEVICES, parse_percent, parse_size};
+// The hook's configuration crate. `from_env` and `log_level_from_env` read the real environment
+// and are not fuzzed.
+use vgpu_config::{Config, ConfigError, MAX_DEVICES, parse_percent, parse_size};
 
 /// Variables that get a value from the input, in the order `from_lookup` checks them (the ones
 /// that can fail first), then the ones that never fail.

@@ -2,8 +2,8 @@
 
 use std::sync::OnceLock;
 
-use crate::config::{Config, ConfigError};
 use crate::sys::cuda::{CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_OPERATING_SYSTEM, CUDA_SUCCESS, CUresult};
+use vgpu_config::{Config, ConfigError};
 
 /// The configuration, read from the environment once per process (a forked child inherits it,
 /// which is right: it inherits the environment too).

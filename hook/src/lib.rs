@@ -4,7 +4,6 @@
 //!
 //! Nothing runs at load time: every piece initialises on first use.
 
-pub mod config;
 mod hooks;
 mod init;
 mod interpose;

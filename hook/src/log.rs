@@ -37,7 +37,7 @@ pub fn level_for(log_level: u8) -> Level {
 pub fn ensure() {
     static INSTALLED: Once = Once::new();
     INSTALLED.call_once(|| {
-        let level = level_for(crate::config::log_level_from_env());
+        let level = level_for(vgpu_config::log_level_from_env());
         let lines = tracing_subscriber::fmt::layer()
             .with_writer(std::io::stderr)
             .event_format(PidLine);

@@ -9,8 +9,8 @@ use vgpu_region::{ChargeError, InitParams, MAX_DEVICES, MemoryKind, OpenKind, Ow
 
 use super::devices::{self, DeviceEntry};
 use super::ledger::{Charge, Ledger};
-use crate::config::Config;
 use crate::sys::cuda::{CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, CUdevice, CUresult};
+use vgpu_config::Config;
 
 /// Everything memory accounting needs, for the life of the process: the region and the devices
 /// (the same in a forked child), and the process's own slot, ledger and queue of pending updates,

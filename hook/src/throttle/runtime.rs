@@ -18,12 +18,12 @@ use super::crosscheck::{self, CrossCheck, Report};
 use super::estimates::Estimates;
 use super::sensor::{InFlight, SampleInfo, Sensor};
 use super::{MODE, OFF, ON, Stream, UNDECIDED, bucket, now_ns};
-use crate::config::{Config, UtilizationPolicy};
 use crate::hooks::real;
 use crate::sys::cuda::{
     CU_STREAM_CAPTURE_STATUS_NONE, CUDA_ERROR_NOT_INITIALIZED, CUDA_SUCCESS, CUdevice, CUresult, CUstream,
     CUstreamCaptureStatus,
 };
+use vgpu_config::{Config, UtilizationPolicy};
 
 /// Shortest sleep of a waiting launch: below this, sleeping costs more than it saves, and the
 /// budget that builds up meanwhile lets several small launches through at once.

@@ -7,15 +7,16 @@
 //! value: `1gb` is 1 byte there), which silently removes the isolation a container was promised.
 //! Here a malformed limit is a [`ConfigError`] and the caller fails closed.
 //!
-//! This file uses std only and no `crate::` paths, so that the fuzz crate can include it with
-//! `#[path]` (the hook crate is a cdylib and cannot be linked into a fuzz binary).
+//! A crate of its own, so that everything reading these variables parses them the same way: the
+//! hook (a cdylib, which nothing can link), the fuzz targets, and any other vgpu component.
 
 use std::ffi::{OsStr, OsString};
 use std::fmt;
 use std::path::PathBuf;
 
-/// Devices HAMi-core's shared region has room for; per-device variables go from `_0` to `_15`.
-pub const MAX_DEVICES: usize = 16;
+/// Devices the shared region has room for (HAMi-core's 16); per-device variables go from `_0`
+/// to `_15`.
+pub use vgpu_region::MAX_DEVICES;
 
 /// HAMi-core's default location of the shared region; HAMi's monitor looks for it there.
 pub const DEFAULT_SHARED_CACHE: &str = "/tmp/cudevshr.cache";
