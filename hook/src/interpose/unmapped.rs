@@ -4,9 +4,9 @@
 //! unaccounted and unlimited. The library cannot hook what it does not know, but it says so, once
 //! per function, at warning level.
 
+use parking_lot::Mutex;
 use std::collections::BTreeSet;
 use std::ffi::{CStr, c_char, c_void};
-use std::sync::Mutex;
 
 /// `CUDA_VERSION` of the headers this library was built from, as `13.5`.
 fn header_version() -> String {
@@ -19,10 +19,7 @@ fn header_version() -> String {
 /// which no allocator looks up while it initialises.
 pub fn report(via: &str, name: &str) {
     static WARNED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
-    let first = WARNED
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-        .insert(name.to_string());
+    let first = WARNED.lock().insert(name.to_string());
     if first {
         crate::log::ensure();
         tracing::warn!(

@@ -1,7 +1,7 @@
 //! The process's place in the shared region: opened when CUDA initialises, one slot per process
 //! (a new one after `fork`), and the charge / release operations the handlers use.
 
-use std::sync::Mutex;
+use parking_lot::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::time::Duration;
 
@@ -459,7 +459,7 @@ impl Accounting {
     /// Queues an update in this process's own queue (a forked child's is its own, never the
     /// parent's).
     fn queue(own: &Own, release: bool, charge: &Charge) {
-        let mut pending = own.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut pending = own.pending.lock();
         pending.add(release, charge);
         own.has_pending.store(!pending.is_empty(), Ordering::Release);
     }
@@ -470,7 +470,7 @@ impl Accounting {
         if !own.has_pending.load(Ordering::Acquire) {
             return;
         }
-        let mut pending = own.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut pending = own.pending.lock();
         'apply: for release in [false, true] {
             for device in 0..MAX_DEVICES {
                 for kind in ALL_KINDS {

@@ -1,8 +1,8 @@
 //! What this process has charged, by the handle the driver gave back, so each free releases
 //! exactly what its allocation charged.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
-use std::sync::Mutex;
 
 use vgpu_region::MemoryKind;
 
@@ -118,8 +118,8 @@ pub struct Ledger {
 }
 
 impl Ledger {
-    fn charges(&self) -> std::sync::MutexGuard<'_, HandleMap<Entry>> {
-        self.charges.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    fn charges(&self) -> parking_lot::MutexGuard<'_, HandleMap<Entry>> {
+        self.charges.lock()
     }
 
     /// Records a charge under a handle owned by `owner` (a context, or 0).
@@ -160,10 +160,8 @@ impl Ledger {
         taken
     }
 
-    fn pool_pointers(&self) -> std::sync::MutexGuard<'_, HandleMap<u64>> {
-        self.pool_pointers
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    fn pool_pointers(&self) -> parking_lot::MutexGuard<'_, HandleMap<u64>> {
+        self.pool_pointers.lock()
     }
 
     /// Remembers which pool a stream-ordered allocation came from, and the pool's device.
@@ -173,10 +171,8 @@ impl Ledger {
         self.has_pools.store(true, std::sync::atomic::Ordering::Relaxed);
     }
 
-    fn pool_devices(&self) -> std::sync::MutexGuard<'_, HandleMap<i32>> {
-        self.pool_devices
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    fn pool_devices(&self) -> parking_lot::MutexGuard<'_, HandleMap<i32>> {
+        self.pool_devices.lock()
     }
 
     /// The device of a pool this process has allocated from.
@@ -231,7 +227,7 @@ impl Ledger {
 
     /// Runs `update` on the primary context record of a device.
     pub fn with_primary<R>(&self, ordinal: i32, update: impl FnOnce(&mut Primary) -> R) -> R {
-        let mut primary = self.primary.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut primary = self.primary.lock();
         update(primary.entry(ordinal).or_default())
     }
 }

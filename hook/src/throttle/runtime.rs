@@ -7,8 +7,10 @@
 //! may be held by threads the child does not have, and its background thread is gone, so the
 //! child builds fresh state on its first limited launch.
 
+use std::sync::Once;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicPtr, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Mutex, Once};
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use vgpu_region::{ComputeDevice, MAX_DEVICES, SharedRegion};
@@ -98,8 +100,8 @@ impl Default for Device {
 }
 
 impl Device {
-    fn estimates(&self) -> std::sync::MutexGuard<'_, Estimates> {
-        self.estimates.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    fn estimates(&self) -> parking_lot::MutexGuard<'_, Estimates> {
+        self.estimates.lock()
     }
 
     fn touched(&self) -> bool {

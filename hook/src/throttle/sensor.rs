@@ -28,8 +28,8 @@
 //! then never be recorded again. Events of destroyed contexts are forgotten, never destroyed (their
 //! handles may already name someone else's events), and so is their pinned word.
 
+use parking_lot::Mutex;
 use std::ffi::{c_uint, c_void};
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 
 use super::now_ns;
@@ -304,7 +304,7 @@ impl Sensor {
     }
 
     fn take(&self, context: usize, id: u64) -> Option<Taken> {
-        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut state = self.state.lock();
         state.uses += 1;
         let uses = state.uses;
         let position = match state.pools.iter().position(|p| p.context == context && p.id == id) {
@@ -385,7 +385,7 @@ impl Sensor {
         };
         if !record(launch.start, stream) {
             launch.release();
-            let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let mut state = self.state.lock();
             Self::give_back(&mut state, pool, [launch.start, launch.end]);
             return None;
         }
@@ -413,7 +413,7 @@ impl Sensor {
         }
         let ended = trusted && status == CUDA_SUCCESS && record(launch.end, launch.stream);
         launch.release();
-        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut state = self.state.lock();
         if !ended {
             Self::give_back(&mut state, launch.pool, [launch.start, launch.end]);
             self.outstanding.fetch_sub(1, Ordering::Relaxed);
@@ -433,7 +433,7 @@ impl Sensor {
     /// thread has released it long before; this bounds how long a descheduled or blocked thread
     /// can hold its stream.
     pub fn release_stale_holds(&self, now: u64) {
-        let state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let state = self.state.lock();
         for pool in &state.pools {
             if let Some(gate) = pool.gate
                 && now.saturating_sub(pool.issued_ns) >= HOLD_RELEASE_NS
@@ -445,7 +445,7 @@ impl Sensor {
 
     /// Releases every hold at once (process exit). Never waits for the lock.
     pub fn release_all_holds(&self) {
-        if let Ok(state) = self.state.try_lock() {
+        if let Some(state) = self.state.try_lock() {
             for pool in &state.pools {
                 if let Some(gate) = pool.gate {
                     gate.release(pool.issued);
@@ -458,7 +458,7 @@ impl Sensor {
     /// time in ns. The driver is called outside the lock, so launching threads never wait for it.
     pub fn completed(&self) -> Vec<(SampleInfo, u64)> {
         let batch = {
-            let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            let mut state = self.state.lock();
             std::mem::take(&mut state.pending)
         };
         if batch.is_empty() {
@@ -488,7 +488,7 @@ impl Sensor {
             }
         }
         self.outstanding.fetch_sub(total - waiting.len(), Ordering::Relaxed);
-        let mut state = self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut state = self.state.lock();
         state.pending.extend(waiting);
         for (pool, events) in finished {
             Self::give_back(&mut state, pool, events);
