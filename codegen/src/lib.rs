@@ -107,7 +107,8 @@ pub fn generate_from(headers: &Headers, table_path: &Path, handlers_src: &Path) 
     let handlers = handlers::Handlers::load(handlers_src)?;
     let mut routed = route::join(cuda, &table, &handlers, Library::Cuda, cuda.version)?;
     routed.extend(route::join(nvml, &table, &handlers, Library::Nvml, cuda.version)?);
-    table.check_all_used(&routed, cuda.version)?;
+    let declared: std::collections::HashSet<&str> = routed.iter().map(|r| r.prototype.name.as_str()).collect();
+    table.check_all_declared(&declared, cuda.version)?;
     Ok(Generated {
         cuda_version: cuda.version,
         hooks_input: emit::hooks_input(&routed),

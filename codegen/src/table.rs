@@ -5,7 +5,6 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::route::Routed;
 use crate::{Error, Result};
 
 /// What the hook does with a function.
@@ -141,10 +140,9 @@ impl Table {
         Ok(table)
     }
 
-    /// Every function the table names must have been found in its header, unless the entry says
-    /// the header version lies outside the versions it applies to.
-    pub fn check_all_used(&self, routed: &[Routed], version: u32) -> Result<()> {
-        let found: HashSet<&str> = routed.iter().map(|r| r.prototype.name.as_str()).collect();
+    /// Every function the table names must be among the functions the headers declare, unless
+    /// the entry says the header version lies outside the versions it applies to.
+    pub fn check_all_declared(&self, found: &HashSet<&str>, version: u32) -> Result<()> {
         for (index, entry) in self.entries.iter().enumerate() {
             for name in &entry.functions {
                 if !found.contains(name.as_str()) && entry.applies_to(version) {

@@ -3,11 +3,58 @@
 //! Our own code always reaches the driver through these resolved pointers, never through our
 //! exported symbols, so nothing we do re-enters the hooks.
 
-use std::ffi::{CStr, c_void};
+use std::ffi::{CStr, c_char, c_void};
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 
-use crate::interpose::dlsym::real_dlsym;
+// ------------------------------------------------------------------ the real dlsym
+//
+// Our own lookups never go through the exported `dlsym` (interpose::dlsym), which would answer
+// our wrappers' names with our wrappers: they call glibc's, found here.
+
+/// Address of glibc's `dlsym`, read by the `dlsym` trampoline's tail jump (interpose::dlsym).
+pub static REAL_DLSYM: AtomicUsize = AtomicUsize::new(0);
+
+type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
+
+/// Finds glibc's `dlsym` behind ours. `dlvsym` is not interposed, so this cannot recurse.
+pub fn resolve_real_dlsym() -> usize {
+    let known = REAL_DLSYM.load(Ordering::Acquire);
+    if known != 0 {
+        return known;
+    }
+    #[cfg(target_arch = "x86_64")]
+    const VERSIONS: [&CStr; 2] = [c"GLIBC_2.34", c"GLIBC_2.2.5"];
+    #[cfg(target_arch = "aarch64")]
+    const VERSIONS: [&CStr; 2] = [c"GLIBC_2.34", c"GLIBC_2.17"];
+    for version in VERSIONS {
+        // SAFETY: both strings are NUL-terminated; RTLD_NEXT from this library finds libc's.
+        let found = unsafe { libc::dlvsym(libc::RTLD_NEXT, c"dlsym".as_ptr(), version.as_ptr()) };
+        if !found.is_null() {
+            REAL_DLSYM.store(found as usize, Ordering::Release);
+            return found as usize;
+        }
+    }
+    // Cannot happen with glibc; keep the trampoline's jump target valid regardless.
+    let fallback = no_dlsym as DlsymFn as usize;
+    REAL_DLSYM.store(fallback, Ordering::Release);
+    fallback
+}
+
+extern "C" fn no_dlsym(_handle: *mut c_void, _symbol: *const c_char) -> *mut c_void {
+    std::ptr::null_mut()
+}
+
+/// Calls the real `dlsym`; the runtime's own lookups go through here, never through ours.
+pub fn real_dlsym(handle: *mut c_void, symbol: &CStr) -> *mut c_void {
+    let address = resolve_real_dlsym();
+    // SAFETY: address is glibc's dlsym (or the null-returning fallback), of this signature.
+    let function = unsafe { std::mem::transmute::<usize, DlsymFn>(address) };
+    // SAFETY: symbol is NUL-terminated; handle came from dlopen or is a pseudo-handle.
+    unsafe { function(handle, symbol.as_ptr()) }
+}
+
+// ------------------------------------------------------------------ the real libraries
 
 /// Which real library a function lives in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -219,5 +266,16 @@ mod fault_injection {
         if TARGET.get_or_init(|| std::env::var("VGPU_FAULT_PANIC").ok()).as_deref() == Some(name) {
             panic!("fault injected into {name}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn real_dlsym_finds_libc() {
+        let found = real_dlsym(libc::RTLD_DEFAULT, c"getpid");
+        assert!(!found.is_null());
     }
 }

@@ -7,52 +7,9 @@
 //! with the stack exactly as the caller left it. Nothing on this path allocates: glibc's own dlsym
 //! may call calloc, and an allocator that interposes itself may call dlsym.
 
-use std::ffi::{CStr, c_char, c_void};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use crate::hooks::EXPORTS;
-
-/// Address of glibc's `dlsym`, read by the trampoline's tail jump.
-static REAL_DLSYM: AtomicUsize = AtomicUsize::new(0);
-
-type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
-
-/// Finds glibc's `dlsym` behind ours. `dlvsym` is not interposed, so this cannot recurse.
-fn resolve_real_dlsym() -> usize {
-    let known = REAL_DLSYM.load(Ordering::Acquire);
-    if known != 0 {
-        return known;
-    }
-    #[cfg(target_arch = "x86_64")]
-    const VERSIONS: [&CStr; 2] = [c"GLIBC_2.34", c"GLIBC_2.2.5"];
-    #[cfg(target_arch = "aarch64")]
-    const VERSIONS: [&CStr; 2] = [c"GLIBC_2.34", c"GLIBC_2.17"];
-    for version in VERSIONS {
-        // SAFETY: both strings are NUL-terminated; RTLD_NEXT from this library finds libc's.
-        let found = unsafe { libc::dlvsym(libc::RTLD_NEXT, c"dlsym".as_ptr(), version.as_ptr()) };
-        if !found.is_null() {
-            REAL_DLSYM.store(found as usize, Ordering::Release);
-            return found as usize;
-        }
-    }
-    // Cannot happen with glibc; keep the trampoline's jump target valid regardless.
-    let fallback = no_dlsym as DlsymFn as usize;
-    REAL_DLSYM.store(fallback, Ordering::Release);
-    fallback
-}
-
-extern "C" fn no_dlsym(_handle: *mut c_void, _symbol: *const c_char) -> *mut c_void {
-    std::ptr::null_mut()
-}
-
-/// Calls the real `dlsym`; the runtime's own lookups go through here, never through ours.
-pub fn real_dlsym(handle: *mut c_void, symbol: &CStr) -> *mut c_void {
-    let address = resolve_real_dlsym();
-    // SAFETY: address is glibc's dlsym (or the null-returning fallback), of this signature.
-    let function = unsafe { std::mem::transmute::<usize, DlsymFn>(address) };
-    // SAFETY: symbol is NUL-terminated; handle came from dlopen or is a pseudo-handle.
-    unsafe { function(handle, symbol.as_ptr()) }
-}
+use crate::real::resolve_real_dlsym;
+use std::ffi::{CStr, c_char, c_void};
 
 /// Compares a C string with an export name without computing its length first.
 ///
@@ -143,7 +100,7 @@ pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *m
         "2:",
         "jmp qword ptr [rip + {real}]",
         lookup = sym lookup,
-        real = sym REAL_DLSYM,
+        real = sym crate::real::REAL_DLSYM,
     )
 }
 
@@ -171,7 +128,7 @@ pub unsafe extern "C" fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *m
         "ldr x16, [x16, :lo12:{real}]",
         "br x16",
         lookup = sym lookup,
-        real = sym REAL_DLSYM,
+        real = sym crate::real::REAL_DLSYM,
     )
 }
 
@@ -204,11 +161,5 @@ mod tests {
         }
         // SAFETY: null is allowed.
         assert!(unsafe { find_export(std::ptr::null()) }.is_none());
-    }
-
-    #[test]
-    fn real_dlsym_finds_libc() {
-        let found = real_dlsym(libc::RTLD_DEFAULT, c"getpid");
-        assert!(!found.is_null());
     }
 }

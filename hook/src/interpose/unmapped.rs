@@ -71,7 +71,7 @@ pub unsafe fn check_dlsym(handle: *mut c_void, symbol: *const c_char) {
     } else {
         handle
     };
-    let found = super::dlsym::real_dlsym(handle, name);
+    let found = crate::real::real_dlsym(handle, name);
     if !found.is_null()
         && let Some(name) = driver_symbol(found)
     {
