@@ -3,8 +3,8 @@
 //! - one exported `extern "C"` wrapper per function, whose body runs under `catch_unwind`, resolves
 //!   the real function lazily through its slot, and either forwards the call (passthrough) or hands
 //!   a closure that makes the call to the handler the table names; a `suspendable` function first
-//!   waits while `vgpu-smi suspend` holds the process (`crate::suspend::suspended` on the direct
-//!   path, `crate::suspend::wait_while_suspended` on the slow one);
+//!   waits while `vgpu-smi suspend` holds the process (`crate::session::suspend::suspended` on the direct
+//!   path, `crate::session::suspend::wait_while_suspended` on the slow one);
 //! - `EXPORTS`: every function's name, wrapper address and real-function slot, sorted by name (the
 //!   table that `dlsym` and `cuGetProcAddress` answer from);
 //! - `real::<name>()`: typed access to each real function for the runtime's own calls.
@@ -221,7 +221,9 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
         // not suspended (for `suspendable` functions) and the table's fast path (e.g. launches
         // while nothing is limited) says so. It runs outside the panic guard, so a fast-path
         // function must not panic: loads and compares only.
-        let not_suspended = function.suspendable.then(|| quote!(!crate::suspend::suspended()));
+        let not_suspended = function
+            .suspendable
+            .then(|| quote!(!crate::session::suspend::suspended()));
         let fast = function.fast_path.as_ref().map(|fast_path| quote!(#fast_path()));
         let direct_condition: Vec<TokenStream2> = not_suspended.into_iter().chain(fast).collect();
         let direct = if direct_condition.is_empty() {
@@ -242,7 +244,7 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
         // on the slow path only, in a function of its own: a call on the direct path would make
         // the wrapper save its arguments on every call. It runs under a panic guard of its own.
         let wait = if function.suspendable {
-            quote!(crate::suspend::wait_while_suspended();)
+            quote!(crate::session::suspend::wait_while_suspended();)
         } else {
             quote!()
         };

@@ -11,6 +11,6 @@ mod log;
 mod memory;
 mod nvml;
 mod real;
-mod suspend;
+mod session;
 mod sys;
 mod throttle;

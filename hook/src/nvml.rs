@@ -148,8 +148,8 @@ fn monitor_region() -> Option<&'static Region> {
     static REGION: OnceLock<Option<Region>> = OnceLock::new();
     REGION
         .get_or_init(|| {
-            let config = crate::init::config().ok()?;
-            crate::memory::open_region(config, &InitParams::default())
+            let config = crate::session::config().ok()?;
+            crate::session::open_region(config, &InitParams::default())
                 .map_err(|error| tracing::warn!("{error}; NVML reports physical memory"))
                 .ok()
         })
@@ -159,11 +159,11 @@ fn monitor_region() -> Option<&'static Region> {
 /// (limit, bytes charged) for a GPU with a limit in this process's configuration.
 fn limit_and_usage(device: nvmlDevice_t) -> Option<(u64, u64)> {
     let uuid = uuid_of(device)?;
-    if let Some(accounting) = crate::memory::accounting() {
-        let entry = accounting.device_by_uuid(&uuid)?;
-        return Some((entry.limit?, accounting.used(entry)));
+    if let Some(session) = crate::session::get() {
+        let entry = session.device_by_uuid(&uuid)?;
+        return Some((entry.limit?, session.region().device_used(entry.region_index)));
     }
-    let config = crate::init::config().ok()?;
+    let config = crate::session::config().ok()?;
     let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
     let ordinal = cuda_ordinal(visible.as_deref(), nvml_index_of(device)?, &uuid)?;
     let limit = config.memory_limit_of(ordinal)?;
@@ -224,10 +224,10 @@ mod tests {
 /// The region this process reports from: its own once CUDA is initialised; for a process that
 /// never initialises CUDA (nvidia-smi), the configured region file if one exists.
 fn region_for_queries() -> Option<&'static Region> {
-    if let Some(accounting) = crate::memory::accounting() {
-        return Some(accounting.region());
+    if let Some(session) = crate::session::get() {
+        return Some(session.region());
     }
-    let config = crate::init::config().ok()?;
+    let config = crate::session::config().ok()?;
     if !config.shared_cache.is_file() {
         return None;
     }

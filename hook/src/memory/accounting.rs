@@ -1,31 +1,29 @@
-//! The process's place in the shared region: opened when CUDA initialises, one slot per process
-//! (a new one after `fork`), and the charge / release operations the handlers use.
+//! Charging and releasing device memory in the shared region for this process, on top of the
+//! session (the region, the devices, the slot): the process's ledger of what it charged, and the
+//! queue of region updates the lock did not let through.
+
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 
 use parking_lot::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
-use std::time::Duration;
+use vgpu_region::{ChargeError, MAX_DEVICES, MemoryKind, Region, RegionError, Slot};
 
-use vgpu_region::{ChargeError, InitParams, MAX_DEVICES, MemoryKind, OpenKind, Owners, Region, RegionError, Slot};
-
-use super::devices::{self, DeviceEntry};
 use super::ledger::{Charge, Ledger};
+use crate::session::{self, DeviceEntry, Session};
 use crate::sys::cuda::{CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, CUdevice, CUresult};
-use vgpu_config::Config;
 
-/// Everything memory accounting needs, for the life of the process: the region and the devices
-/// (the same in a forked child), and the process's own slot, ledger and queue of pending updates,
-/// reached through [`OWN`].
+/// Memory accounting for one call: the session and this process's own part.
+#[derive(Clone, Copy)]
 pub struct Accounting {
-    region: Region,
-    devices: Vec<DeviceEntry>,
+    session: &'static Session,
+    own: &'static Own,
 }
 
-/// What belongs to one process: its slot, what it has charged, and the region updates it still
-/// owes. A forked child gets a new one (the parent's ledger and queue locks may be held by threads
-/// the child does not have), so its queue starts empty; the old one is left as it is, never freed.
+/// What belongs to one process: what it has charged, and the region updates it still owes. A
+/// forked child gets a new one (the parent's ledger and queue locks may be held by threads the
+/// child does not have), so its queue starts empty; the old one is left as it is, never freed.
 struct Own {
-    /// `None`: a forked child that could not attach and has no parent slot either.
-    slot: Option<&'static Slot>,
+    /// The session's fork epoch this part belongs to.
+    epoch: u64,
     ledger: Ledger,
     /// Region updates the lock did not let through, applied before the next one.
     pending: Mutex<Pending>,
@@ -33,15 +31,51 @@ struct Own {
     has_pending: AtomicBool,
 }
 
+/// This process's part: the one of the current fork epoch (see [`session::epoch`]).
+static OWN: AtomicPtr<Own> = AtomicPtr::new(std::ptr::null_mut());
+
 impl Own {
     /// A process's own part with an empty ledger and an empty queue, leaked (never freed).
-    fn leak(slot: Option<&'static Slot>) -> &'static Own {
+    fn leak(epoch: u64) -> &'static Own {
         Box::leak(Box::new(Own {
-            slot,
+            epoch,
             ledger: Ledger::default(),
             pending: Mutex::new(Pending::default()),
             has_pending: AtomicBool::new(false),
         }))
+    }
+
+    /// This process's part, if it has made one under the current epoch.
+    #[inline(always)]
+    fn current() -> Option<&'static Own> {
+        let own = OWN.load(Ordering::Acquire);
+        // SAFETY: a non-null pointer came from Box::leak and is never freed.
+        let own = (!own.is_null()).then(|| unsafe { &*own })?;
+        (own.epoch == session::epoch()).then_some(own)
+    }
+
+    /// This process's part, made on first use (in a forked child: a fresh one). Two threads
+    /// racing agree on the first one stored; no lock, so a fork in the middle cannot block.
+    fn get() -> &'static Own {
+        if let Some(own) = Own::current() {
+            return own;
+        }
+        let epoch = session::epoch();
+        let fresh = Own::leak(epoch);
+        let seen = OWN.load(Ordering::Acquire);
+        match OWN.compare_exchange(
+            seen,
+            std::ptr::from_ref(fresh).cast_mut(),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => fresh,
+            // Another thread stored one meanwhile: it is of this epoch (or the next one, after a
+            // fork by a third thread, which this thread does not see in the child).
+            // SAFETY: a non-null pointer came from Box::leak and is never freed.
+            Err(stored) if !stored.is_null() => unsafe { &*stored },
+            Err(_) => fresh,
+        }
     }
 }
 
@@ -107,65 +141,15 @@ fn lock_not_taken(error: &RegionError) -> bool {
     )
 }
 
-/// The process's accounting, from a leaked allocation: an atomic pointer rather than a once-cell,
-/// whose initialisation a child forked in the middle would wait for forever.
-static ACCOUNTING: AtomicPtr<Accounting> = AtomicPtr::new(std::ptr::null_mut());
-/// This process's slot, ledger and queue; null in a forked child until its first use of
-/// accounting.
-static OWN: AtomicPtr<Own> = AtomicPtr::new(std::ptr::null_mut());
-/// The parent's [`Own`] in a forked child, whose slot the child charges if it cannot attach.
-static INHERITED: AtomicPtr<Own> = AtomicPtr::new(std::ptr::null_mut());
-/// Held (true) while a thread opens the region ([`start`]), and while one attaches a forked
-/// child. Flags, not locks: the child handler clears them, a held `Mutex` could not be.
-static STARTING: AtomicBool = AtomicBool::new(false);
-static ATTACHING: AtomicBool = AtomicBool::new(false);
-/// How long a thread sleeps between looks while another one starts or attaches.
-const WAIT_STEP: Duration = Duration::from_millis(1);
-
-/// The process's accounting, once CUDA has initialised with it. In a forked child, the first
-/// call attaches the child's own slot.
+/// The process's accounting, once CUDA has initialised the session. In a forked child, the first
+/// call attaches the child's slot and starts its own ledger.
 #[inline]
-pub fn accounting() -> Option<&'static Accounting> {
-    let accounting = ACCOUNTING.load(Ordering::Acquire);
-    if accounting.is_null() {
-        return None;
-    }
-    // SAFETY: a non-null pointer came from Box::leak in `start` and is never freed.
-    let accounting: &'static Accounting = unsafe { &*accounting };
-    if OWN.load(Ordering::Acquire).is_null() {
-        accounting.after_fork();
-    }
-    Some(accounting)
-}
-
-/// This process's slot and ledger (after a fork, the child's own once it has attached).
-#[inline]
-fn own() -> Option<&'static Own> {
-    let own = OWN.load(Ordering::Acquire);
-    // SAFETY: a non-null pointer came from Box::leak and is never freed.
-    (!own.is_null()).then(|| unsafe { &*own })
-}
-
-/// A flag taken as a lock; cleared on drop.
-struct Flag(&'static AtomicBool);
-
-impl Flag {
-    /// Waits (sleeping) until the flag is free, then takes it.
-    fn take(flag: &'static AtomicBool) -> Flag {
-        while flag
-            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
-            std::thread::sleep(WAIT_STEP);
-        }
-        Flag(flag)
-    }
-}
-
-impl Drop for Flag {
-    fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
-    }
+pub fn accounting() -> Option<Accounting> {
+    let session = session::get()?;
+    Some(Accounting {
+        session,
+        own: Own::get(),
+    })
 }
 
 /// What an allocation path does when the process has no accounting: `cuInit` has not succeeded
@@ -180,7 +164,7 @@ impl Drop for Flag {
 /// `cuInit`, and frameworks do not take it for a full device to be freed and retried.
 #[cold]
 pub fn unaccounted(call: impl FnOnce() -> CUresult) -> CUresult {
-    let limited = crate::init::config().map_or(true, |config| config.memory_limit.iter().any(Option::is_some));
+    let limited = session::config().map_or(true, |config| config.memory_limit.iter().any(Option::is_some));
     if !limited {
         return call();
     }
@@ -195,169 +179,45 @@ pub fn unaccounted(call: impl FnOnce() -> CUresult) -> CUresult {
 }
 
 /// The table's fast path for the synchronisations: a process without pools has nothing to bring
-/// up to date there (two loads; nothing that can panic). A forked child that has not attached yet
-/// has no pools of its own.
+/// up to date there (three loads; nothing that can panic). A forked child that has not made its
+/// own part yet has no pools of its own.
 #[inline(always)]
 pub fn no_pools() -> bool {
-    own().is_none_or(|own| !own.ledger.has_pools())
-}
-
-/// `pthread_atfork` child handler: only atomic loads and stores (async-signal-safe). The child
-/// builds its own slot and ledger on its first use of accounting; the parent's are left alone.
-extern "C" fn forked_child() {
-    let parent = OWN.swap(std::ptr::null_mut(), Ordering::AcqRel);
-    if !parent.is_null() {
-        INHERITED.store(parent, Ordering::Release);
-    }
-    STARTING.store(false, Ordering::Release);
-    ATTACHING.store(false, Ordering::Release);
-}
-
-/// Opens the region and attaches this process (after the real cuInit succeeded). Idempotent;
-/// the error is one line for the log.
-pub fn start(config: &Config) -> Result<(), String> {
-    // Frameworks call cuInit again and again: once started, no lock.
-    if !ACCOUNTING.load(Ordering::Acquire).is_null() {
-        return Ok(());
-    }
-    // Before anything is held: a fork in the middle of starting leaves the child free to start.
-    static ATFORK: AtomicBool = AtomicBool::new(false);
-    if !ATFORK.swap(true, Ordering::AcqRel) {
-        // SAFETY: registers a plain function that only loads and stores atomics; no other effect.
-        unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
-    }
-    let _serial = Flag::take(&STARTING);
-    if !ACCOUNTING.load(Ordering::Acquire).is_null() {
-        return Ok(());
-    }
-    let uuids = devices::visible_uuids()?;
-    let mut init = InitParams {
-        device_uuids: uuids.clone(),
-        priority: config.task_priority,
-        ..InitParams::default()
-    };
-    for ordinal in 0..uuids.len().min(MAX_DEVICES) {
-        init.limits[ordinal] = config.memory_limit_of(ordinal).unwrap_or(0);
-        init.sm_limits[ordinal] = config.sm_limit_of(ordinal).map_or(0, u64::from);
-    }
-    let region = open_region(config, &init)?;
-    match region.open_kind() {
-        OpenKind::Rebuilt(problem) => {
-            tracing::warn!(
-                "shared region {} was invalid ({problem}); rebuilt it",
-                config.shared_cache.display()
-            )
-        }
-        OpenKind::Repaired(problem) => {
-            tracing::warn!(
-                "shared region {}: {problem}; totals recomputed",
-                config.shared_cache.display()
-            )
-        }
-        _ => {}
-    }
-    let mut entries = Vec::with_capacity(uuids.len());
-    for (ordinal, uuid) in uuids.into_iter().enumerate() {
-        let region_index = region.device_index(&uuid).map_err(|e| e.to_string())?;
-        entries.push(DeviceEntry {
-            ordinal: ordinal as CUdevice,
-            uuid,
-            region_index,
-            limit: config.memory_limit_of(ordinal),
-        });
-    }
-    let slot = region.attach(std::process::id() as i32).map_err(|e| e.to_string())?;
-    let own = Own::leak(Some(Box::leak(Box::new(slot))));
-    let accounting: &'static Accounting = Box::leak(Box::new(Accounting {
-        region,
-        devices: entries,
-    }));
-    // The slot first: whoever sees the accounting sees this process's slot with it.
-    OWN.store(std::ptr::from_ref(own).cast_mut(), Ordering::Release);
-    ACCOUNTING.store(std::ptr::from_ref(accounting).cast_mut(), Ordering::Release);
-    accounting.watch_suspend_flag();
-    Ok(())
-}
-
-/// Opens the configured region file with the owners the configuration trusts; the error is one
-/// line for the log (with the way out when the file belongs to another user).
-pub fn open_region(config: &Config, init: &InitParams) -> Result<Region, String> {
-    let owners = if config.shared_cache_any_owner {
-        Owners::Any
-    } else {
-        Owners::SelfOrRoot
-    };
-    Region::open_with(&config.shared_cache, init, owners).map_err(|error| match &error {
-        vgpu_region::RegionError::UnsafeFile {
-            problem: vgpu_region::UnsafeFile::ForeignOwner { .. },
-            ..
-        } => format!("{error}; VGPU_SHARED_CACHE_ANY_OWNER=1 trusts it (docs/threat-model.md)"),
-        _ => error.to_string(),
-    })
+    Own::current().is_none_or(|own| !own.ledger.has_pools())
 }
 
 impl Accounting {
-    /// The shared region, for the compute limiter's bucket and HAMi's control fields.
-    pub fn region(&self) -> &Region {
-        &self.region
-    }
-
-    /// Points `vgpu-smi suspend`'s flag check at this process's slot.
-    fn watch_suspend_flag(&'static self) {
-        if let Some(slot) = self
-            .slot_index()
-            .and_then(|index| self.region.extension().slots.get(index))
-        {
-            crate::suspend::watch(&slot.suspend);
-        }
-    }
-
-    /// Index of this process's slot (after a fork, the child's own one).
-    pub fn slot_index(&self) -> Option<usize> {
-        own().and_then(|own| own.slot).map(Slot::index)
+    /// The shared region.
+    pub fn region(&self) -> &'static Region {
+        self.session.region()
     }
 
     /// This process's ledger (after a fork, the child's own, empty one).
     pub fn ledger(&self) -> &'static Ledger {
-        match own() {
-            Some(own) => &own.ledger,
-            None => &self.own().ledger,
-        }
+        &self.own.ledger
     }
 
-    /// This process's slot, ledger and queue, attaching a forked child's first.
-    fn own(&self) -> &'static Own {
-        match own() {
-            Some(own) => own,
-            None => self.after_fork(),
-        }
-    }
-
-    pub fn device(&self, ordinal: CUdevice) -> Option<&DeviceEntry> {
-        usize::try_from(ordinal).ok().and_then(|index| self.devices.get(index))
-    }
-
-    pub fn device_by_uuid(&self, uuid: &str) -> Option<&DeviceEntry> {
-        self.devices.iter().find(|device| device.uuid == uuid)
+    pub fn device(&self, ordinal: CUdevice) -> Option<&'static DeviceEntry> {
+        self.session.device(ordinal)
     }
 
     /// Bytes charged on the device by every process of the region.
     pub fn used(&self, device: &DeviceEntry) -> u64 {
-        let own = self.own();
+        let own = self.own;
         if own.has_pending.load(Ordering::Acquire)
-            && let Some(slot) = own.slot
+            && let Some(slot) = self.session.slot()
         {
             self.apply_pending(own, slot);
         }
-        self.region.device_used(device.region_index)
+        self.region().device_used(device.region_index)
     }
 
     /// Marks a data call under way on a region device until the guard drops, so that a context
     /// measurement in any process of the region never reads NVML in the middle of it.
-    pub fn in_flight(&self, region_index: usize) -> InFlight<'_> {
-        self.region.memory_call_begins(region_index);
+    pub fn in_flight(&self, region_index: usize) -> InFlight {
+        self.region().memory_call_begins(region_index);
         InFlight {
-            region: &self.region,
+            region: self.region(),
             region_index,
         }
     }
@@ -376,8 +236,8 @@ impl Accounting {
     /// returned all the same, so that its release later is right.
     pub fn record(&self, ordinal: CUdevice, kind: MemoryKind, bytes: u64) -> Option<Charge> {
         let device = self.device(ordinal)?;
-        let own = self.own();
-        let Some(slot) = own.slot else {
+        let own = self.own;
+        let Some(slot) = self.session.slot() else {
             tracing::error!(
                 "this forked process has no slot in the region; {bytes} bytes the driver has taken are not accounted"
             );
@@ -412,8 +272,8 @@ impl Accounting {
         bytes: u64,
         limit: Option<u64>,
     ) -> Result<Option<Charge>, CUresult> {
-        let own = self.own();
-        let Some(slot) = own.slot else {
+        let own = self.own;
+        let Some(slot) = self.session.slot() else {
             tracing::error!("this forked process has no slot in the region; allocation refused");
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         };
@@ -438,8 +298,8 @@ impl Accounting {
     /// Releases a charge made by this process. When the region's lock cannot be taken the
     /// release is queued (see [`Pending`]), never dropped.
     pub fn release(&self, charge: Charge) {
-        let own = self.own();
-        let Some(slot) = own.slot else {
+        let own = self.own;
+        let Some(slot) = self.session.slot() else {
             return;
         };
         self.apply_pending(own, slot);
@@ -491,7 +351,7 @@ impl Accounting {
                                 ChargeError::Region(error) => error,
                                 // Without a limit only a total past 64 bits is refused.
                                 ChargeError::Refused(_) => RegionError::NoSuchDevice {
-                                    path: self.region.path().to_owned(),
+                                    path: self.region().path().to_owned(),
                                     device,
                                 },
                             })
@@ -522,7 +382,7 @@ impl Accounting {
         if fault_injection::lock_times_out() {
             return Err(ChargeError::Region(self.fault_timeout()));
         }
-        self.region.try_charge(slot, device, kind, bytes, limit)
+        self.region().try_charge(slot, device, kind, bytes, limit)
     }
 
     fn region_uncharge(&self, slot: &Slot, device: usize, kind: MemoryKind, bytes: u64) -> Result<u64, RegionError> {
@@ -530,45 +390,14 @@ impl Accounting {
         if fault_injection::lock_times_out() {
             return Err(self.fault_timeout());
         }
-        self.region.uncharge(slot, device, kind, bytes)
+        self.region().uncharge(slot, device, kind, bytes)
     }
 
     #[cfg(feature = "fault-injection")]
     fn fault_timeout(&self) -> RegionError {
         RegionError::LockTimeout {
-            path: self.region.path().to_owned(),
+            path: self.region().path().to_owned(),
         }
-    }
-
-    /// In a forked child, on its first use of accounting: a slot of its own, an empty ledger and
-    /// an empty queue (the parent's queued updates are the parent's to write).
-    /// One thread attaches; the others wait for it (never on a lock of the parent's).
-    #[cold]
-    #[inline(never)]
-    fn after_fork(&self) -> &'static Own {
-        let _attaching = Flag::take(&ATTACHING);
-        if let Some(own) = own() {
-            return own;
-        }
-        let slot = match self.region.attach(std::process::id() as i32) {
-            Ok(slot) => Some(&*Box::leak(Box::new(slot))),
-            Err(error) => {
-                tracing::error!("{error}; this forked process's allocations are charged to its parent's slot");
-                let inherited = INHERITED.load(Ordering::Acquire);
-                // SAFETY: a non-null pointer came from Box::leak and is never freed.
-                (!inherited.is_null())
-                    .then(|| unsafe { &*inherited })
-                    .and_then(|own| own.slot)
-            }
-        };
-        let own = Own::leak(slot);
-        OWN.store(std::ptr::from_ref(own).cast_mut(), Ordering::Release);
-        let accounting = ACCOUNTING.load(Ordering::Acquire);
-        if !accounting.is_null() {
-            // SAFETY: a non-null pointer came from Box::leak in `start` and is never freed.
-            unsafe { &*accounting }.watch_suspend_flag();
-        }
-        own
     }
 }
 
@@ -588,12 +417,12 @@ mod fault_injection {
 }
 
 /// A data call under way (see [`Accounting::in_flight`]).
-pub struct InFlight<'a> {
-    region: &'a Region,
+pub struct InFlight {
+    region: &'static Region,
     region_index: usize,
 }
 
-impl Drop for InFlight<'_> {
+impl Drop for InFlight {
     fn drop(&mut self) {
         self.region.memory_call_done(self.region_index);
     }

@@ -10,12 +10,12 @@ use std::time::{Duration, Instant};
 use vgpu_region::MemoryKind;
 
 use super::accounting::{Accounting, accounting, unaccounted};
-use super::devices::current_ordinal;
 use super::ledger::{Charge, Family};
 use super::location::device_of;
 use super::sizes::{ArrayDescriptor, mipmapped_bytes};
 use super::units::{DriverInt, read, write};
 use crate::hooks::real;
+use crate::session::current_ordinal;
 use crate::sys::cuda::*;
 
 /// Reserves `bytes` on `ordinal` (or the current device), calls the driver, and records the charge
@@ -53,7 +53,7 @@ fn charged(
 /// Charges against the limit; before refusing, brings pool charges up to date (pools give memory
 /// back at synchronisations we do not see) and tries once more.
 fn charge_or_refuse(
-    accounting: &Accounting,
+    accounting: Accounting,
     ordinal: CUdevice,
     kind: MemoryKind,
     bytes: u64,
@@ -92,7 +92,7 @@ fn current_context() -> u64 {
 }
 
 /// Releases everything the driver freed with a context.
-fn release_owned_by(accounting: &Accounting, context: u64) {
+fn release_owned_by(accounting: Accounting, context: u64) {
     for charge in accounting.ledger().take_owned_by(context) {
         accounting.release(charge);
     }
@@ -244,7 +244,7 @@ fn measured_and_recorded<H>(
 
 /// The virtual device's (total, free), from the physical ones: total = min(limit, physical),
 /// free = min(total - used, physical free).
-fn virtual_view(accounting: &Accounting, ordinal: CUdevice, free: u64, total: u64) -> Option<(u64, u64)> {
+fn virtual_view(accounting: Accounting, ordinal: CUdevice, free: u64, total: u64) -> Option<(u64, u64)> {
     let device = accounting.device(ordinal)?;
     let (total, _, free) = crate::nvml::virtual_memory(total, free, device.limit?, accounting.used(device));
     Some((total, free))
@@ -301,7 +301,7 @@ pub fn device_total_mem<S: DriverInt>(call: impl FnOnce() -> CUresult, bytes: *m
         .and_then(|d| d.limit)
         .or_else(|| {
             // Before cuInit's accounting starts (or without a region), the configuration still says.
-            crate::init::config()
+            crate::session::config()
                 .ok()
                 .and_then(|config| config.memory_limit_of(usize::try_from(dev).ok()?))
         });
@@ -424,7 +424,7 @@ fn device_pool(ordinal: CUdevice) -> Option<CUmemoryPool> {
 }
 
 /// Sets a pool's charge to what it has reserved now.
-fn sync_pool(accounting: &Accounting, pool: u64, ordinal: CUdevice) {
+fn sync_pool(accounting: Accounting, pool: u64, ordinal: CUdevice) {
     let Some(reserved) = pool_attribute(pool as CUmemoryPool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) else {
         return;
     };
@@ -440,7 +440,7 @@ fn sync_pool(accounting: &Accounting, pool: u64, ordinal: CUdevice) {
 
 /// Brings every pool's charge up to date (pools return memory at synchronisation, which is not
 /// hooked): before a refusal, so stale pool charges never cause one.
-fn sync_pools(accounting: &Accounting) {
+fn sync_pools(accounting: Accounting) {
     for (pool, ordinal) in accounting.ledger().pools() {
         sync_pool(accounting, pool, ordinal);
     }

@@ -3,13 +3,11 @@
 //! device. `cuda-api.toml` routes the entry points to [`handlers`].
 
 mod accounting;
-mod devices;
 mod handlers;
 mod ledger;
 mod location;
 mod sizes;
 mod units;
 
-pub use accounting::{Accounting, accounting, no_pools, open_region, start};
-pub use devices::{DeviceEntry, current_ordinal};
+pub use accounting::no_pools;
 pub use handlers::*;

@@ -2,10 +2,10 @@
 //! bucket, HAMi's controls, and the background thread that turns measurements into corrections
 //! and publishes the process's utilisation.
 //!
-//! The state lives in one leaked allocation reached through an atomic pointer. A forked child
-//! clears the pointer (its `pthread_atfork` handler only stores an atomic): the parent's locks
-//! may be held by threads the child does not have, and its background thread is gone, so the
-//! child builds fresh state on its first limited launch.
+//! The state lives in one leaked allocation reached through an atomic pointer, made in one
+//! session fork epoch ([`crate::session::epoch`]). A forked child finds the parent's state of an
+//! older epoch: the parent's locks may be held by threads the child does not have, and its
+//! background thread is gone, so the child builds fresh state on its first limited launch.
 
 use std::sync::Once;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicPtr, AtomicU32, AtomicU64, Ordering};
@@ -63,6 +63,8 @@ static POLLER_IN_DRIVER: AtomicBool = AtomicBool::new(false);
 
 /// The process's limiter.
 pub struct Runtime {
+    /// The session's fork epoch it was made in: a forked child makes its own.
+    epoch: u64,
     config: &'static Config,
     /// Per region device index: each device's budget, sensor and estimates stand alone, so
     /// threads driving different GPUs never wait on each other.
@@ -109,10 +111,6 @@ impl Device {
     }
 }
 
-extern "C" fn forked_child() {
-    RUNTIME.store(std::ptr::null_mut(), Ordering::Relaxed);
-}
-
 extern "C" fn at_exit() {
     SHUTDOWN.store(true, Ordering::SeqCst);
     let runtime = RUNTIME.load(Ordering::Acquire);
@@ -135,19 +133,22 @@ extern "C" fn at_exit() {
 /// `Err` when a limited launch must be refused (no region to limit it with).
 fn runtime() -> Result<Option<&'static Runtime>, CUresult> {
     let existing = RUNTIME.load(Ordering::Acquire);
-    if !existing.is_null() {
-        // SAFETY: the pointer comes from Box::into_raw in `create` and is never freed.
-        return Ok(Some(unsafe { &*existing }));
+    // SAFETY: the pointer comes from Box::into_raw in `create` and is never freed.
+    if let Some(runtime) = (!existing.is_null()).then(|| unsafe { &*existing })
+        && runtime.epoch == crate::session::epoch()
+    {
+        return Ok(Some(runtime));
     }
-    create()
+    create(existing)
 }
 
+/// Builds this process's limiter in place of `stale` (null, or a parent's before a fork).
 #[cold]
-fn create() -> Result<Option<&'static Runtime>, CUresult> {
+fn create(stale: *mut Runtime) -> Result<Option<&'static Runtime>, CUresult> {
     if MODE.load(Ordering::Relaxed) == OFF {
         return Ok(None);
     }
-    let Ok(config) = crate::init::config() else {
+    let Ok(config) = crate::session::config() else {
         // cuInit refuses a malformed configuration before the driver is initialised, so no
         // launch can succeed anyway.
         MODE.store(OFF, Ordering::Relaxed);
@@ -157,17 +158,18 @@ fn create() -> Result<Option<&'static Runtime>, CUresult> {
         MODE.store(OFF, Ordering::Relaxed);
         return Ok(None);
     }
-    if crate::memory::accounting().is_none() {
+    if crate::session::get().is_none() {
         return without_region(config);
     }
     let fresh = Box::into_raw(Box::new(Runtime {
+        epoch: crate::session::epoch(),
         config,
         devices: std::array::from_fn(|_| Device::default()),
         kernel_time_written_ns: AtomicU64::new(0),
         poller: Once::new(),
     }));
     // No lock (a forked child could inherit it held): the first pointer stored wins.
-    let winner = match RUNTIME.compare_exchange(std::ptr::null_mut(), fresh, Ordering::AcqRel, Ordering::Acquire) {
+    let winner = match RUNTIME.compare_exchange(stale, fresh, Ordering::AcqRel, Ordering::Acquire) {
         Ok(_) => fresh,
         Err(other) => {
             // SAFETY: `fresh` was never shared; it came from Box::into_raw just above.
@@ -175,11 +177,6 @@ fn create() -> Result<Option<&'static Runtime>, CUresult> {
             other
         }
     };
-    static REGISTER: Once = Once::new();
-    REGISTER.call_once(|| {
-        // SAFETY: registers plain functions; the child handler only stores an atomic.
-        unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
-    });
     let _ = MODE.compare_exchange(UNDECIDED, ON, Ordering::Relaxed, Ordering::Relaxed);
     // SAFETY: from Box::into_raw (ours or the winner's), never freed.
     Ok(Some(unsafe { &*winner }))
@@ -194,7 +191,7 @@ fn create() -> Result<Option<&'static Runtime>, CUresult> {
 /// region's switch cannot be read.
 #[cold]
 fn without_region(config: &Config) -> Result<Option<&'static Runtime>, CUresult> {
-    let ordinal = crate::memory::current_ordinal().and_then(|ordinal| usize::try_from(ordinal).ok());
+    let ordinal = crate::session::current_ordinal().and_then(|ordinal| usize::try_from(ordinal).ok());
     if ordinal.is_some_and(|ordinal| config.sm_limit_of(ordinal).is_none()) {
         return Ok(None);
     }
@@ -239,7 +236,7 @@ impl PollState {
             // From the poller's start (the process's first limited launch), so that the first
             // reading already sets the factor.
             busy_seen: std::array::from_fn(|index| {
-                let busy = crate::memory::accounting()
+                let busy = crate::session::get()
                     .and_then(|accounting| accounting.region().extension().compute.get(index))
                     .map_or(0, |compute| compute.busy_ns.load(Ordering::Relaxed));
                 (now, busy, 0)
@@ -328,12 +325,12 @@ impl Runtime {
     }
 
     fn before(&'static self, stream: CUstream, key: u64, measurable: bool) -> Option<Ticket> {
-        let accounting = crate::memory::accounting()?;
+        let accounting = crate::session::get()?;
         // With one device (the common case) every launch goes there: no need to ask the driver.
         let ordinal = if accounting.device(1).is_none() {
             0
         } else {
-            crate::memory::current_ordinal()?
+            crate::session::current_ordinal()?
         };
         let limit = self.config.sm_limit_of(ordinal as usize)?;
         let region_index = accounting.device(ordinal)?.region_index;
@@ -412,7 +409,7 @@ impl Runtime {
         }
         if status != CUDA_SUCCESS {
             // A launch the driver refused takes no GPU time.
-            if let Some(accounting) = crate::memory::accounting()
+            if let Some(accounting) = crate::session::get()
                 && let Some(bucket) = accounting.region().extension().compute.get(ticket.region_index)
             {
                 self.charge(bucket, ticket.region_index, -(ticket.charge as i64));
@@ -580,7 +577,7 @@ impl Runtime {
     /// Reads NVML for each device in use: the boost factor follows its power, and its utilisation
     /// cross-checks the sensor. Marked as inside the driver, and stopped at exit between devices.
     fn nvml_step(&self, state: &mut PollState, now: u64, starting: bool) {
-        let Some(accounting) = crate::memory::accounting() else {
+        let Some(accounting) = crate::session::get() else {
             return;
         };
         for (ordinal, device) in self.devices_in_use(accounting) {
@@ -611,7 +608,7 @@ impl Runtime {
     /// Adds what this process charged and launched since the last flush to the region's
     /// counters (kept locally so that a launch touches one shared line less).
     fn flush(&self, flushed: &mut [(i64, u64); MAX_DEVICES]) {
-        let Some(accounting) = crate::memory::accounting() else {
+        let Some(accounting) = crate::session::get() else {
             return;
         };
         let compute = &accounting.region().extension().compute;
@@ -642,8 +639,8 @@ impl Runtime {
     /// The visible devices this process has launched on, with their ordinals.
     fn devices_in_use<'a>(
         &'a self,
-        accounting: &'a crate::memory::Accounting,
-    ) -> impl Iterator<Item = (CUdevice, &'a crate::memory::DeviceEntry)> + 'a {
+        accounting: &'static crate::session::Session,
+    ) -> impl Iterator<Item = (CUdevice, &'a crate::session::DeviceEntry)> + 'a {
         (0..MAX_DEVICES as CUdevice)
             .map_while(move |ordinal| Some((ordinal, accounting.device(ordinal)?)))
             .filter(|(_, device)| self.devices.get(device.region_index).is_some_and(Device::touched))
@@ -654,9 +651,9 @@ impl Runtime {
     /// every process of the container adds to, divided by the factor it was charged at).
     fn follow_boost(
         &self,
-        accounting: &crate::memory::Accounting,
+        accounting: &'static crate::session::Session,
         ordinal: CUdevice,
-        device: &crate::memory::DeviceEntry,
+        device: &crate::session::DeviceEntry,
         (utilisation, power): (Option<u32>, Option<boost::PowerReading>),
         busy_seen: &mut [(u64, u64, u32); MAX_DEVICES],
         (now, starting): (u64, bool),
@@ -697,7 +694,7 @@ impl Runtime {
         if correction == 0 {
             return;
         }
-        let Some(accounting) = crate::memory::accounting() else {
+        let Some(accounting) = crate::session::get() else {
             return;
         };
         if let Some(bucket) = accounting.region().extension().compute.get(info.region_index) {
@@ -709,9 +706,9 @@ impl Runtime {
     /// logs what [`crosscheck`] finds.
     fn cross_check(
         &self,
-        accounting: &crate::memory::Accounting,
+        accounting: &'static crate::session::Session,
         ordinal: CUdevice,
-        device: &crate::memory::DeviceEntry,
+        device: &crate::session::DeviceEntry,
         nvml: Option<u32>,
         check: &mut CrossCheck,
         now: u64,
@@ -751,7 +748,7 @@ impl Runtime {
     /// Writes the process's GPU share over the last second, in percent, into its slot's
     /// `device_util[d].sm_util` (what HAMi's monitor reports).
     fn publish(&self, history: &mut [[(u64, i64); PUBLISH_WINDOW]; MAX_DEVICES], position: usize, now: u64) {
-        let Some(accounting) = crate::memory::accounting() else {
+        let Some(accounting) = crate::session::get() else {
             return;
         };
         let Some(slot) = accounting

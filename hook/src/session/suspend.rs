@@ -27,7 +27,7 @@ pub fn watch(flag: &'static AtomicU32) {
 pub fn suspended() -> bool {
     let flag = FLAG.load(Ordering::Acquire);
     // SAFETY: a non-null pointer was made from a `&'static AtomicU32` in the region mapping, which
-    // lives as long as the process (the accounting state holding it is never dropped).
+    // lives as long as the process (the session holding it is never dropped).
     !flag.is_null() && unsafe { &*flag }.load(Ordering::Acquire) != 0
 }
 
