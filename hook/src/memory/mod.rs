@@ -1,13 +1,23 @@
 //! Device memory accounting: every allocation path charged to the container's shared region
 //! before the driver is called, every free released, and memory queries answered for the virtual
-//! device. `cuda-api.toml` routes the entry points to [`handlers`].
+//! device. `cuda-api.toml` routes the entry points to the handlers of [`data`], [`pools`],
+//! [`contexts`] and [`queries`], built on [`charge`], [`pool_sync`] and [`measure`].
 
 mod accounting;
-mod handlers;
+mod charge;
+mod contexts;
+mod data;
 mod ledger;
 mod location;
+mod measure;
+mod pool_sync;
+mod pools;
+mod queries;
 mod sizes;
 mod units;
 
 pub use accounting::no_pools;
-pub use handlers::*;
+pub use contexts::*;
+pub use data::*;
+pub use pools::*;
+pub use queries::*;

@@ -1,0 +1,96 @@
+//! Charging and releasing around a driver call, for every handler: an allocation reserves in the
+//! shared region first, calls the driver and rolls back if it fails; a free calls the driver first
+//! and releases on success; a handle we never charged goes to the driver untouched. Without
+//! accounting (no successful `cuInit`) an allocation under a memory limit is refused
+//! ([`unaccounted`](super::accounting::unaccounted)); frees go to the driver.
+
+use vgpu_region::MemoryKind;
+
+use super::accounting::{Accounting, accounting, unaccounted};
+use super::ledger::Family;
+use super::pool_sync::charge_or_refuse;
+use crate::hooks::real;
+use crate::session::current_ordinal;
+use crate::sys::cuda::*;
+
+/// Reserves `bytes` on `ordinal` (or the current device), calls the driver, and records the charge
+/// under the key `key_of` reads back, or rolls it back.
+pub(super) fn charged(
+    ordinal: Option<CUdevice>,
+    kind: MemoryKind,
+    bytes: u64,
+    call: impl FnOnce() -> CUresult,
+    family: Family,
+    key_of: impl FnOnce() -> Option<u64>,
+) -> CUresult {
+    let Some(accounting) = accounting() else {
+        return unaccounted(call);
+    };
+    let Some(ordinal) = ordinal.or_else(current_ordinal) else {
+        return call();
+    };
+    let _in_flight = accounting
+        .device(ordinal)
+        .map(|device| accounting.in_flight(device.region_index));
+    let charge = match charge_or_refuse(accounting, ordinal, kind, bytes) {
+        Ok(charge) => charge,
+        Err(status) => return status,
+    };
+    let result = call();
+    match (charge, result == CUDA_SUCCESS, key_of()) {
+        (Some(charge), true, Some(key)) => accounting.ledger().insert_owned(family, key, charge, owner_of(family)),
+        (Some(charge), _, _) => accounting.release(charge),
+        (None, _, _) => {}
+    }
+    result
+}
+
+/// The context whose destruction frees a handle of this family (0: none does).
+fn owner_of(family: Family) -> u64 {
+    match family {
+        Family::Pointer | Family::Array | Family::MipmappedArray | Family::Module | Family::Library => {
+            current_context()
+        }
+        Family::PhysicalHandle | Family::Context | Family::Graph | Family::Pool => 0,
+    }
+}
+
+/// The current context, as a key (0: none).
+pub(super) fn current_context() -> u64 {
+    let Some(get_current) = real::cuCtxGetCurrent() else {
+        return 0;
+    };
+    let mut context: CUcontext = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer to a local.
+    if unsafe { get_current(&mut context) } == CUDA_SUCCESS {
+        context as u64
+    } else {
+        0
+    }
+}
+
+/// Releases everything the driver freed with a context.
+pub(super) fn release_owned_by(accounting: Accounting, context: u64) {
+    for charge in accounting.ledger().take_owned_by(context) {
+        accounting.release(charge);
+    }
+}
+
+/// Calls the driver to free `key`, then releases what was charged under it if the free worked.
+pub(super) fn released(family: Family, key: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    let Some(accounting) = accounting() else { return call() };
+    let Some((charges, owner)) = accounting.ledger().take_charges(family, key) else {
+        return call();
+    };
+    let _in_flight = charges
+        .iter()
+        .next()
+        .map(|charge| accounting.in_flight(charge.region_index));
+    let result = call();
+    if result == CUDA_SUCCESS {
+        charges.iter().for_each(|charge| accounting.release(*charge));
+    } else {
+        accounting.ledger().put_back(family, key, charges, owner);
+    }
+    result
+}

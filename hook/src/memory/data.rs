@@ -1,0 +1,272 @@
+//! Linear memory, VMM handles, arrays and graph memory nodes: charged at allocation, released at
+//! the matching free.
+
+use std::ffi::c_uint;
+
+use vgpu_region::MemoryKind;
+
+use super::accounting::{accounting, unaccounted};
+use super::charge::{charged, current_context, released};
+use super::ledger::{Charge, Family};
+use super::location::device_of;
+use super::pool_sync::{charge_or_refuse, sync_pool};
+use super::sizes::{ArrayDescriptor, mipmapped_bytes};
+use super::units::{DriverInt, read};
+use crate::hooks::real;
+use crate::session::current_ordinal;
+use crate::sys::cuda::*;
+
+/// `cuMemAlloc` and `_v2`.
+pub fn alloc<P: DriverInt, S: DriverInt>(call: impl FnOnce() -> CUresult, dptr: *mut P, bytesize: S) -> CUresult {
+    if dptr.is_null() || bytesize.to_u64() == 0 {
+        return call();
+    }
+    // SAFETY: the driver wrote the pointer on success.
+    charged(None, MemoryKind::Data, bytesize.to_u64(), call, Family::Pointer, || {
+        unsafe { read(dptr) }.map(P::to_u64)
+    })
+}
+
+/// `cuMemAllocPitch` and `_v2`: reserves the width rounded to the pitch alignment times the
+/// height, then corrects to the returned pitch times the height.
+pub fn alloc_pitch<P: DriverInt, S: DriverInt>(
+    call: impl FnOnce() -> CUresult,
+    dptr: *mut P,
+    p_pitch: *mut S,
+    width_in_bytes: S,
+    height: S,
+) -> CUresult {
+    const PITCH_ALIGNMENT: u64 = 512;
+    let pitch = p_pitch;
+    let (width, height) = (width_in_bytes.to_u64(), height.to_u64());
+    let estimate = width
+        .checked_next_multiple_of(PITCH_ALIGNMENT)
+        .and_then(|w| w.checked_mul(height));
+    let (Some(estimate), false) = (estimate, dptr.is_null() || pitch.is_null() || estimate == Some(0)) else {
+        return call();
+    };
+    let Some(accounting) = accounting() else {
+        return unaccounted(call);
+    };
+    let Some(ordinal) = current_ordinal() else {
+        return call();
+    };
+    let charge = match charge_or_refuse(accounting, ordinal, MemoryKind::Data, estimate) {
+        Ok(Some(charge)) => charge,
+        Ok(None) => return call(),
+        Err(status) => return status,
+    };
+    let result = call();
+    if result != CUDA_SUCCESS {
+        accounting.release(charge);
+        return result;
+    }
+    // SAFETY: the driver wrote both on success.
+    let (Some(pointer), Some(actual_pitch)) = (unsafe { read(dptr) }, unsafe { read(pitch) }) else {
+        accounting.release(charge);
+        return result;
+    };
+    let actual = actual_pitch.to_u64().saturating_mul(height);
+    let mut charges = vec![charge];
+    if actual > estimate {
+        // Rare: a pitch above our alignment guess. Charge the rest or undo the allocation.
+        match accounting.charge(ordinal, MemoryKind::Data, actual - estimate) {
+            Ok(extra) => charges.extend(extra),
+            Err(status) => {
+                accounting.release(charge);
+                if let Some(free) = real::cuMemFree_v2() {
+                    // SAFETY: frees the allocation the driver just made.
+                    unsafe { free(pointer.to_u64()) };
+                }
+                return status;
+            }
+        }
+    } else if actual < estimate {
+        let excess = Charge {
+            bytes: estimate - actual,
+            ..charge
+        };
+        accounting.release(excess);
+        charges[0].bytes = actual;
+    }
+    accounting
+        .ledger()
+        .insert_all(Family::Pointer, pointer.to_u64(), charges, current_context());
+    result
+}
+
+/// `cuMemAllocManaged`: charged in full; it may all migrate to the device.
+pub fn alloc_managed(call: impl FnOnce() -> CUresult, dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
+    alloc(call, dptr, bytesize)
+}
+
+// Stream-ordered pools are charged what they hold physically (their reserved memory), not what
+// the application asked for: a pool keeps freed blocks (PyTorch's cudaMallocAsync backend keeps
+// them all), and that memory is as taken as any allocation. After every pool operation the pool's
+// charge is set to its reserved memory; before an allocation, what the pool may have to add is
+// reserved against the limit.
+
+/// Frees a pointer: from a pool (the pool's charge follows its reserved memory) or charged itself.
+pub(super) fn free_pointer(call: impl FnOnce() -> CUresult, pointer: u64) -> CUresult {
+    let Some(accounting) = accounting() else { return call() };
+    let Some(pool) = accounting.ledger().take_pool_of(pointer) else {
+        return released(Family::Pointer, pointer, call);
+    };
+    let result = call();
+    let ordinal = accounting.ledger().pool_device(pool).unwrap_or(0);
+    if result == CUDA_SUCCESS {
+        sync_pool(accounting, pool, ordinal);
+    } else {
+        accounting.ledger().set_pool_of(pointer, pool, ordinal);
+    }
+    result
+}
+
+/// `cuMemFree` and `_v2`.
+pub fn free<P: DriverInt>(call: impl FnOnce() -> CUresult, dptr: P) -> CUresult {
+    free_pointer(call, dptr.to_u64())
+}
+
+/// `cuMemCreate`: charged to the device in the allocation's location (a locality domain is
+/// part of its device); host locations are not device memory.
+pub fn create(
+    call: impl FnOnce() -> CUresult,
+    handle: *mut CUmemGenericAllocationHandle,
+    size: usize,
+    prop: *const CUmemAllocationProp,
+) -> CUresult {
+    // SAFETY: the driver requires a valid prop; null is checked.
+    let Some(prop) = (unsafe { read(prop) }) else {
+        return call();
+    };
+    let Some(device) = device_of(&prop.location) else {
+        return call();
+    };
+    if handle.is_null() || size == 0 {
+        return call();
+    }
+    // SAFETY: the driver wrote the handle on success.
+    let key = || unsafe { read(handle) };
+    charged(
+        Some(device),
+        MemoryKind::Data,
+        size as u64,
+        call,
+        Family::PhysicalHandle,
+        key,
+    )
+}
+
+/// `cuMemRelease`.
+pub fn release(call: impl FnOnce() -> CUresult, handle: CUmemGenericAllocationHandle) -> CUresult {
+    released(Family::PhysicalHandle, handle, call)
+}
+
+/// `cuArrayCreate` and `_v2`.
+pub fn array_create<D: ArrayDescriptor>(
+    call: impl FnOnce() -> CUresult,
+    p_handle: *mut CUarray,
+    p_allocate_array: *const D,
+) -> CUresult {
+    // SAFETY: null is checked; otherwise the driver requires a valid descriptor.
+    let Some(bytes) = unsafe { p_allocate_array.as_ref() }.and_then(ArrayDescriptor::bytes) else {
+        return call();
+    };
+    // SAFETY: the driver wrote the handle on success.
+    let key = || unsafe { read(p_handle) }.map(|array| array as u64);
+    charged(None, MemoryKind::Data, bytes, call, Family::Array, key)
+}
+
+/// `cuArray3DCreate` and `_v2`.
+pub fn array3d_create<D: ArrayDescriptor>(
+    call: impl FnOnce() -> CUresult,
+    p_handle: *mut CUarray,
+    p_allocate_array: *const D,
+) -> CUresult {
+    array_create(call, p_handle, p_allocate_array)
+}
+
+/// `cuArrayDestroy`.
+pub fn array_destroy(call: impl FnOnce() -> CUresult, h_array: CUarray) -> CUresult {
+    released(Family::Array, h_array as u64, call)
+}
+
+/// `cuMipmappedArrayCreate`.
+pub fn mipmapped_array_create(
+    call: impl FnOnce() -> CUresult,
+    p_handle: *mut CUmipmappedArray,
+    p_mipmapped_array_desc: *const CUDA_ARRAY3D_DESCRIPTOR,
+    num_mipmap_levels: c_uint,
+) -> CUresult {
+    // SAFETY: null is checked; otherwise the driver requires a valid descriptor.
+    let Some(bytes) = unsafe { p_mipmapped_array_desc.as_ref() }.and_then(|d| mipmapped_bytes(d, num_mipmap_levels))
+    else {
+        return call();
+    };
+    // SAFETY: the driver wrote the handle on success.
+    let key = || unsafe { read(p_handle) }.map(|h| h as u64);
+    charged(None, MemoryKind::Data, bytes, call, Family::MipmappedArray, key)
+}
+
+/// `cuMipmappedArrayDestroy`.
+pub fn mipmapped_array_destroy(call: impl FnOnce() -> CUresult, h_mipmapped_array: CUmipmappedArray) -> CUresult {
+    released(Family::MipmappedArray, h_mipmapped_array as u64, call)
+}
+
+/// Charges an allocation node of `bytes` in the pool at `location` to `graph`.
+fn graph_alloc_node(
+    call: impl FnOnce() -> CUresult,
+    graph: CUgraph,
+    bytes: usize,
+    location: CUmemLocation,
+) -> CUresult {
+    let bytes = bytes as u64;
+    if bytes == 0 {
+        return call();
+    }
+    charged(
+        device_of(&location),
+        MemoryKind::Data,
+        bytes,
+        call,
+        Family::Graph,
+        || Some(graph as u64),
+    )
+}
+
+/// `cuGraphAddMemAllocNode`: the node's bytes are charged while the graph exists.
+pub fn graph_add_mem_alloc_node(
+    call: impl FnOnce() -> CUresult,
+    h_graph: CUgraph,
+    node_params: *mut CUDA_MEM_ALLOC_NODE_PARAMS,
+) -> CUresult {
+    // SAFETY: null is checked; otherwise the driver requires valid parameters.
+    let Some(params) = (unsafe { read(node_params) }) else {
+        return call();
+    };
+    graph_alloc_node(call, h_graph, params.bytesize, params.poolProps.location)
+}
+
+/// The `cuGraphAddNode` family: charged like `cuGraphAddMemAllocNode` for memory allocation
+/// nodes.
+pub fn graph_add_node(
+    call: impl FnOnce() -> CUresult,
+    h_graph: CUgraph,
+    node_params: *mut CUgraphNodeParams,
+) -> CUresult {
+    // SAFETY: null is checked; otherwise the driver requires valid parameters.
+    let Some(params) = (unsafe { node_params.as_ref() }) else {
+        return call();
+    };
+    if params.type_ != CU_GRAPH_NODE_TYPE_MEM_ALLOC {
+        return call();
+    }
+    // SAFETY: the type says the union holds allocation parameters.
+    let alloc = unsafe { params.__bindgen_anon_1.alloc };
+    graph_alloc_node(call, h_graph, alloc.bytesize, alloc.poolProps.location)
+}
+
+/// `cuGraphDestroy`: releases its memory nodes' charges.
+pub fn graph_destroy(call: impl FnOnce() -> CUresult, h_graph: CUgraph) -> CUresult {
+    released(Family::Graph, h_graph as u64, call)
+}

@@ -1,0 +1,117 @@
+//! Stream-ordered allocations (`cuMemAllocAsync`, pools) and the calls that change what a pool
+//! holds: frees, trims, destruction and synchronisations (see [`super::pool_sync`]).
+
+use vgpu_region::MemoryKind;
+
+use super::accounting::{accounting, unaccounted};
+use super::data::{alloc, free_pointer};
+use super::ledger::Family;
+use super::pool_sync::{POOL_GROWTH_GRANULARITY, charge_or_refuse, device_pool, pool_attribute, sync_pool, sync_pools};
+use super::units::read;
+use crate::session::current_ordinal;
+use crate::sys::cuda::*;
+
+fn pooled_alloc(
+    call: impl FnOnce() -> CUresult,
+    dptr: *mut CUdeviceptr,
+    size: usize,
+    pool: Option<CUmemoryPool>,
+) -> CUresult {
+    let Some(accounting) = accounting() else {
+        return unaccounted(call);
+    };
+    let Some(ordinal) = current_ordinal() else {
+        return call();
+    };
+    let Some(pool) = pool.filter(|pool| !pool.is_null()).or_else(|| device_pool(ordinal)) else {
+        return alloc(call, dptr, size);
+    };
+    if dptr.is_null() || size == 0 {
+        return call();
+    }
+    let reserved = pool_attribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT).unwrap_or(0);
+    let in_use = pool_attribute(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT).unwrap_or(0);
+    let growth = (size as u64).saturating_sub(reserved.saturating_sub(in_use));
+    let provisional = if growth == 0 {
+        None
+    } else {
+        let growth = growth
+            .div_ceil(POOL_GROWTH_GRANULARITY)
+            .saturating_mul(POOL_GROWTH_GRANULARITY);
+        match charge_or_refuse(accounting, ordinal, MemoryKind::Data, growth) {
+            Ok(charge) => charge,
+            Err(status) => return status,
+        }
+    };
+    let result = call();
+    if let Some(charge) = provisional {
+        accounting.release(charge);
+    }
+    if result == CUDA_SUCCESS {
+        // SAFETY: the driver wrote the pointer on success.
+        if let Some(pointer) = unsafe { read(dptr) } {
+            accounting.ledger().set_pool_of(pointer, pool as u64, ordinal);
+        }
+        sync_pool(accounting, pool as u64, ordinal);
+    }
+    result
+}
+
+/// `cuStreamSynchronize`, `cuCtxSynchronize`, `cuEventSynchronize`: pools return freed memory
+/// here, so their charges are brought up to date (processes without pools take the table's fast
+/// path, `no_pools`, and never get here; the check stays for a pool made meanwhile).
+pub fn synchronized(call: impl FnOnce() -> CUresult) -> CUresult {
+    let result = call();
+    if let Some(accounting) = accounting()
+        && accounting.ledger().has_pools()
+    {
+        sync_pools(accounting);
+    }
+    result
+}
+
+/// `cuMemAllocAsync` and `_ptsz`: from the current device's pool.
+pub fn alloc_async(call: impl FnOnce() -> CUresult, dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
+    pooled_alloc(call, dptr, bytesize, None)
+}
+
+/// `cuMemAllocFromPoolAsync` and `_ptsz`.
+pub fn alloc_from_pool_async(
+    call: impl FnOnce() -> CUresult,
+    dptr: *mut CUdeviceptr,
+    bytesize: usize,
+    pool: CUmemoryPool,
+) -> CUresult {
+    pooled_alloc(call, dptr, bytesize, Some(pool))
+}
+
+/// `cuMemFreeAsync` and `_ptsz`.
+pub fn free_async(call: impl FnOnce() -> CUresult, dptr: CUdeviceptr) -> CUresult {
+    free_pointer(call, dptr)
+}
+
+/// `cuMemPoolTrimTo`: the pool's charge follows what it still holds.
+pub fn pool_trim(call: impl FnOnce() -> CUresult, pool: CUmemoryPool) -> CUresult {
+    let result = call();
+    if result == CUDA_SUCCESS
+        && let Some(accounting) = accounting()
+        && let Some(ordinal) = accounting.ledger().pool_device(pool as u64)
+    {
+        sync_pool(accounting, pool as u64, ordinal);
+    }
+    result
+}
+
+/// `cuMemPoolDestroy`: the pool's charge goes with it.
+pub fn pool_destroy(call: impl FnOnce() -> CUresult, pool: CUmemoryPool) -> CUresult {
+    let result = call();
+    if result == CUDA_SUCCESS
+        && let Some(accounting) = accounting()
+    {
+        if let Some((charges, _)) = accounting.ledger().take_charges(Family::Pool, pool as u64) {
+            charges.iter().for_each(|charge| accounting.release(*charge));
+        }
+        accounting.ledger().forget_pool(pool as u64);
+    }
+    result
+}

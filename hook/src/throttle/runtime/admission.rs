@@ -1,0 +1,257 @@
+//! Admission of a launch on the limited path: it waits while the shared bucket is in debt, is
+//! charged its estimated GPU time, and may be sampled; HAMi's controls (`utilization_switch`,
+//! `recent_kernel`) are read and written here.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use vgpu_config::UtilizationPolicy;
+use vgpu_region::{ComputeDevice, SharedRegion};
+
+use crate::hooks::real;
+use crate::sys::cuda::{CU_STREAM_CAPTURE_STATUS_NONE, CUDA_SUCCESS, CUresult, CUstream, CUstreamCaptureStatus};
+use crate::throttle::sensor::{InFlight, SampleInfo};
+use crate::throttle::{Stream, bucket, now_ns};
+
+use super::{Runtime, SHUTDOWN, runtime};
+
+/// Shortest sleep of a waiting launch: below this, sleeping costs more than it saves, and the
+/// budget that builds up meanwhile lets several small launches through at once.
+const MIN_WAIT_NS: u64 = 100_000;
+/// Longest sleep before the controls (switch, `recent_kernel`) are looked at again.
+const MAX_WAIT_NS: u64 = 10_000_000;
+/// Poll period of a launch held by `recent_kernel` = -1.
+const BLOCKED_POLL_NS: u64 = 10_000_000;
+/// HAMi-core writes this into `recent_kernel` at each limited launch; HAMi's monitor counts it
+/// down to tell active containers from idle ones.
+const RECENT_KERNEL_ACTIVE: i32 = 2;
+
+/// What the limited path decided before a launch, finished by [`after`].
+pub struct Ticket {
+    runtime: &'static Runtime,
+    key: u64,
+    /// What the estimates planned (GPU time at the clock the kernels run at).
+    planned: u64,
+    /// What the bucket was charged (the plan times the boost factor).
+    charge: u64,
+    region_index: usize,
+    /// The limiter planned to measure this launch.
+    planned_sample: bool,
+    sample: Option<InFlight>,
+}
+
+/// Before a launch on the limited path: waits for budget, charges, and starts a sample. `Ok(None)`
+/// when the launch is not limited (then nothing is to be done after it); `Err` is the status of a
+/// launch that must not run (a limit without a region: [`without_region`]).
+#[inline(never)]
+pub fn before(stream: Stream, key: u64, measurable: bool) -> Result<Option<Ticket>, CUresult> {
+    if SHUTDOWN.load(Ordering::Relaxed) {
+        return Ok(None);
+    }
+    Ok(runtime()?.and_then(|runtime| runtime.before(stream.handle(), key, measurable)))
+}
+
+/// After the launch: ends the sample, refunds a launch the driver refused.
+#[inline(never)]
+pub fn after(ticket: Option<Ticket>, status: CUresult) {
+    if let Some(ticket) = ticket {
+        ticket.runtime.after(ticket, status);
+    }
+}
+
+/// Whether `stream` is being captured (or cannot be asked): such launches do not run now.
+fn capturing(stream: CUstream) -> bool {
+    let Some(is_capturing) = real::cuStreamIsCapturing() else {
+        return false;
+    };
+    let mut status: CUstreamCaptureStatus = CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: the application's stream and a valid out-pointer.
+    let result = unsafe { is_capturing(stream, &mut status) };
+    // An error means the launch itself will fail (an invalid stream, or the legacy stream during
+    // a capture): nothing to gate.
+    result != CUDA_SUCCESS || status != CU_STREAM_CAPTURE_STATUS_NONE
+}
+
+fn sleep_ns(ns: u64) {
+    std::thread::sleep(Duration::from_nanos(ns));
+}
+
+fn unix_seconds() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.as_secs() as i64)
+}
+
+impl Runtime {
+    /// Whether the limit applies now: HAMi's monitor turns `utilization_switch` on while the GPU
+    /// is really shared, unless the policy overrides it.
+    fn active(&self, hami: &SharedRegion) -> bool {
+        match self.config.utilization_policy {
+            UtilizationPolicy::Force => true,
+            UtilizationPolicy::Disable => false,
+            UtilizationPolicy::FollowRegion => hami.utilization_switch.load(Ordering::Relaxed) == 1,
+        }
+    }
+
+    fn before(&'static self, stream: CUstream, key: u64, measurable: bool) -> Option<Ticket> {
+        let accounting = crate::session::get()?;
+        // With one device (the common case) every launch goes there: no need to ask the driver.
+        let ordinal = if accounting.device(1).is_none() {
+            0
+        } else {
+            crate::session::current_ordinal()?
+        };
+        let limit = self.config.sm_limit_of(ordinal as usize)?;
+        let region_index = accounting.device(ordinal)?.region_index;
+        let region = accounting.region();
+        let hami = region.hami();
+        let bucket = region.extension().compute.get(region_index)?;
+        let device = self.devices.get(region_index)?;
+        if !self.active(hami) {
+            return None;
+        }
+        self.start_poller();
+
+        let now = now_ns();
+        let plan = device.estimates().plan(key, now);
+        let charge = self.boosted(region_index, plan.charge as i64) as u64;
+        // A launch into a stream being captured does not run now: it must neither wait nor be
+        // measured (an event recorded there would join the graph). Asking the driver costs about
+        // as much as the rest of this path, so it is asked only when the launch would wait or be
+        // measured; one that passes at once is charged like any other (at most one burst's worth
+        // while a capture lasts).
+        let first = if hami.recent_kernel.load(Ordering::Relaxed) < 0 {
+            Err(BLOCKED_POLL_NS)
+        } else {
+            bucket::try_take(bucket, now, limit, charge)
+        };
+        let (waited, checked) = match first {
+            Ok(()) => (0, false),
+            Err(wait) => {
+                // None from admit: the limit was lifted while the launch waited.
+                let admitted = if capturing(stream) {
+                    None
+                } else {
+                    self.admit(hami, bucket, limit, charge, wait, now)
+                };
+                let Some(waited) = admitted else {
+                    device.estimates().forget(key, plan);
+                    return None;
+                };
+                (waited, true)
+            }
+        };
+        self.account(hami, bucket, region_index, charge as i64, waited, now);
+        let sample = if plan.sample && measurable {
+            if !checked && capturing(stream) {
+                self.charge(bucket, region_index, -(charge as i64));
+                device.estimates().forget(key, plan);
+                return None;
+            }
+            let info = SampleInfo {
+                key,
+                charged: plan.charge,
+                region_index,
+            };
+            device.sensor.begin(stream, info)
+        } else {
+            None
+        };
+        Some(Ticket {
+            runtime: self,
+            key,
+            planned: plan.charge,
+            charge,
+            region_index,
+            planned_sample: plan.sample,
+            sample,
+        })
+    }
+
+    fn after(&self, ticket: Ticket, status: CUresult) {
+        let Some(device) = self.devices.get(ticket.region_index) else {
+            return;
+        };
+        let measured = ticket.sample.is_some_and(|sample| device.sensor.end(sample, status));
+        if ticket.planned_sample && !measured {
+            device.estimates().not_measured(ticket.key, ticket.planned);
+        }
+        if status != CUDA_SUCCESS {
+            // A launch the driver refused takes no GPU time.
+            if let Some(accounting) = crate::session::get()
+                && let Some(bucket) = accounting.region().extension().compute.get(ticket.region_index)
+            {
+                self.charge(bucket, ticket.region_index, -(ticket.charge as i64));
+            }
+        }
+    }
+
+    /// Sleeps (`wait` ns first) until the bucket admits `cost` and `recent_kernel` allows launches.
+    /// Returns the time waited since `since`, or `None` when the limit was lifted meanwhile
+    /// (nothing charged).
+    fn admit(
+        &self,
+        hami: &SharedRegion,
+        bucket: &ComputeDevice,
+        limit: u8,
+        cost: u64,
+        mut wait: u64,
+        since: u64,
+    ) -> Option<u64> {
+        loop {
+            sleep_ns(wait.clamp(MIN_WAIT_NS, MAX_WAIT_NS));
+            if SHUTDOWN.load(Ordering::Relaxed) || !self.active(hami) {
+                return None;
+            }
+            let now = now_ns();
+            wait = if hami.recent_kernel.load(Ordering::Relaxed) < 0 {
+                // HAMi's monitor holds this container while a higher-priority one runs.
+                BLOCKED_POLL_NS
+            } else {
+                match bucket::try_take(bucket, now, limit, cost) {
+                    Ok(()) => return Some(now.saturating_sub(since)),
+                    Err(wait) => wait,
+                }
+            };
+        }
+    }
+
+    /// Records an admitted launch: this process's counters (the background thread adds them to
+    /// the region's), the wait, HAMi's activity fields.
+    fn account(
+        &self,
+        hami: &SharedRegion,
+        bucket: &ComputeDevice,
+        region_index: usize,
+        charge: i64,
+        waited: u64,
+        now: u64,
+    ) {
+        if waited > 0 {
+            bucket.wait_ns.fetch_add(waited, Ordering::Relaxed);
+        }
+        if let Some(device) = self.devices.get(region_index) {
+            device.charged.fetch_add(charge, Ordering::Relaxed);
+            device.launches.fetch_add(1, Ordering::Relaxed);
+            if !device.touched() {
+                device.touched.store(true, Ordering::Relaxed);
+            }
+        }
+        let recent = hami.recent_kernel.load(Ordering::Relaxed);
+        if recent >= 0 && recent != RECENT_KERNEL_ACTIVE {
+            // Only over the value read: a -1 the monitor writes meanwhile must stand.
+            let _ =
+                hami.recent_kernel
+                    .compare_exchange(recent, RECENT_KERNEL_ACTIVE, Ordering::Relaxed, Ordering::Relaxed);
+        }
+        let written = self.kernel_time_written_ns.load(Ordering::Relaxed);
+        if now.saturating_sub(written) >= 1_000_000_000
+            && self
+                .kernel_time_written_ns
+                .compare_exchange(written, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            hami.last_kernel_time.store(unix_seconds(), Ordering::Relaxed);
+        }
+    }
+}

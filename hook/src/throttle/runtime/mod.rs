@@ -1,0 +1,211 @@
+//! The limited path: the process's limiter state, made on the first limited launch and shared by
+//! [`admission`] (a launch against the shared bucket, HAMi's controls) and [`poller`] (the
+//! background thread that turns measurements into corrections and publishes the process's
+//! utilisation).
+//!
+//! The state lives in one leaked allocation reached through an atomic pointer, made in one
+//! session fork epoch ([`crate::session::epoch`]). A forked child finds the parent's state of an
+//! older epoch: the parent's locks may be held by threads the child does not have, and its
+//! background thread is gone, so the child builds fresh state on its first limited launch.
+
+mod admission;
+mod poller;
+
+use std::sync::Once;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicPtr, AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use vgpu_config::{Config, UtilizationPolicy};
+use vgpu_region::{ComputeDevice, MAX_DEVICES};
+
+use super::estimates::Estimates;
+use super::sensor::Sensor;
+use super::{MODE, OFF, ON, UNDECIDED, bucket};
+use crate::sys::cuda::{CUDA_ERROR_NOT_INITIALIZED, CUresult};
+
+pub use admission::{after, before};
+
+/// The boost factor's unit: it is kept in thousandths.
+const BOOST_UNIT: u32 = 1000;
+
+static RUNTIME: AtomicPtr<Runtime> = AtomicPtr::new(std::ptr::null_mut());
+/// Set at process exit: the background thread stops calling the driver, launches stop waiting.
+static SHUTDOWN: AtomicBool = AtomicBool::new(false);
+/// True while the background thread is inside the driver.
+static POLLER_IN_DRIVER: AtomicBool = AtomicBool::new(false);
+
+/// The process's limiter.
+pub struct Runtime {
+    /// The session's fork epoch it was made in: a forked child makes its own.
+    epoch: u64,
+    config: &'static Config,
+    /// Per region device index: each device's budget, sensor and estimates stand alone, so
+    /// threads driving different GPUs never wait on each other.
+    devices: [Device; MAX_DEVICES],
+    /// When `last_kernel_time` was last written (monotonic ns).
+    kernel_time_written_ns: AtomicU64,
+    poller: Once,
+}
+
+/// The limiter's state for one device.
+struct Device {
+    estimates: Mutex<Estimates>,
+    sensor: Sensor,
+    /// GPU time charged by this process (estimates plus corrections), for the utilisation it
+    /// publishes.
+    charged: AtomicI64,
+    /// The boost compensation factor, in thousandths ([`boost`]).
+    boost: AtomicU32,
+    /// Launches admitted by this process.
+    launches: AtomicU64,
+    touched: AtomicBool,
+}
+
+impl Default for Device {
+    fn default() -> Device {
+        Device {
+            estimates: Mutex::new(Estimates::default()),
+            sensor: Sensor::default(),
+            charged: AtomicI64::new(0),
+            boost: AtomicU32::new(BOOST_UNIT),
+            launches: AtomicU64::new(0),
+            touched: AtomicBool::new(false),
+        }
+    }
+}
+
+impl Device {
+    fn estimates(&self) -> parking_lot::MutexGuard<'_, Estimates> {
+        self.estimates.lock()
+    }
+
+    fn touched(&self) -> bool {
+        self.touched.load(Ordering::Relaxed)
+    }
+}
+
+extern "C" fn at_exit() {
+    SHUTDOWN.store(true, Ordering::SeqCst);
+    let runtime = RUNTIME.load(Ordering::Acquire);
+    if !runtime.is_null() {
+        // SAFETY: from Box::into_raw, never freed.
+        for device in &unsafe { &*runtime }.devices {
+            device.sensor.release_all_holds();
+        }
+    }
+    // Let a driver call of the background thread finish before the driver tears down (bounded).
+    for _ in 0..50 {
+        if !POLLER_IN_DRIVER.load(Ordering::SeqCst) {
+            return;
+        }
+        std::thread::sleep(Duration::from_micros(500));
+    }
+}
+
+/// Decides once whether anything is limited; `Ok(None)` when launches go straight to the driver,
+/// `Err` when a limited launch must be refused (no region to limit it with).
+fn runtime() -> Result<Option<&'static Runtime>, CUresult> {
+    let existing = RUNTIME.load(Ordering::Acquire);
+    // SAFETY: the pointer comes from Box::into_raw in `create` and is never freed.
+    if let Some(runtime) = (!existing.is_null()).then(|| unsafe { &*existing })
+        && runtime.epoch == crate::session::epoch()
+    {
+        return Ok(Some(runtime));
+    }
+    create(existing)
+}
+
+/// Builds this process's limiter in place of `stale` (null, or a parent's before a fork).
+#[cold]
+fn create(stale: *mut Runtime) -> Result<Option<&'static Runtime>, CUresult> {
+    if MODE.load(Ordering::Relaxed) == OFF {
+        return Ok(None);
+    }
+    let Ok(config) = crate::session::config() else {
+        // cuInit refuses a malformed configuration before the driver is initialised, so no
+        // launch can succeed anyway.
+        MODE.store(OFF, Ordering::Relaxed);
+        return Ok(None);
+    };
+    if config.utilization_policy == UtilizationPolicy::Disable || config.sm_limit.iter().all(Option::is_none) {
+        MODE.store(OFF, Ordering::Relaxed);
+        return Ok(None);
+    }
+    if crate::session::get().is_none() {
+        return without_region(config);
+    }
+    let fresh = Box::into_raw(Box::new(Runtime {
+        epoch: crate::session::epoch(),
+        config,
+        devices: std::array::from_fn(|_| Device::default()),
+        kernel_time_written_ns: AtomicU64::new(0),
+        poller: Once::new(),
+    }));
+    // No lock (a forked child could inherit it held): the first pointer stored wins.
+    let winner = match RUNTIME.compare_exchange(stale, fresh, Ordering::AcqRel, Ordering::Acquire) {
+        Ok(_) => fresh,
+        Err(other) => {
+            // SAFETY: `fresh` was never shared; it came from Box::into_raw just above.
+            drop(unsafe { Box::from_raw(fresh) });
+            other
+        }
+    };
+    let _ = MODE.compare_exchange(UNDECIDED, ON, Ordering::Relaxed, Ordering::Relaxed);
+    // SAFETY: from Box::into_raw (ours or the winner's), never freed.
+    Ok(Some(unsafe { &*winner }))
+}
+
+/// A launch while a compute limit is configured but the process has no region: `cuInit` has not
+/// succeeded here (the region could not be used, or `cuInit` failed or was never called; the
+/// first two leave the real driver initialised). The limit's budget lives in the region, so the
+/// launch cannot be limited, and no launch runs unlimited under the limit's name: it is refused
+/// with `CUDA_ERROR_NOT_INITIALIZED` (what `cuInit` said; fail closed), unless it goes to a device
+/// without a limit. Whatever `GPU_CORE_UTILIZATION_POLICY` says short of `disable`: the
+/// region's switch cannot be read.
+#[cold]
+fn without_region(config: &Config) -> Result<Option<&'static Runtime>, CUresult> {
+    let ordinal = crate::session::current_ordinal().and_then(|ordinal| usize::try_from(ordinal).ok());
+    if ordinal.is_some_and(|ordinal| config.sm_limit_of(ordinal).is_none()) {
+        return Ok(None);
+    }
+    static SAID: AtomicBool = AtomicBool::new(false);
+    if !SAID.swap(true, Ordering::Relaxed) {
+        tracing::error!(
+            "the compute limit has no shared region to work with (cuInit did not succeed): every launch on a limited \
+             device is refused with CUDA_ERROR_NOT_INITIALIZED"
+        );
+    }
+    Err(CUDA_ERROR_NOT_INITIALIZED)
+}
+
+/// Adds a signed amount to a monotonic counter without wrapping below zero.
+fn add_signed(counter: &AtomicU64, delta: i64) {
+    if delta >= 0 {
+        counter.fetch_add(delta as u64, Ordering::Relaxed);
+    } else {
+        let _ = counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |value| {
+            Some(value.saturating_sub(delta.unsigned_abs()))
+        });
+    }
+}
+
+impl Runtime {
+    /// Adds `delta` ns of GPU time to what this process has taken from `bucket`.
+    fn charge(&self, bucket: &ComputeDevice, region_index: usize, delta: i64) {
+        bucket::add(bucket, -delta);
+        if let Some(device) = self.devices.get(region_index) {
+            device.charged.fetch_add(delta, Ordering::Relaxed);
+        }
+    }
+
+    /// `ns` of GPU time at the clock the kernels run at, as charged: times the device's boost
+    /// factor.
+    fn boosted(&self, region_index: usize, ns: i64) -> i64 {
+        let factor = self
+            .devices
+            .get(region_index)
+            .map_or(BOOST_UNIT, |device| device.boost.load(Ordering::Relaxed));
+        (i128::from(ns) * i128::from(factor) / i128::from(BOOST_UNIT)) as i64
+    }
+}

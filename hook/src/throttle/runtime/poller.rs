@@ -1,0 +1,346 @@
+//! The limiter's background thread: it collects the sampled launches' measurements and corrects
+//! the charges, flushes this process's counters into the region, publishes its utilisation, and
+//! once a second reads NVML (the boost factor, the cross-check).
+
+use std::sync::Once;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use vgpu_region::MAX_DEVICES;
+
+use crate::sys::cuda::CUdevice;
+use crate::throttle::boost;
+use crate::throttle::crosscheck::{self, CrossCheck, Report};
+use crate::throttle::now_ns;
+use crate::throttle::sensor::SampleInfo;
+
+use super::{BOOST_UNIT, Device, POLLER_IN_DRIVER, RUNTIME, Runtime, SHUTDOWN, add_signed, at_exit};
+
+/// The background thread's period while samples are in flight, and while none are.
+const POLL_BUSY: Duration = Duration::from_millis(1);
+const POLL_IDLE: Duration = Duration::from_millis(20);
+/// How often the process's utilisation is published, and over how many periods it is averaged
+/// (4 x 250 ms: the last second).
+const PUBLISH_PERIOD_NS: u64 = 250_000_000;
+const PUBLISH_WINDOW: usize = 4;
+/// How often NVML is read: the measured share is compared with its utilisation ([`crosscheck`])
+/// and the boost factor follows its power readings ([`boost`]).
+const NVML_PERIOD_NS: u64 = 1_000_000_000;
+/// For this long after the poller starts, NVML is read every [`START_NVML_PERIOD_NS`] and the
+/// boost factor takes each reading whole: the factor follows the power as it ramps up, so a
+/// power-hungry job is not run ahead of its share for its whole first second.
+const START_PHASE_NS: u64 = 1_500_000_000;
+const START_NVML_PERIOD_NS: u64 = 250_000_000;
+
+/// The background thread's own state between periods.
+struct PollState {
+    history: [[(u64, i64); PUBLISH_WINDOW]; MAX_DEVICES],
+    flushed: [(i64, u64); MAX_DEVICES],
+    last_publish: u64,
+    publications: usize,
+    cross_check: CrossCheck,
+    /// When the poller started (the process's first limited launch).
+    started: u64,
+    last_nvml: u64,
+    /// Per region device index: when the boost factor last followed a reading, the region's busy
+    /// time then, and how many readings it has followed.
+    busy_seen: [(u64, u64, u32); MAX_DEVICES],
+    /// A step has panicked (said once).
+    panicked: bool,
+}
+
+impl PollState {
+    fn new() -> PollState {
+        let now = now_ns();
+        PollState {
+            history: [[(0, 0); PUBLISH_WINDOW]; MAX_DEVICES],
+            flushed: [(0, 0); MAX_DEVICES],
+            last_publish: now,
+            publications: 0,
+            cross_check: CrossCheck::default(),
+            started: now,
+            last_nvml: now,
+            // From the poller's start (the process's first limited launch), so that the first
+            // reading already sets the factor.
+            busy_seen: std::array::from_fn(|index| {
+                let busy = crate::session::get()
+                    .and_then(|accounting| accounting.region().extension().compute.get(index))
+                    .map_or(0, |compute| compute.busy_ns.load(Ordering::Relaxed));
+                (now, busy, 0)
+            }),
+            panicked: false,
+        }
+    }
+}
+
+impl Runtime {
+    pub(super) fn start_poller(&'static self) {
+        self.poller.call_once(|| {
+            static AT_EXIT: Once = Once::new();
+            AT_EXIT.call_once(|| {
+                // SAFETY: registers a plain function that stores atomics and sleeps briefly.
+                unsafe { libc::atexit(at_exit) };
+            });
+            let spawned = std::thread::Builder::new()
+                .name("vgpu-limiter".into())
+                .spawn(move || self.poll_loop());
+            if let Err(error) = spawned {
+                tracing::error!(
+                    "cannot start the compute limiter's thread ({error}); launches are charged estimates only"
+                );
+            }
+        });
+    }
+
+    fn poll_loop(&'static self) {
+        crate::throttle::sensor::relax_capture_mode();
+        let mut state = PollState::new();
+        loop {
+            let outstanding = self
+                .devices
+                .iter()
+                .map(|device| device.sensor.outstanding())
+                .sum::<usize>();
+            std::thread::sleep(if outstanding > 0 { POLL_BUSY } else { POLL_IDLE });
+            if !std::ptr::eq(RUNTIME.load(Ordering::Acquire), self) {
+                return;
+            }
+            // A panic here must not end the limiter silently: the step is skipped, said once.
+            let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.poll_once(&mut state)));
+            POLLER_IN_DRIVER.store(false, Ordering::SeqCst);
+            match step {
+                Ok(true) => {}
+                Ok(false) => return,
+                Err(_) => {
+                    if !std::mem::replace(&mut state.panicked, true) {
+                        tracing::error!("compute limiter: a background step failed; skipping it");
+                    }
+                }
+            }
+        }
+    }
+
+    /// One period of the background thread: collects measurements, corrects and flushes the
+    /// charges, publishes the utilisation, and once a second reads NVML. False at exit.
+    fn poll_once(&self, state: &mut PollState) -> bool {
+        if SHUTDOWN.load(Ordering::SeqCst) {
+            return false;
+        }
+        for device in self.devices.iter().filter(|device| device.touched()) {
+            POLLER_IN_DRIVER.store(true, Ordering::SeqCst);
+            if SHUTDOWN.load(Ordering::SeqCst) {
+                return false;
+            }
+            let completed = device.sensor.completed();
+            POLLER_IN_DRIVER.store(false, Ordering::SeqCst);
+            device.sensor.release_stale_holds(now_ns());
+            for (info, measured) in completed {
+                self.correct(device, info, measured);
+            }
+        }
+        self.flush(&mut state.flushed);
+        let now = now_ns();
+        if now.saturating_sub(state.last_publish) >= PUBLISH_PERIOD_NS {
+            state.last_publish = now;
+            self.publish(&mut state.history, state.publications % PUBLISH_WINDOW, now);
+            state.publications += 1;
+        }
+        let starting = now.saturating_sub(state.started) < START_PHASE_NS;
+        let period = if starting { START_NVML_PERIOD_NS } else { NVML_PERIOD_NS };
+        if now.saturating_sub(state.last_nvml) >= period {
+            state.last_nvml = now;
+            self.nvml_step(state, now, starting);
+        }
+        true
+    }
+
+    /// Reads NVML for each device in use: the boost factor follows its power, and its utilisation
+    /// cross-checks the sensor. Marked as inside the driver, and stopped at exit between devices.
+    fn nvml_step(&self, state: &mut PollState, now: u64, starting: bool) {
+        let Some(accounting) = crate::session::get() else {
+            return;
+        };
+        for (ordinal, device) in self.devices_in_use(accounting) {
+            POLLER_IN_DRIVER.store(true, Ordering::SeqCst);
+            if SHUTDOWN.load(Ordering::SeqCst) {
+                return;
+            }
+            // One handle lookup per device and step, for both readings.
+            let handle = crate::nvml::device_handle(&device.uuid);
+            let utilisation = handle.and_then(crosscheck::nvml_utilisation);
+            let power = handle.and_then(boost::read);
+            self.follow_boost(
+                accounting,
+                ordinal,
+                device,
+                (utilisation, power),
+                &mut state.busy_seen,
+                (now, starting),
+            );
+            if !starting {
+                // Its persistence counts readings a second apart.
+                self.cross_check(accounting, ordinal, device, utilisation, &mut state.cross_check, now);
+            }
+            POLLER_IN_DRIVER.store(false, Ordering::SeqCst);
+        }
+    }
+
+    /// Adds what this process charged and launched since the last flush to the region's
+    /// counters (kept locally so that a launch touches one shared line less).
+    fn flush(&self, flushed: &mut [(i64, u64); MAX_DEVICES]) {
+        let Some(accounting) = crate::session::get() else {
+            return;
+        };
+        let compute = &accounting.region().extension().compute;
+        for (index, ((charged, launches), device)) in flushed.iter_mut().zip(&self.devices).enumerate() {
+            if !device.touched() {
+                continue;
+            }
+            let now_charged = device.charged.load(Ordering::Relaxed);
+            let now_launches = device.launches.load(Ordering::Relaxed);
+            add_signed(&compute[index].busy_ns, now_charged - *charged);
+            compute[index]
+                .launches
+                .fetch_add(now_launches - *launches, Ordering::Relaxed);
+            (*charged, *launches) = (now_charged, now_launches);
+        }
+    }
+
+    /// The visible devices this process has launched on, with their ordinals.
+    fn devices_in_use<'a>(
+        &'a self,
+        accounting: &'static crate::session::Session,
+    ) -> impl Iterator<Item = (CUdevice, &'a crate::session::DeviceEntry)> + 'a {
+        (0..MAX_DEVICES as CUdevice)
+            .map_while(move |ordinal| Some((ordinal, accounting.device(ordinal)?)))
+            .filter(|(_, device)| self.devices.get(device.region_index).is_some_and(Device::touched))
+    }
+
+    /// Moves a device's boost factor towards what NVML's power readings call for, given the
+    /// container's share of the device over the last period (the region's charged time, which
+    /// every process of the container adds to, divided by the factor it was charged at).
+    fn follow_boost(
+        &self,
+        accounting: &'static crate::session::Session,
+        ordinal: CUdevice,
+        device: &crate::session::DeviceEntry,
+        (utilisation, power): (Option<u32>, Option<boost::PowerReading>),
+        busy_seen: &mut [(u64, u64, u32); MAX_DEVICES],
+        (now, starting): (u64, bool),
+    ) {
+        let index = device.region_index;
+        let (Some(compute), Some(seen), Some(boost)) = (
+            accounting.region().extension().compute.get(index),
+            busy_seen.get_mut(index),
+            self.devices.get(index).map(|device| &device.boost),
+        ) else {
+            return;
+        };
+        let busy = compute.busy_ns.load(Ordering::Relaxed);
+        let (then, busy_then, readings) = std::mem::replace(seen, (now, busy, seen.2.saturating_add(1)));
+        let current = f64::from(boost.load(Ordering::Relaxed)) / f64::from(BOOST_UNIT);
+        let own = busy.saturating_sub(busy_then) as f64 / now.saturating_sub(then).max(1) as f64 / current;
+        // Where NVML measures the GPU's utilisation, it counts other containers' kernels too: the
+        // power is then not all this container's (where NVML reports 0%, only the container's
+        // own share is known).
+        let gpu = utilisation.map_or(0.0, |percent| f64::from(percent) / 100.0);
+        let share = own.max(gpu);
+        let target = power.map_or(1.0, |reading| boost::target_factor(reading, share));
+        let next = boost::smoothed(current, target, starting || readings == 0);
+        boost.store((next * f64::from(BOOST_UNIT)).round() as u32, Ordering::Relaxed);
+        if (next - current).abs() >= 0.01 {
+            // Both sources of the share, so that a run can tell which one set the factor.
+            tracing::debug!(
+                "compute limiter: device {ordinal} boost factor {next:.3} (busy share {share:.3}: the container's \
+                 {own:.3}, NVML's {gpu:.3})"
+            );
+        }
+    }
+
+    /// A measurement came back: correct the charges it stands for.
+    fn correct(&self, device: &Device, info: SampleInfo, measured: u64) {
+        let correction = device.estimates().measured(info.key, info.charged, measured);
+        let correction = self.boosted(info.region_index, correction);
+        if correction == 0 {
+            return;
+        }
+        let Some(accounting) = crate::session::get() else {
+            return;
+        };
+        if let Some(bucket) = accounting.region().extension().compute.get(info.region_index) {
+            self.charge(bucket, info.region_index, correction);
+        }
+    }
+
+    /// Compares the region's measured share of a device with NVML's utilisation of the GPU, and
+    /// logs what [`crosscheck`] finds.
+    fn cross_check(
+        &self,
+        accounting: &'static crate::session::Session,
+        ordinal: CUdevice,
+        device: &crate::session::DeviceEntry,
+        nvml: Option<u32>,
+        check: &mut CrossCheck,
+        now: u64,
+    ) {
+        let index = device.region_index;
+        let Some(boost) = self.devices.get(index).map(|device| &device.boost) else {
+            return;
+        };
+        // The region's share: every live process of the container on this device.
+        let measured = accounting
+            .region()
+            .hami()
+            .procs
+            .iter()
+            .filter(|slot| slot.status.load(Ordering::Relaxed) == vgpu_region::SLOT_LIVE)
+            .filter_map(|slot| slot.device_util.get(index))
+            .map(|util| util.sm_util.load(Ordering::Relaxed))
+            .fold(0u64, u64::saturating_add)
+            .min(100);
+        // What the kernels took, before the boost compensation ([`boost`]) scaled the charges.
+        let factor = u64::from(boost.load(Ordering::Relaxed).max(1));
+        let measured = (measured * u64::from(BOOST_UNIT) / factor) as u32;
+        match check.record(index, crosscheck::judge(measured, nvml), now) {
+            Report::Nothing => {}
+            Report::Unavailable => tracing::debug!(
+                "NVML cannot cross-check the compute limiter here: it reports {} while the container's kernels use {measured}% of device {ordinal}",
+                nvml.map_or_else(|| "no utilisation".to_owned(), |value| format!("{value}%"))
+            ),
+            Report::Warning => tracing::warn!(
+                "compute limiter: the container measured {measured}% of device {ordinal} but NVML reports {}% for the whole GPU; the sensor may over-count (checked for {} s)",
+                nvml.unwrap_or(0),
+                crosscheck::PERSISTENCE
+            ),
+        }
+    }
+
+    /// Writes the process's GPU share over the last second, in percent, into its slot's
+    /// `device_util[d].sm_util` (what HAMi's monitor reports).
+    fn publish(&self, history: &mut [[(u64, i64); PUBLISH_WINDOW]; MAX_DEVICES], position: usize, now: u64) {
+        let Some(accounting) = crate::session::get() else {
+            return;
+        };
+        let Some(slot) = accounting
+            .slot_index()
+            .and_then(|index| accounting.region().hami().procs.get(index))
+        else {
+            return;
+        };
+        for (index, (ring, device)) in history.iter_mut().zip(&self.devices).enumerate() {
+            if !device.touched() {
+                continue;
+            }
+            let total = device.charged.load(Ordering::Relaxed);
+            // The oldest entry of the ring is the one about to be replaced.
+            let (then, before) = ring[position];
+            ring[position] = (now, total);
+            if then == 0 {
+                continue;
+            }
+            let span = now.saturating_sub(then).max(1);
+            let percent = (total.saturating_sub(before).max(0) as u128 * 100 / u128::from(span)).min(100) as u64;
+            slot.device_util[index].sm_util.store(percent, Ordering::Relaxed);
+        }
+    }
+}
