@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepares .device/ for a run of tests/gpu/ on the GPU machine (which has no Rust): the release
-# libvgpu.so, vgpu-smi, and the list of driver entry-point base names for the cuGetProcAddress comparison.
+# libvgpu.so, vgpu-smi, the list of driver entry-point base names for the cuGetProcAddress comparison,
+# and the list of every driver entry point the library exports.
 # Carry `.device` with the run.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -14,5 +15,7 @@ cp target/release/vgpu-smi .device/vgpu-smi
 strip --strip-debug .device/vgpu-smi
 target/release/vgpu-codegen | grep -v '^#' | awk '{print $1}' | grep '^cu' \
   | sed -E 's/_ptds$|_ptsz$//; s/_v[0-9]+$//' | sort -u > .device/proc-names.txt
+# Every driver entry point the library exports, for the check of the ones the driver lacks.
+target/release/vgpu-codegen | grep -v '^#' | awk '{print $1}' | grep '^cu' > .device/exports.txt
 wc -l .device/proc-names.txt
 ls -la .device

@@ -21,7 +21,7 @@ log; log "## three ways to the driver (status, library of the pointer, symbol)"
 log "native:"; $work/reach | tee -a "$out/foundation.txt"
 log "hooked:"; LD_PRELOAD=$hook $work/reach | tee -a "$out/foundation.txt"
 
-log; log "## cuGetProcAddress_v2 for every base name x 4 versions x 3 flags"
+log; log "## cuGetProcAddress_v2 for every base name x 5 versions x 3 flags"
 $work/procaddr < .device/proc-names.txt > $work/pa-native.txt
 LD_PRELOAD=$hook $work/procaddr < .device/proc-names.txt > $work/pa-hooked.txt
 python3 - $work/pa-native.txt $work/pa-hooked.txt <<'PY' | tee -a "$out/foundation.txt"
@@ -36,6 +36,32 @@ for n, h in zip(native, hooked):
         elif n[6] != h[6]: variant_diff += 1; print("variant differs:", n, h)
         else: ok += 1
 print(f"lookups {len(native)}; answers with a function {ok + variant_diff + not_ours}, mapped to our wrapper of the same variant {ok}; status differs {status_diff}; variant differs {variant_diff}; not mapped {not_ours}")
+PY
+
+log; log "## entry points the driver lacks (the library's headers may be newer than the driver)"
+# Each must answer CUDA_ERROR_NOT_FOUND (500) through the hook, with one error line each.
+python3 - .device/exports.txt > $work/lacking.txt <<'PY'
+import ctypes, sys
+driver = ctypes.CDLL("libcuda.so.1")
+for name in open(sys.argv[1]).read().split():
+    if not hasattr(driver, name):
+        print(name)
+PY
+: > $work/lacking-out.txt; : > $work/lacking-err.txt
+if [ -s $work/lacking.txt ]; then
+  LD_PRELOAD=$hook $work/calls init $(sed 's/^/call=/' $work/lacking.txt) $(sed 's/^/call=/' $work/lacking.txt) \
+    > $work/lacking-out.txt 2> $work/lacking-err.txt
+fi
+python3 - $work/lacking.txt $work/lacking-out.txt $work/lacking-err.txt "$(wc -l < .device/exports.txt)" <<'PY' | tee -a "$out/foundation.txt"
+import sys
+lacking = open(sys.argv[1]).read().split()
+answers = [l.split() for l in open(sys.argv[2]).read().splitlines() if l.startswith("call ")]
+err = open(sys.argv[3]).read()
+wrong = [a for a in answers if a[2] != "500"]
+lines = {name: err.count(f" {name} is missing from") for name in lacking}
+print(f"exported {sys.argv[4]}; the driver lacks {len(lacking)}: {' '.join(lacking[:12])}{' ...' if len(lacking) > 12 else ''}")
+print(f"calls {len(answers)} (expected {2 * len(lacking)}), not CUDA_ERROR_NOT_FOUND: {len(wrong)} {wrong[:5]}; "
+      f"functions with exactly one error line: {sum(1 for n in lines.values() if n == 1)} of {len(lacking)}")
 PY
 
 log; log "## same results with and without the hook"
