@@ -15,3 +15,4 @@ mod real;
 mod suspend;
 mod sys;
 mod throttle;
+mod vulkan;

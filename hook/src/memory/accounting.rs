@@ -180,8 +180,7 @@ impl Drop for Flag {
 /// `cuInit`, and frameworks do not take it for a full device to be freed and retried.
 #[cold]
 pub fn unaccounted(call: impl FnOnce() -> CUresult) -> CUresult {
-    let limited = crate::init::config().map_or(true, |config| config.memory_limit.iter().any(Option::is_some));
-    if !limited {
+    if !limit_configured() {
         return call();
     }
     static SAID: AtomicBool = AtomicBool::new(false);
@@ -192,6 +191,12 @@ pub fn unaccounted(call: impl FnOnce() -> CUresult) -> CUresult {
         );
     }
     CUDA_ERROR_NOT_INITIALIZED
+}
+
+/// Whether a memory limit is configured (or the configuration was refused): without accounting,
+/// allocations must then be refused.
+pub fn limit_configured() -> bool {
+    crate::init::config().map_or(true, |config| config.memory_limit.iter().any(Option::is_some))
 }
 
 /// The table's fast path for the synchronisations: a process without pools has nothing to bring

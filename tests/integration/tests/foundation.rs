@@ -27,13 +27,15 @@ fn stderr_lines(output: &std::process::Output) -> Vec<String> {
 }
 
 #[test]
-fn exports_exactly_the_header_functions_and_dlsym() {
+fn exports_exactly_the_header_functions_dlsym_and_the_vulkan_layer_entry() {
     let generated = generated();
+    // The Vulkan layer's one entry point: only the loader calls it, so a preloaded library
+    // interposes on nothing of Vulkan's (never vkGetInstanceProcAddr or vkGetDeviceProcAddr).
     let expected: BTreeSet<String> = generated
         .routed
         .iter()
         .map(|f| f.prototype.name.clone())
-        .chain(std::iter::once("dlsym".to_string()))
+        .chain(["dlsym", "vkNegotiateLoaderLayerInterfaceVersion"].map(String::from))
         .collect();
     let output = Command::new("nm")
         .args(["-D", "--defined-only"])
@@ -56,7 +58,7 @@ fn exports_exactly_the_header_functions_and_dlsym() {
         .filter(|f| f.library == vgpu_codegen::Library::Cuda)
         .count();
     let nvml = generated.routed.len() - cuda;
-    assert_eq!(exported.len(), cuda + nvml + 1);
+    assert_eq!(exported.len(), cuda + nvml + 2);
     if generated.cuda_version == 13000 {
         let from_cuda_h = generated
             .routed
