@@ -42,6 +42,11 @@ pub fn hook_library() -> PathBuf {
     require(profile_dir().join("libvgpu.so"), "cargo build --workspace")
 }
 
+/// The fake Vulkan driver, `libvgpu_fake_icd.so`.
+pub fn fake_icd_library() -> PathBuf {
+    require(profile_dir().join("libvgpu_fake_icd.so"), "cargo build --workspace")
+}
+
 /// The hook built with the test-only `fault-injection` feature.
 pub fn fault_injection_hook_library() -> PathBuf {
     let profile = if cfg!(debug_assertions) { "debug" } else { "release" };
@@ -80,6 +85,15 @@ pub fn include_dir() -> PathBuf {
 /// Compiles `tests/programs/<name>.c` (once per test process) and returns the executable, or the
 /// shared object when `shared` is set.
 pub fn c_program(name: &str, shared: bool) -> PathBuf {
+    compile(name, shared, &[])
+}
+
+/// Compiles the executable `tests/programs/<name>.c` linked with these libraries too (`-lvulkan`).
+pub fn c_program_linked(name: &str, libraries: &[&str]) -> PathBuf {
+    compile(name, false, libraries)
+}
+
+fn compile(name: &str, shared: bool, libraries: &[&str]) -> PathBuf {
     let source = workspace_root()
         .join("tests")
         .join("programs")
@@ -115,7 +129,8 @@ pub fn c_program(name: &str, shared: bool) -> PathBuf {
     } else {
         command
             .arg(format!("-L{}", fake_driver_dir().display()))
-            .args(["-pthread", "-lcuda", "-lnvidia-ml", "-ldl"]);
+            .args(["-pthread", "-lcuda", "-lnvidia-ml", "-ldl"])
+            .args(libraries);
     }
     let result = command.output().expect("run the C compiler");
     assert!(
