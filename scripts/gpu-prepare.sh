@@ -16,3 +16,10 @@ target/release/vgpu-codegen | grep -v '^#' | awk '{print $1}' | grep '^cu' \
   | sed -E 's/_ptds$|_ptsz$//; s/_v[0-9]+$//' | sort -u > .device/proc-names.txt
 wc -l .device/proc-names.txt
 ls -la .device
+# The Vulkan suite (tests/gpu/vulkan.sh) unpacks the loader and its headers there: the GPU machine
+# has neither, and no network.
+mkdir -p .device/vulkan
+rm -f .device/vulkan/*.deb
+(cd .device/vulkan && { apt-get download libvulkan1 libvulkan-dev >/dev/null 2>&1 \
+  || { apt-get update -qq && apt-get download libvulkan1 libvulkan-dev; }; })
+ls -la .device/vulkan
