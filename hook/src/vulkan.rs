@@ -42,6 +42,11 @@ impl Budget for HookBudget {
     }
 
     fn gpu(&self, uuid: Option<&[u8; 16]>, vendor_id: u32) -> Gpu {
+        // Another vendor's device (a software renderer, an integrated GPU) is never a CUDA device:
+        // no reason to initialise CUDA for it.
+        if vendor_id != NVIDIA {
+            return Gpu::Other;
+        }
         let accounting = started();
         let device = accounting.zip(uuid).and_then(|(accounting, uuid)| {
             let uuid = CUuuid {
@@ -55,10 +60,8 @@ impl Budget for HookBudget {
                 limit: device.limit,
             },
             // A UUID the accounting does not have is another GPU than CUDA's; one that could not
-            // be read (or no accounting at all) on an NVIDIA device may be one of CUDA's.
-            None if vendor_id == NVIDIA && (accounting.is_none() || uuid.is_none()) && limit_configured() => {
-                Gpu::Unaccounted
-            }
+            // be read (or no accounting at all) may be one of CUDA's.
+            None if (accounting.is_none() || uuid.is_none()) && limit_configured() => Gpu::Unaccounted,
             None => Gpu::Other,
         }
     }

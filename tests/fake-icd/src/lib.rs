@@ -131,6 +131,15 @@ fn capacity(phys: usize) -> u64 {
     }
 }
 
+/// The devices' vendor id: NVIDIA's, or `FAKE_VULKAN_VENDOR` (hex, `0x1002`), to stand for
+/// another vendor's GPU.
+fn vendor() -> u32 {
+    std::env::var("FAKE_VULKAN_VENDOR")
+        .ok()
+        .and_then(|text| u32::from_str_radix(text.trim_start_matches("0x"), 16).ok())
+        .unwrap_or(NVIDIA)
+}
+
 /// The fake CUDA driver's UUID of a physical device: zeros, then the index in the last byte.
 fn uuid(phys: usize) -> [u8; vk::UUID_SIZE] {
     let mut uuid = [0; vk::UUID_SIZE];
@@ -369,7 +378,7 @@ fn properties_of(phys: usize) -> vk::PhysicalDeviceProperties {
     let mut properties = vk::PhysicalDeviceProperties {
         api_version: API_VERSION,
         driver_version: vk::make_api_version(0, 580, 65, 6),
-        vendor_id: NVIDIA,
+        vendor_id: vendor(),
         device_id: 0x2335,
         device_type: vk::PhysicalDeviceType::DISCRETE_GPU,
         pipeline_cache_uuid: uuid(phys),

@@ -104,6 +104,7 @@ impl TestDir {
             "VK_LAYER_PATH",
             "VK_ADD_LAYER_PATH",
             "VK_LOADER_DEBUG",
+            "FAKE_VULKAN_VENDOR",
         ] {
             run = run.env_remove(variable);
         }
@@ -466,4 +467,20 @@ fn the_layer_stays_out_unless_enabled() {
         session.finish();
         assert!(!Path::new(&dir.region()).exists(), "{variable}: no region was opened");
     }
+}
+
+#[test]
+fn another_vendors_device_is_neither_charged_nor_shown_limited() {
+    let dir = TestDir::new("vendor");
+    let mut session = start(dir.limited().env("FAKE_VULKAN_VENDOR", "0x1002"));
+    let device = open_device(&mut session, 0);
+    assert_eq!(session.ask("heaps 0"), format!("heaps 2 {PHYSICAL} {HOST_HEAP}"));
+    ok(&mut session, &format!("vkalloc {device} device {}", 2 * GIB));
+    session.send("quit");
+    let stderr = stderr_of(&mut session);
+    assert!(
+        !dir.region().exists(),
+        "CUDA was not initialised for it, no region opened"
+    );
+    assert!(stderr.is_empty(), "{stderr}");
 }
