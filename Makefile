@@ -12,6 +12,7 @@ build: headers
 
 release: headers
 	$(CARGO) build --release -p vgpu-hook
+	cp vulkan-layer/hami.json target/release/hami.json
 
 fault-build: headers
 	$(CARGO) build -p vgpu-hook --features fault-injection --target-dir $(FAULT_DIR)
