@@ -48,6 +48,13 @@ if [ -z "$icd" ]; then
   log "wrote $icd for $glx"
 fi
 export VK_ICD_FILENAMES="$icd" VK_DRIVER_FILES="$icd"
+# libGLX_nvidia.so.0 needs glvnd's libGLdispatch and X11's client libraries, which a machine without
+# a desktop may lack: the brought ones (gpu-prepare.sh) fill in what ldd does not find.
+if [ -n "$glx" ] && ldd "$glx" | grep -q "not found"; then
+  log "libGLX_nvidia.so.0 lacks: $(ldd "$glx" | awk '/not found/{printf "%s ", $1}')"
+  [ -n "$vk_lib" ] && export LD_LIBRARY_PATH="$vk_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  log "after adding the brought libraries, still missing: $(ldd "$glx" | awk '/not found/{printf "%s ", $1}')"
+fi
 
 # --- the layer: the shipped manifest, pointed at .device/libvgpu.so, in an implicit layer folder
 layers="$work/config/vulkan/implicit_layer.d"; mkdir -p "$layers" "$work/none"
