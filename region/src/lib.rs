@@ -1,7 +1,7 @@
 //! The shared region: one memory-mapped file that every process of a container maps, holding each
 //! process's device memory by kind and the limits, in HAMi-core's version 1.2 layout so that HAMi's
-//! monitor reads it unchanged, followed by vgpu's extension (a robust process-shared mutex, running
-//! totals per device, per-slot process identity). `docs/region-layout.md` documents the bytes.
+//! monitor reads it unchanged, followed by vgpu's extension (the lock's hint words, running totals
+//! per device, per-slot process identity). `docs/region-layout.md` documents the bytes.
 //!
 //! # Use
 //!
@@ -20,14 +20,16 @@
 //! # Guarantees
 //!
 //! - **Atomic limits across processes.** [`Region::try_charge`] checks and charges under one
-//!   process-shared mutex, with checked arithmetic: two processes racing for the last bytes cannot
-//!   both win, and sizes near `u64::MAX` are refused rather than wrapped.
-//! - **Killed processes do not block others.** The mutex is robust: when its owner dies (even by
-//!   SIGKILL mid-update) the next locker gets it at once, recomputes every running total from the
-//!   slots and reaps dead slots. Every lock attempt gives up after [`LOCK_TIMEOUT`] with
-//!   [`RegionError::LockTimeout`] instead of hanging (a stopped owner, or one in another pid
-//!   namespace). The mutex uses priority inheritance, so an unlock hands it to the longest waiter:
-//!   a process charging in a tight loop cannot starve the others.
+//!   lock shared by every process of the file, with checked arithmetic: two processes racing for
+//!   the last bytes cannot both win, and sizes near `u64::MAX` are refused rather than wrapped.
+//! - **No byte of the file can crash, misdirect or hang a locker.** The lock is a kernel-held
+//!   open-file-description lock on one byte of the file ([`FILE_LOCK_OFFSET`]), in front of which
+//!   the threads of a process queue; the file only holds hints about it ([`LockWords`]). A holder
+//!   killed even by SIGKILL mid-update releases it with its death, in any pid namespace; the next
+//!   holder sees the update was interrupted, recomputes every running total from the slots and
+//!   reaps dead slots. Every lock attempt gives up after [`LOCK_TIMEOUT`] with
+//!   [`RegionError::LockTimeout`] instead of hanging (a stopped holder). Waiters that have waited
+//!   long go first, so a process charging in a tight loop cannot starve the others.
 //! - **Dead processes' memory comes back.** Slots of dead processes (see [`process`] for how death
 //!   is detected, and its pid-namespace caveat) are reaped at every attach, at most every
 //!   [`REAP_INTERVAL`] during charges, and always before a charge is refused.
@@ -45,20 +47,23 @@
 //! # Fork and exec
 //!
 //! A [`Slot`] belongs to the process that attached it. After `fork` the child must call
-//! [`Region::attach`] with its own pid (the mapping, the fd and its file lock are inherited and
-//! stay valid) and never use the parent's `Slot`: its charges would land in the parent's slot.
+//! [`Region::attach`] with its own pid (the mapping, the fd and its shared `flock` are inherited
+//! and stay valid; the lock's description is replaced by one of the child's own at its first
+//! lock) and never use the parent's `Slot`: its charges would land in the parent's slot.
 //! Compare `Slot::pid()` with `getpid()`, or use `pthread_atfork`, to notice. After `exec` the new
 //! image opens the region again; attaching with the same pid resets the old image's slot (its
 //! device memory died with the old address space).
 
 mod error;
 mod layout;
+mod lock;
 pub mod process;
 pub mod snapshot;
 mod sys;
 
 use std::fs::{File, Metadata, OpenOptions, Permissions};
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
@@ -68,9 +73,9 @@ use std::time::{Duration, Instant, SystemTime};
 pub use error::{ChargeError, InitError, LayoutError, Refused, RegionError, UnsafeFile};
 pub use layout::{
     COMPUTE_OFFSET, ComputeDevice, DeviceMemory, DeviceUtil, EXTENSION_MAGIC, EXTENSION_OFFSET, EXTENSION_SIZE,
-    EXTENSION_VERSION, Extension, HAMI_INITIALIZED_FLAG, HAMI_MAJOR_VERSION, HAMI_MINOR_VERSION, HAMI_REGION_SIZE,
-    MAX_DEVICES, MAX_SLOTS, OpaqueStorage, ProcSlot, REGION_FILE_SIZE, RegionFile, SLOT_EXTENSIONS_OFFSET, SLOT_FREE,
-    SLOT_LIVE, SharedRegion, SlotExtension, UUID_BYTES, layout_listing,
+    EXTENSION_VERSION, Extension, FAVOUR_LOCK_OFFSET, FILE_LOCK_OFFSET, HAMI_INITIALIZED_FLAG, HAMI_MAJOR_VERSION,
+    HAMI_MINOR_VERSION, HAMI_REGION_SIZE, LockWords, MAX_DEVICES, MAX_SLOTS, OpaqueStorage, ProcSlot, REGION_FILE_SIZE,
+    RegionFile, SLOT_EXTENSIONS_OFFSET, SLOT_FREE, SLOT_LIVE, SharedRegion, SlotExtension, UUID_BYTES, layout_listing,
 };
 pub use process::process_start_time;
 pub use snapshot::{ExtensionSnapshot, MemoryUsage, ProcessSnapshot, Snapshot, read_snapshot};
@@ -204,15 +209,18 @@ impl Slot {
 /// file lock) but does not detach slots.
 pub struct Region {
     mapping: NonNull<RegionFile>,
+    /// The region's lock (declared before `locked_file`, whose descriptor it refers to, so that
+    /// it drops first).
+    lock: lock::RegionLock,
     /// The open file, holding the `LOCK_SH` that marks this process as a user of it.
     locked_file: File,
     path: PathBuf,
     open_kind: OpenKind,
 }
 
-// SAFETY: the mapping is shared memory made of atomics and of C objects (mutex, semaphores) built
-// for concurrent use; every compound update happens under the process-shared mutex. Nothing in
-// Region is tied to the thread that created it.
+// SAFETY: the mapping is shared memory made of atomics and of C objects (semaphores) built for
+// concurrent use; every compound update happens under the region's lock. Nothing in Region is
+// tied to the thread that created it.
 unsafe impl Send for Region {}
 // SAFETY: as above; `&Region` only gives out atomic access and lock-protected updates.
 unsafe impl Sync for Region {}
@@ -225,15 +233,9 @@ impl Drop for Region {
     }
 }
 
-/// Proof that the caller holds the region's mutex; unlocks on drop.
+/// Proof that the caller holds the region's lock; unlocks on drop.
 struct LockGuard<'a> {
-    region: &'a Region,
-}
-
-impl Drop for LockGuard<'_> {
-    fn drop(&mut self) {
-        sys::unlock(&self.region.file().ext.lock);
-    }
+    _held: lock::Held<'a>,
 }
 
 impl Region {
@@ -314,9 +316,12 @@ impl Region {
                 .map_err(|source| io_error("ftruncate", source))?;
         }
         sys::preallocate(&file, REGION_FILE_SIZE).map_err(|source| io_error("fallocate", source))?;
+        let lock = lock::RegionLock::new(&file, file.as_raw_fd(), path)
+            .map_err(|source| io_error("open (a lock description)", source))?;
         let mapping = sys::map_shared(&file, REGION_FILE_SIZE).map_err(|source| io_error("mmap", source))?;
         let mut region = Region {
             mapping: mapping.cast(),
+            lock,
             locked_file: file,
             path: path.to_owned(),
             open_kind: OpenKind::Created,
@@ -345,10 +350,7 @@ impl Region {
         // SAFETY: the mapping is REGION_FILE_SIZE bytes, no reference into it is alive (the
         // validation above is over), and no other process uses it (we hold the file exclusively).
         unsafe { sys::zero(mapping, REGION_FILE_SIZE) };
-        write_initial_state(region.file(), init).map_err(|errno| RegionError::LockFailed {
-            path: path.to_owned(),
-            errno,
-        })?;
+        write_initial_state(region.file(), init);
         Ok(region)
     }
 
@@ -370,9 +372,12 @@ impl Region {
                 expected: REGION_FILE_SIZE as u64,
             }));
         }
+        let lock = lock::RegionLock::new(&file, file.as_raw_fd(), path)
+            .map_err(|source| io_error("open (a lock description)", source))?;
         let mapping = sys::map_shared(&file, REGION_FILE_SIZE).map_err(|source| io_error("mmap", source))?;
         let mut region = Region {
             mapping: mapping.cast(),
+            lock,
             locked_file: file,
             path: path.to_owned(),
             open_kind: OpenKind::Joined,
@@ -711,6 +716,15 @@ impl Region {
         result
     }
 
+    /// Holds the region's lock until the returned guard drops: every update of the region, in
+    /// any process, waits meanwhile (at most [`LOCK_TIMEOUT`]). For tests and tools that need a
+    /// holder; the library never holds the lock across a call.
+    #[doc(hidden)]
+    #[must_use = "the lock is released when the guard drops"]
+    pub fn hold_lock(&self) -> Result<impl Sized + '_, RegionError> {
+        self.lock()
+    }
+
     /// Frees the slots of dead processes and returns how many.
     pub fn reap_dead(&self) -> Result<usize, RegionError> {
         let guard = self.lock()?;
@@ -748,35 +762,26 @@ impl Region {
         if owned { Ok(shared) } else { Err(lost()) }
     }
 
-    /// Locks the region's mutex, waiting at most [`LOCK_TIMEOUT`]. When the previous owner died
-    /// holding it, its update may be half done: the running totals are recomputed from the slots
-    /// and dead slots reaped before the lock is handed out.
+    /// Takes the region's lock, waiting at most [`LOCK_TIMEOUT`] (see `lock.rs`). When the
+    /// previous holder died holding it, its update may be half done: the running totals are
+    /// recomputed from the slots and dead slots reaped before the lock is handed out.
     fn lock(&self) -> Result<LockGuard<'_>, RegionError> {
-        let mutex = &self.file().ext.lock;
-        let result = match sys::try_lock(mutex) {
-            libc::EBUSY => sys::timed_lock(mutex, LOCK_TIMEOUT),
-            other => other,
-        };
-        match result {
-            0 => Ok(LockGuard { region: self }),
-            libc::EOWNERDEAD => {
-                sys::make_consistent(mutex);
-                let guard = LockGuard { region: self };
-                self.recompute_locked(&guard);
-                self.reap_locked(&guard);
-                Ok(guard)
-            }
-            libc::ETIMEDOUT => Err(RegionError::LockTimeout {
+        let held = self.lock.acquire(&self.file().ext.lock).map_err(|error| match error {
+            lock::LockError::Timeout => RegionError::LockTimeout {
                 path: self.path.clone(),
-            }),
-            libc::ENOTRECOVERABLE => Err(RegionError::LockUnrecoverable {
+            },
+            lock::LockError::Io(source) => RegionError::LockFailed {
                 path: self.path.clone(),
-            }),
-            errno => Err(RegionError::LockFailed {
-                path: self.path.clone(),
-                errno,
-            }),
+                source,
+            },
+        })?;
+        let interrupted = held.interrupted;
+        let guard = LockGuard { _held: held };
+        if interrupted {
+            self.recompute_locked(&guard);
+            self.reap_locked(&guard);
         }
+        Ok(guard)
     }
 
     /// Makes every slot consistent (closes seqlocks left odd, `total` = sum of kinds) and rebuilds
@@ -919,7 +924,7 @@ impl Region {
 pub fn initial_image(init: &InitParams) -> Result<Vec<u8>, InitError> {
     init.validate()?;
     let file = snapshot::zeroed_region_file();
-    write_initial_state(&file, init).map_err(|errno| InitError::MutexInit { errno })?;
+    write_initial_state(&file, init);
     let bytes: *const u8 = std::ptr::from_ref::<RegionFile>(&file).cast();
     // SAFETY: `file` is a live RegionFile of REGION_FILE_SIZE bytes with no padding (layout.rs
     // asserts the sizes add up), every byte initialised (zeroed, then written), and nobody else
@@ -927,9 +932,9 @@ pub fn initial_image(init: &InitParams) -> Result<Vec<u8>, InitError> {
     Ok(unsafe { std::slice::from_raw_parts(bytes, REGION_FILE_SIZE) }.to_vec())
 }
 
-/// Fills an all-zero region: semaphores, header, devices, limits, the extension with its mutex,
-/// and `initialized_flag` last. Returns the pthread error number if the mutex cannot be made.
-fn write_initial_state(file: &RegionFile, init: &InitParams) -> Result<(), i32> {
+/// Fills an all-zero region: semaphores, header, devices, limits, the extension (its lock words
+/// stay zero: nobody holds or waits for the lock), and `initialized_flag` last.
+fn write_initial_state(file: &RegionFile, init: &InitParams) {
     let hami = &file.hami;
     let ext = &file.ext;
     sys::init_semaphore(&hami.sem);
@@ -964,11 +969,9 @@ fn write_initial_state(file: &RegionFile, init: &InitParams) -> Result<(), i32> 
     ext.creator_pid.store(std::process::id() as i32, Ordering::Relaxed);
     ext.next_generation.store(1, Ordering::Relaxed);
     ext.created_unix_secs.store(now, Ordering::Relaxed);
-    sys::init_robust_mutex(&ext.lock)?;
 
     fence(Ordering::Release);
     hami.initialized_flag.store(HAMI_INITIALIZED_FLAG, Ordering::Release);
-    Ok(())
 }
 
 /// Opens the file read-write, creating it with mode 0666 if it does not exist, and checks that it

@@ -11,7 +11,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{PATH_VAR, ROLE_VAR, Rng, ScratchDir, Worker, fake_holder, one_device, own_pid, raw_mutex, report_value};
+use common::{
+    PATH_VAR, ROLE_VAR, Rng, ScratchDir, Worker, fake_holder, hold_region_lock, one_device, own_pid, report_value,
+};
 use vgpu_region::{ChargeError, MAX_SLOTS, MemoryKind, Region, RegionError, SLOT_LIVE, process_start_time};
 
 const MIB: u64 = 1 << 20;
@@ -131,13 +133,12 @@ fn storm_worker(region: &Region, limit: u64) {
     }
 }
 
-/// Attaches, charges 1 MiB, then takes the region's mutex behind the API's back and leaves the
+/// Attaches, charges 1 MiB, then takes the region's lock behind the API's back and leaves the
 /// running total half-updated, as a process killed mid-update would; then hangs (or stops).
 fn hold_lock_worker(region: &Region, stop_self: bool) {
     let slot = region.attach(own_pid()).unwrap();
     region.try_charge(&slot, 0, MemoryKind::Data, MIB, None).unwrap();
-    // SAFETY: the region's mutex, initialised by its creator; this thread locks it once.
-    assert_eq!(unsafe { libc::pthread_mutex_lock(raw_mutex(region)) }, 0);
+    let _held = hold_region_lock(region);
     region.extension().device_used[0].fetch_add(12_345, Ordering::Relaxed);
     println!("READY");
     if stop_self {

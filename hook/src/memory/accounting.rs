@@ -101,10 +101,7 @@ impl Pending {
 
 /// Whether a region error means the lock could not be taken (the update can be made later).
 fn lock_not_taken(error: &RegionError) -> bool {
-    matches!(
-        error,
-        RegionError::LockTimeout { .. } | RegionError::LockFailed { .. } | RegionError::LockUnrecoverable { .. }
-    )
+    matches!(error, RegionError::LockTimeout { .. } | RegionError::LockFailed { .. })
 }
 
 /// The process's accounting, from a leaked allocation: an atomic pointer rather than a once-cell,
