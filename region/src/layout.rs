@@ -204,8 +204,13 @@ pub struct SlotExtension {
     pub suspend: AtomicU32,
     /// Reserved flags; 0.
     pub flags: AtomicU32,
+    /// Per region device index: this process's data allocations and frees under way (at most
+    /// 255 counted). In the slot, so that the marks of a process that dies in the middle of a
+    /// call go with it: a context measurement ignores the marks of dead processes' slots, and
+    /// reaping or claiming a slot clears them.
+    pub memory_in_flight: [AtomicU8; MAX_DEVICES],
     /// Reserved; 0.
-    pub reserved: [AtomicU64; 3],
+    pub reserved: [AtomicU64; 1],
 }
 
 /// The compute limiter's state for one device, shared by every process of the region: a token
@@ -276,10 +281,10 @@ pub struct Extension {
     pub next_generation: AtomicU64,
     /// Seconds since the epoch when the file was initialised.
     pub created_unix_secs: AtomicU64,
-    /// Per region device index: data allocations and frees under way, whose region charge and
-    /// driver memory may disagree. Low 32 bits: how many are under way; high 32 bits: how many
-    /// began (wrapping). A context measurement reads NVML only while it is 0 and unchanged.
-    pub memory_in_flight: [AtomicU64; MAX_DEVICES],
+    /// Per region device index: data allocations and frees begun, by every process (wrapping).
+    /// A context measurement reads NVML only while no slot has a call under way
+    /// ([`SlotExtension::memory_in_flight`]) and this count does not move.
+    pub memory_calls_begun: [AtomicU64; MAX_DEVICES],
     /// Pid of a process reading a consistent (NVML, region) pair; new data calls wait for it a
     /// little (bounded), so that one comes soon.
     pub memory_quiesce: AtomicU64,
@@ -404,7 +409,7 @@ pub fn layout_listing() -> String {
             size: size_of::<Extension>(),
             fields: fields!(Extension => magic, version, extension_size, hami_region_size, creator_pid,
                 header_reserved, lock, device_used, last_reap_ns, next_generation, created_unix_secs,
-                memory_in_flight, memory_quiesce, reserved_header, slots, compute, reserved),
+                memory_calls_begun, memory_quiesce, reserved_header, slots, compute, reserved),
         },
         StructListing {
             name: "LockWords",
@@ -416,7 +421,7 @@ pub fn layout_listing() -> String {
             name: "SlotExtension",
             placement: "vgpu per-slot state, Extension.slots[i] at 1024 + 48 * i",
             size: size_of::<SlotExtension>(),
-            fields: fields!(SlotExtension => start_time, generation, suspend, flags, reserved),
+            fields: fields!(SlotExtension => start_time, generation, suspend, flags, memory_in_flight, reserved),
         },
         StructListing {
             name: "ComputeDevice",

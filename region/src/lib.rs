@@ -651,12 +651,17 @@ impl Region {
             .map_or(0, |total| total.load(Ordering::Acquire))
     }
 
-    /// Marks a data allocation or free under way on a region device (see
-    /// [`Extension::memory_in_flight`]); waits up to 2 ms while another process reads a
+    /// Marks a data allocation or free of `slot`'s process under way on a region device (see
+    /// [`SlotExtension::memory_in_flight`]); waits up to 2 ms while another process reads a
     /// consistent pair. Pair with [`Region::memory_call_done`].
-    pub fn memory_call_begins(&self, device: usize) {
+    pub fn memory_call_begins(&self, slot: &Slot, device: usize) {
         let ext = &self.file().ext;
-        let Some(word) = ext.memory_in_flight.get(device) else {
+        let (Some(begun), Some(mark)) = (
+            ext.memory_calls_begun.get(device),
+            ext.slots
+                .get(slot.index)
+                .and_then(|slot| slot.memory_in_flight.get(device)),
+        ) else {
             return;
         };
         let measurer = ext.memory_quiesce.load(Ordering::Acquire);
@@ -675,33 +680,39 @@ impl Region {
                 std::thread::yield_now();
             }
         }
-        word.fetch_add((1 << 32) + 1, Ordering::AcqRel);
+        // The mark before the count: a measurement that misses the mark sees the count move.
+        let _ = mark.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |marks| marks.checked_add(1));
+        begun.fetch_add(1, Ordering::SeqCst);
     }
 
     /// Ends what [`Region::memory_call_begins`] marked.
-    pub fn memory_call_done(&self, device: usize) {
-        if let Some(word) = self.file().ext.memory_in_flight.get(device) {
-            // Never below 0 in the count (a foreign writer could have zeroed it).
-            let _ = word.fetch_update(Ordering::AcqRel, Ordering::Acquire, |value| {
-                (value & 0xffff_ffff != 0).then(|| value - 1)
-            });
+    pub fn memory_call_done(&self, slot: &Slot, device: usize) {
+        let ext = &self.file().ext;
+        if let Some(mark) = ext
+            .slots
+            .get(slot.index)
+            .and_then(|slot| slot.memory_in_flight.get(device))
+        {
+            // Never below 0 (a foreign writer could have zeroed it).
+            let _ = mark.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |marks| marks.checked_sub(1));
         }
     }
 
-    /// Runs `read` when no data call of the region is under way on the device and none began
-    /// while it ran, retrying until `deadline`; `None` if that never happened.
+    /// Runs `read` when no live process of the region has a data call under way on the device
+    /// and none began while it ran, retrying until `deadline`; `None` if that never happened.
+    /// The marks of a slot whose process is dead (killed in the middle of a call) are ignored.
     pub fn quiet_read<T>(&self, device: usize, deadline: std::time::Instant, mut read: impl FnMut() -> T) -> Option<T> {
         let ext = &self.file().ext;
-        let word = ext.memory_in_flight.get(device)?;
+        let begun = ext.memory_calls_begun.get(device)?;
         let pid = u64::from(std::process::id());
         let _ = ext
             .memory_quiesce
             .compare_exchange(0, pid, Ordering::AcqRel, Ordering::Acquire);
         let result = loop {
-            let before = word.load(Ordering::Acquire);
-            if before & 0xffff_ffff == 0 {
+            let before = begun.load(Ordering::SeqCst);
+            if !self.calls_under_way(device) {
                 let value = read();
-                if word.load(Ordering::Acquire) == before {
+                if begun.load(Ordering::SeqCst) == before {
                     break Some(value);
                 }
             }
@@ -714,6 +725,30 @@ impl Region {
             .memory_quiesce
             .compare_exchange(pid, 0, Ordering::AcqRel, Ordering::Acquire);
         result
+    }
+
+    /// Whether a live slot whose process is alive marks a data call under way on the device.
+    fn calls_under_way(&self, device: usize) -> bool {
+        let file = self.file();
+        let proc_num = usize::try_from(file.hami.proc_num.load(Ordering::Acquire))
+            .unwrap_or(0)
+            .min(MAX_SLOTS);
+        file.hami
+            .procs
+            .iter()
+            .zip(&file.ext.slots)
+            .take(proc_num)
+            .any(|(slot, extension)| {
+                extension
+                    .memory_in_flight
+                    .get(device)
+                    .is_some_and(|mark| mark.load(Ordering::SeqCst) != 0)
+                    && slot.status.load(Ordering::Acquire) == SLOT_LIVE
+                    && process::is_alive(
+                        slot.pid.load(Ordering::Relaxed),
+                        extension.start_time.load(Ordering::Relaxed),
+                    )
+            })
     }
 
     /// Holds the region's lock until the returned guard drops: every update of the region, in
@@ -875,6 +910,7 @@ impl Region {
         extension.start_time.store(0, Ordering::Relaxed);
         extension.suspend.store(0, Ordering::Relaxed);
         extension.flags.store(0, Ordering::Relaxed);
+        clear_in_flight_marks(extension);
     }
 
     /// Makes a free slot this process's.
@@ -890,6 +926,7 @@ impl Region {
                 extension.generation.store(generation, Ordering::Relaxed);
                 extension.suspend.store(0, Ordering::Relaxed);
                 extension.flags.store(0, Ordering::Relaxed);
+                clear_in_flight_marks(extension);
                 slot.pid.store(pid, Ordering::Relaxed);
                 // HAMi's monitor reads pid once it sees the status.
                 slot.status.store(SLOT_LIVE, Ordering::Release);
@@ -1158,6 +1195,13 @@ fn clear_device_memory(usage: &DeviceMemory) {
     .chain(&usage.unused)
     {
         field.store(0, Ordering::Relaxed);
+    }
+}
+
+/// A dead or departed process's data calls are over.
+fn clear_in_flight_marks(extension: &SlotExtension) {
+    for mark in &extension.memory_in_flight {
+        mark.store(0, Ordering::SeqCst);
     }
 }
 

@@ -305,6 +305,7 @@ fn the_file_decodes_like_the_live_region() {
 fn a_dead_measurer_does_not_slow_data_calls() {
     let dir = ScratchDir::new("dead-measurer");
     let region = open(&dir);
+    let slot = region.attach(own_pid()).unwrap();
     // The mark a context measurement leaves when its process is killed in the middle of it.
     let mut child = std::process::Command::new("true")
         .spawn()
@@ -315,8 +316,8 @@ fn a_dead_measurer_does_not_slow_data_calls() {
         .extension()
         .memory_quiesce
         .store(u64::from(dead), Ordering::Release);
-    region.memory_call_begins(0);
-    region.memory_call_done(0);
+    region.memory_call_begins(&slot, 0);
+    region.memory_call_done(&slot, 0);
     assert_eq!(
         region.extension().memory_quiesce.load(Ordering::Acquire),
         0,
@@ -327,8 +328,8 @@ fn a_dead_measurer_does_not_slow_data_calls() {
         .extension()
         .memory_quiesce
         .store(u64::from(std::process::id()), Ordering::Release);
-    region.memory_call_begins(0);
-    region.memory_call_done(0);
+    region.memory_call_begins(&slot, 0);
+    region.memory_call_done(&slot, 0);
     assert_eq!(
         region.extension().memory_quiesce.load(Ordering::Acquire),
         u64::from(std::process::id())

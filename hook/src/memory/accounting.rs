@@ -354,12 +354,17 @@ impl Accounting {
         self.region.device_used(device.region_index)
     }
 
-    /// Marks a data call under way on a region device until the guard drops, so that a context
-    /// measurement in any process of the region never reads NVML in the middle of it.
+    /// Marks a data call under way on a region device, in this process's slot, until the guard
+    /// drops, so that a context measurement in any process of the region never reads NVML in the
+    /// middle of it (a process killed meanwhile takes its marks with its slot).
     pub fn in_flight(&self, region_index: usize) -> InFlight<'_> {
-        self.region.memory_call_begins(region_index);
+        let slot = self.own().slot;
+        if let Some(slot) = slot {
+            self.region.memory_call_begins(slot, region_index);
+        }
         InFlight {
             region: &self.region,
+            slot,
             region_index,
         }
     }
@@ -592,11 +597,14 @@ mod fault_injection {
 /// A data call under way (see [`Accounting::in_flight`]).
 pub struct InFlight<'a> {
     region: &'a Region,
+    slot: Option<&'static Slot>,
     region_index: usize,
 }
 
 impl Drop for InFlight<'_> {
     fn drop(&mut self) {
-        self.region.memory_call_done(self.region_index);
+        if let Some(slot) = self.slot {
+            self.region.memory_call_done(slot, self.region_index);
+        }
     }
 }

@@ -1832,3 +1832,52 @@ fn context_charges_are_exact_while_other_processes_churn() {
         charged.iter().map(|bytes| bytes / MIB).collect::<Vec<_>>()
     );
 }
+
+/// Issue 16: a process killed in the middle of a data call (inside a slow cuMemAlloc here) must
+/// not leave its in-flight mark behind. It used to stay in a region-wide count, and every later
+/// context measurement on the device waited twice its 50 ms for a quiet moment that never came.
+#[test]
+fn a_process_killed_inside_an_allocation_does_not_slow_later_context_measurements() {
+    let _heavy = heavy();
+    let dir = TestDir::new("killed-mid-alloc");
+    let env = |run: Run| {
+        setup(run, &dir)
+            .env("FAKE_CUDA_MEMORY", "8g")
+            .env("FAKE_NVML_NO_PROCESSES", "1")
+            .env("CUDA_DEVICE_MEMORY_LIMIT", "4g")
+    };
+    // Keeps the region in use (a region nobody uses is rebuilt at the next start, marks and all).
+    let mut bystander = env(Run::new(&program("mem_ops")).hooked()).spawn(Duration::from_secs(60));
+    assert_eq!(bystander.ask("init"), "init 0");
+    let mut victim = env(Run::new(&program("mem_ops")).hooked())
+        .env("FAKE_CUDA_ALLOC_US", "10000000")
+        .spawn(Duration::from_secs(60));
+    assert_eq!(victim.ask("init"), "init 0");
+    assert_eq!(victim.ask("ctx 0"), "ctx 0");
+    victim.send(&format!("alloc {MIB}"));
+    // The allocation takes 10 s in the driver: the victim is inside it.
+    std::thread::sleep(Duration::from_millis(500));
+    victim.kill();
+
+    let mut measurer = env(Run::new(&program("mem_ops")).hooked()).spawn(Duration::from_secs(60));
+    assert_eq!(measurer.ask("init"), "init 0");
+    let pid = measurer.pid();
+    let mut took = Vec::new();
+    for _ in 0..10 {
+        let started = Instant::now();
+        assert_eq!(measurer.ask("ctx 0"), "ctx 0");
+        took.push(started.elapsed());
+        assert_eq!(usage(&snapshot(&dir.region()), pid, 0).context, CONTEXT);
+        assert_eq!(measurer.ask("reset 0"), "reset 0");
+    }
+    measurer.send("quit");
+    let _ = measurer.finish();
+    bystander.send("quit");
+    let _ = bystander.finish();
+    took.sort();
+    eprintln!("context creations after the kill: {took:?}");
+    assert!(
+        took[5] < Duration::from_millis(50),
+        "context creations took {took:?}: each waited for the dead process's in-flight mark"
+    );
+}
