@@ -31,6 +31,9 @@ struct Own {
     pending: Mutex<Pending>,
     /// Whether `pending` holds anything (the fast path's one load).
     has_pending: AtomicBool,
+    /// Whether a thread retries `pending` in the background (for a process that may never make
+    /// another accounting call).
+    retrying: AtomicBool,
 }
 
 impl Own {
@@ -41,6 +44,7 @@ impl Own {
             ledger: Ledger::default(),
             pending: Mutex::new(Pending::default()),
             has_pending: AtomicBool::new(false),
+            retrying: AtomicBool::new(false),
         }))
     }
 }
@@ -48,8 +52,10 @@ impl Own {
 /// Charges and releases this process owes the region: a release, or a charge of memory the driver
 /// has already taken (`record`), made while the region's lock could not be taken (a timeout). They
 /// are kept here, never dropped, and written at the next accounting call that gets the lock (any
-/// allocation, free or memory query of the process); the slot is freed at exit in any case. Per
-/// process: a forked child starts with an empty queue of its own and never touches the parent's.
+/// allocation, free or memory query of the process), or by a background thread that retries every
+/// [`RETRY_INTERVAL`] while any are left (a process may never call again); the slot is freed at
+/// exit in any case. Per process: a forked child starts with an empty queue of its own and never
+/// touches the parent's.
 #[derive(Default)]
 struct Pending {
     /// Bytes to charge, by region device index and kind.
@@ -118,6 +124,8 @@ static STARTING: AtomicBool = AtomicBool::new(false);
 static ATTACHING: AtomicBool = AtomicBool::new(false);
 /// How long a thread sleeps between looks while another one starts or attaches.
 const WAIT_STEP: Duration = Duration::from_millis(1);
+/// How often queued region updates are retried in the background.
+const RETRY_INTERVAL: Duration = Duration::from_millis(100);
 
 /// The process's accounting, once CUDA has initialised with it. In a forked child, the first
 /// call attaches the child's own slot.
@@ -402,7 +410,7 @@ impl Accounting {
                 tracing::warn!(
                     "{error}; {bytes} bytes the driver has taken will be charged at the next accounting call"
                 );
-                Self::queue(own, false, &charge);
+                self.queue(own, slot, false, &charge);
                 Some(charge)
             }
             Err(error) => {
@@ -457,18 +465,48 @@ impl Accounting {
                     "{error}; {} bytes will be released at the next accounting call",
                     charge.bytes
                 );
-                Self::queue(own, true, &charge);
+                self.queue(own, slot, true, &charge);
             }
             Err(error) => tracing::error!("{error}; {} bytes could not be released", charge.bytes),
         }
     }
 
     /// Queues an update in this process's own queue (a forked child's is its own, never the
-    /// parent's).
-    fn queue(own: &Own, release: bool, charge: &Charge) {
+    /// parent's), and makes sure a thread retries it.
+    fn queue(&self, own: &'static Own, slot: &'static Slot, release: bool, charge: &Charge) {
         let mut pending = own.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         pending.add(release, charge);
         own.has_pending.store(!pending.is_empty(), Ordering::Release);
+        drop(pending);
+        if !own.retrying.swap(true, Ordering::AcqRel) {
+            let spawned = std::thread::Builder::new()
+                .name("vgpu-pending".into())
+                .spawn(move || match accounting() {
+                    Some(accounting) => accounting.retry_pending(own, slot),
+                    None => own.retrying.store(false, Ordering::Release),
+                });
+            if let Err(error) = spawned {
+                own.retrying.store(false, Ordering::Release);
+                tracing::warn!("cannot start a thread to retry queued region updates ({error}); the next call will");
+            }
+        }
+    }
+
+    /// The background retry: applies the queue every [`RETRY_INTERVAL`] until it is empty.
+    fn retry_pending(&self, own: &Own, slot: &Slot) {
+        loop {
+            std::thread::sleep(RETRY_INTERVAL);
+            self.apply_pending(own, slot);
+            if own.has_pending.load(Ordering::Acquire) {
+                continue;
+            }
+            own.retrying.store(false, Ordering::Release);
+            // Something queued between the look and the store, whose queuer saw this thread
+            // running: take it on again, unless another thread did.
+            if !own.has_pending.load(Ordering::Acquire) || own.retrying.swap(true, Ordering::AcqRel) {
+                return;
+            }
+        }
     }
 
     /// Writes this process's queued charges, then its queued releases, as far as the lock lets

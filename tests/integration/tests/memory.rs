@@ -1729,6 +1729,50 @@ fn updates_made_while_the_lock_times_out_are_applied_once_it_works() {
     assert_eq!((used(), truth.device(0).used()), (0, 0));
 }
 
+/// Issue 16: a release queued while the lock timed out, by a process that then never makes
+/// another accounting call (an idle server, a job waiting for input), is applied in the background
+/// once the lock works: before, its bytes stayed charged for the rest of the process's life.
+#[test]
+fn a_release_queued_by_a_process_that_calls_no_more_is_applied_in_the_background() {
+    let dir = TestDir::new("queued-idle");
+    let fault = dir.0.join("lock-timeout");
+    let hook = fault_injection_hook_library();
+    let mut session = setup(Run::new(&program("mem_ops")).preload(&[hook.as_path()]), &dir)
+        .env("FAKE_CUDA_MEMORY", "4g")
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+        .env("VGPU_FAULT_LOCK_TIMEOUT_FILE", &fault)
+        .spawn(Duration::from_secs(30));
+    let truth = dir.truth();
+    let used = || device_used(&snapshot(&dir.region()), 0);
+    assert_eq!(session.ask("init"), "init 0");
+    assert_eq!(session.ask("ctx 0"), "ctx 0");
+    let answer = session.ask(&format!("alloc {}", 177 * MIB));
+    assert_eq!(status(&answer), CUDA_SUCCESS, "{answer}");
+    std::fs::write(&fault, "").unwrap();
+    assert_eq!(session.ask(&format!("free {}", number(&answer, 2))), "free 0");
+    // While the lock "times out", the release waits in the queue (and its retries fail).
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(used(), CONTEXT + 177 * MIB, "the fault did not hold the release back");
+    // The lock works again; the process makes no call at all.
+    std::fs::remove_file(&fault).unwrap();
+    let started = Instant::now();
+    while used() != CONTEXT && started.elapsed() < Duration::from_secs(3) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        (used(), truth.device(0).used()),
+        (CONTEXT, CONTEXT),
+        "{} MiB stayed charged with no call to write the queued release",
+        (used() - CONTEXT) / MIB
+    );
+    eprintln!(
+        "the queued release was written {:?} after the lock worked again",
+        started.elapsed()
+    );
+    session.send("quit");
+    assert!(session.finish().status.success());
+}
+
 /// Issue 16: a threaded process that forks while its other threads allocate. Each child must get
 /// through its first CUDA calls (none of the library's locks inherited held), with a slot of its
 /// own, and neither the child's charges nor the parent's may end up in the wrong slot.
