@@ -3,11 +3,12 @@
 //!
 //! It has two stages:
 //!
-//! 1. **Threads of one process** queue at a [`ThreadGate`]: a std mutex and condition variable
-//!    guarding a flag. A release with waiters hands the gate straight to one of them (the kernel
-//!    wakes futex waiters in order), so a thread looping on the lock cannot starve the others.
-//!    Open-file-description locks do not exclude threads that share the description, hence this
-//!    stage.
+//! 1. **Threads of one process** queue at a [`ThreadGate`]: a word taken with one compare-exchange
+//!    when free; waiters sleep on a std condition variable, and a release with waiters hands the
+//!    gate straight to one of them (woken in order), so a thread looping on the lock cannot
+//!    starve the others. Open-file-description locks do not exclude threads that share the
+//!    description, hence this stage. (Not `parking_lot`: its global table of waiters could be
+//!    left locked in a forked child by a thread the child does not have.)
 //! 2. **Processes** take a write lock on the byte at [`FILE_LOCK_OFFSET`] with `F_OFD_SETLK`, each
 //!    on an open file description of its own. The kernel holds that lock outside the file and
 //!    releases it when the description's last descriptor closes, so a holder killed with SIGKILL
@@ -53,7 +54,7 @@ use std::io;
 use std::os::fd::{IntoRawFd, RawFd};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -64,6 +65,11 @@ use crate::sys;
 /// The longest sleep between two tries of the file lock (a release wakes a sleeper at once; a
 /// holder's death, or a wake-up a writer's values made go astray, does not).
 const SLEEP_AT_MOST: Duration = Duration::from_millis(5);
+static TAKE_LOCK: sys::ByteLock = sys::ByteLock::write(FILE_LOCK_OFFSET);
+static RELEASE_LOCK: sys::ByteLock = sys::ByteLock::release(FILE_LOCK_OFFSET);
+static TAKE_FAVOUR: sys::ByteLock = sys::ByteLock::write(FAVOUR_LOCK_OFFSET);
+static RELEASE_FAVOUR: sys::ByteLock = sys::ByteLock::release(FAVOUR_LOCK_OFFSET);
+
 /// Lock descriptions the fork handler can find and close in a child.
 pub(crate) const DESCRIPTION_SLOTS: usize = 64;
 
@@ -135,7 +141,7 @@ impl RegionLock {
             return Err(LockError::Timeout);
         }
         let locked = if words.favoured.load(Ordering::Relaxed) == 0 {
-            sys::ofd_lock(side.fd, FILE_LOCK_OFFSET, true).map_err(LockError::Io)
+            sys::ofd_lock(side.fd, &TAKE_LOCK).map_err(LockError::Io)
         } else {
             Ok(false)
         };
@@ -218,7 +224,7 @@ impl Drop for Held<'_> {
         self.words.holder.store(0, Ordering::Release);
         // Unlocking a lock this description holds cannot fail; if it somehow did, the description
         // closes with the process and the kernel releases it then.
-        let _ = sys::ofd_lock(self.side.fd, FILE_LOCK_OFFSET, false);
+        let _ = sys::ofd_lock(self.side.fd, &RELEASE_LOCK);
         if self.words.favoured.load(Ordering::Acquire) != 0 || self.words.sleepers.load(Ordering::Acquire) != 0 {
             wake_next(self.words);
         }
@@ -286,7 +292,7 @@ fn wait_for_file(side: &ProcessSide, words: &LockWords, clock: &mut Clock) -> Re
             }
         };
         if !defer {
-            match sys::ofd_lock(side.fd, FILE_LOCK_OFFSET, true) {
+            match sys::ofd_lock(side.fd, &TAKE_LOCK) {
                 Ok(true) => {
                     uncount();
                     break Ok(());
@@ -303,7 +309,7 @@ fn wait_for_file(side: &ProcessSide, words: &LockWords, clock: &mut Clock) -> Re
             break Err(LockError::Timeout);
         };
         if !favour_held && !defer && slept {
-            match sys::ofd_lock(side.fd, FAVOUR_LOCK_OFFSET, true) {
+            match sys::ofd_lock(side.fd, &TAKE_FAVOUR) {
                 Ok(true) => {
                     favour_held = true;
                     words.favoured.store(side.token, Ordering::Release);
@@ -326,7 +332,7 @@ fn wait_for_file(side: &ProcessSide, words: &LockWords, clock: &mut Clock) -> Re
         let _ = words
             .favoured
             .compare_exchange(side.token, 0, Ordering::AcqRel, Ordering::Relaxed);
-        let _ = sys::ofd_lock(side.fd, FAVOUR_LOCK_OFFSET, false);
+        let _ = sys::ofd_lock(side.fd, &RELEASE_FAVOUR);
         // Pass the favour on: the process that has slept longest wakes now, fails against our
         // hold, and takes the favour, so that our release hands the lock straight to it.
         if words.sleepers.load(Ordering::Acquire) != 0 {
@@ -470,58 +476,163 @@ fn random_token() -> u64 {
     hasher.finish() | 1
 }
 
-/// The threads of one process, one at a time, in arrival order when they queue.
+/// The threads of one process, one at a time, in arrival order when they queue. Uncontended,
+/// one compare-exchange in and one out; contended, the waiters sleep on a condition variable and
+/// a thread leaving hands the gate to one of them.
 #[derive(Default)]
 struct ThreadGate {
-    state: Mutex<GateState>,
+    /// [`GATE_FREE`], [`GATE_HELD`] or [`GATE_CONTENDED`] (held, and the way out goes through
+    /// `waiters`).
+    state: AtomicU32,
+    waiters: Mutex<Waiters>,
     turn: Condvar,
 }
 
+const GATE_FREE: u32 = 0;
+const GATE_HELD: u32 = 1;
+const GATE_CONTENDED: u32 = 2;
+
 #[derive(Default)]
-struct GateState {
-    /// A thread is inside (or the gate was handed to a waiter not yet awake).
-    held: bool,
+struct Waiters {
     /// Threads waiting in [`ThreadGate::enter`].
-    waiting: u32,
+    count: u32,
     /// The last thread out left the gate held for a waiter: the first waiter to look takes it.
     handed_over: bool,
 }
 
 impl ThreadGate {
     /// Enters the gate; false if that did not happen within the deadline.
+    #[inline]
     fn enter(&self, clock: &mut Clock) -> bool {
-        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        if !state.held {
-            state.held = true;
-            return true;
-        }
-        state.waiting += 1;
+        self.state
+            .compare_exchange(GATE_FREE, GATE_HELD, Ordering::Acquire, Ordering::Relaxed)
+            .is_ok()
+            || self.wait(clock)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn wait(&self, clock: &mut Clock) -> bool {
+        let mut waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
+        waiters.count += 1;
         let entered = loop {
             // A handover is taken even by a waiter whose deadline just passed: someone must.
-            if state.handed_over {
-                state.handed_over = false;
+            if waiters.handed_over {
+                waiters.handed_over = false;
                 break true;
             }
+            match self.state.load(Ordering::Acquire) {
+                GATE_FREE => {
+                    if self
+                        .state
+                        .compare_exchange(GATE_FREE, GATE_CONTENDED, Ordering::Acquire, Ordering::Relaxed)
+                        .is_ok()
+                    {
+                        break true;
+                    }
+                    continue;
+                }
+                // Make the holder's way out come here; if it left meanwhile, look again.
+                GATE_HELD
+                    if self
+                        .state
+                        .compare_exchange(GATE_HELD, GATE_CONTENDED, Ordering::Relaxed, Ordering::Relaxed)
+                        .is_err() =>
+                {
+                    continue;
+                }
+                _ => {}
+            }
             let Some(left) = clock.left() else { break false };
-            state = self
+            waiters = self
                 .turn
-                .wait_timeout(state, left)
+                .wait_timeout(waiters, left)
                 .unwrap_or_else(PoisonError::into_inner)
                 .0;
         };
-        state.waiting -= 1;
+        waiters.count -= 1;
         entered
     }
 
     /// Leaves the gate, handing it to a waiter if there is one.
+    #[inline]
     fn leave(&self) {
-        let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        if state.waiting > 0 {
-            state.handed_over = true;
-            drop(state);
+        if self
+            .state
+            .compare_exchange(GATE_HELD, GATE_FREE, Ordering::Release, Ordering::Relaxed)
+            .is_err()
+        {
+            self.hand_over();
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn hand_over(&self) {
+        let mut waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
+        if waiters.count > 0 {
+            // The gate stays held (contended) for the waiter that takes the handover.
+            waiters.handed_over = true;
+            drop(waiters);
             self.turn.notify_one();
         } else {
-            state.held = false;
+            self.state.store(GATE_FREE, Ordering::Release);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::UnsafeCell;
+    use std::sync::Arc;
+
+    /// A counter only the gate's holder touches.
+    struct Guarded(UnsafeCell<u64>);
+
+    // SAFETY: only accessed by the thread inside the gate (what the test checks).
+    unsafe impl Sync for Guarded {}
+
+    #[test]
+    fn the_gate_lets_one_thread_in_at_a_time() {
+        let gate = Arc::new(ThreadGate::default());
+        let counter = Arc::new(Guarded(UnsafeCell::new(0)));
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let (gate, counter) = (Arc::clone(&gate), Arc::clone(&counter));
+                std::thread::spawn(move || {
+                    for _ in 0..20_000 {
+                        assert!(gate.enter(&mut Clock::default()));
+                        // SAFETY: inside the gate, no other thread touches it.
+                        unsafe { *counter.0.get() += 1 };
+                        gate.leave();
+                    }
+                })
+            })
+            .collect();
+        threads.into_iter().for_each(|thread| thread.join().unwrap());
+        // SAFETY: every thread has ended.
+        assert_eq!(unsafe { *counter.0.get() }, 160_000);
+        assert_eq!(gate.state.load(Ordering::Acquire), GATE_FREE);
+    }
+
+    #[test]
+    fn a_thread_waiting_behind_a_stuck_one_gives_up_after_the_timeout() {
+        let gate = Arc::new(ThreadGate::default());
+        assert!(gate.enter(&mut Clock::default()));
+        let waiter = {
+            let gate = Arc::clone(&gate);
+            std::thread::spawn(move || {
+                let started = Instant::now();
+                let entered = gate.enter(&mut Clock::default());
+                (entered, started.elapsed())
+            })
+        };
+        let (entered, waited) = waiter.join().unwrap();
+        assert!(!entered);
+        assert!(waited >= LOCK_TIMEOUT && waited < 2 * LOCK_TIMEOUT, "{waited:?}");
+        gate.leave();
+        assert!(gate.enter(&mut Clock::default()), "free again once the holder left");
+        gate.leave();
     }
 }

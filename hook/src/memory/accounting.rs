@@ -510,11 +510,17 @@ impl Accounting {
     }
 
     /// Writes this process's queued charges, then its queued releases, as far as the lock lets
-    /// them through.
+    /// them through (one load when there are none: every charge and release comes here first).
+    #[inline]
     fn apply_pending(&self, own: &Own, slot: &Slot) {
-        if !own.has_pending.load(Ordering::Acquire) {
-            return;
+        if own.has_pending.load(Ordering::Acquire) {
+            self.apply_queue(own, slot);
         }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn apply_queue(&self, own: &Own, slot: &Slot) {
         let mut pending = own.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         'apply: for release in [false, true] {
             for device in 0..MAX_DEVICES {
