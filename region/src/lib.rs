@@ -462,10 +462,11 @@ impl Region {
     }
 
     /// Gives a slot back (clean exit), releasing everything still charged to it. A slot that was
-    /// already reaped is fine.
-    pub fn detach(&self, slot: Slot) -> Result<(), RegionError> {
+    /// already reaped is fine. The handle is taken by reference (a process keeps its slot in a
+    /// static), but is invalid afterwards: every later use of it is [`RegionError::SlotLost`].
+    pub fn detach(&self, slot: &Slot) -> Result<(), RegionError> {
         let guard = self.lock()?;
-        if self.owned_slot(&slot).is_ok() {
+        if self.owned_slot(slot).is_ok() {
             self.release_slot_locked(&guard, slot.index);
             self.shrink_proc_num_locked(&guard);
         }

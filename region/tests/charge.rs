@@ -187,7 +187,11 @@ fn detach_releases_and_invalidates_the_slot() {
     let slot = region.attach(own_pid()).unwrap();
     region.try_charge(&slot, 0, MemoryKind::Data, 1000, None).unwrap();
     let index = slot.index();
-    region.detach(slot).unwrap();
+    region.detach(&slot).unwrap();
+    assert!(matches!(
+        region.try_charge(&slot, 0, MemoryKind::Data, 1, None),
+        Err(ChargeError::Region(RegionError::SlotLost { .. }))
+    ));
     assert_eq!(region.device_used(0), 0);
     let snapshot = region.snapshot();
     assert_eq!((snapshot.proc_num, snapshot.processes.len()), (0, 0));
