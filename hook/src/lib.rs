@@ -5,6 +5,7 @@
 //! Nothing runs at load time: every piece initialises on first use.
 
 pub mod config;
+mod exit;
 mod hooks;
 mod init;
 mod interpose;

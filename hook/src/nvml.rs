@@ -162,7 +162,12 @@ fn limit_and_usage(device: nvmlDevice_t) -> Option<(u64, u64)> {
     let uuid = uuid_of(device)?;
     if let Some(accounting) = crate::memory::accounting() {
         let entry = accounting.device_by_uuid(&uuid)?;
-        return Some((entry.limit?, accounting.used(entry)));
+        let limit = entry.limit?;
+        let used = accounting.used(entry);
+        return Some((
+            limit,
+            used.saturating_sub(held_by_dead(accounting.region(), entry.region_index)),
+        ));
     }
     let config = crate::init::config().ok()?;
     let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
@@ -170,7 +175,27 @@ fn limit_and_usage(device: nvmlDevice_t) -> Option<(u64, u64)> {
     let limit = config.memory_limit_of(ordinal)?;
     let region = monitor_region()?;
     let index = region.device_index(&uuid).ok()?;
-    Some((limit, region.device_used(index)))
+    let used = region.device_used(index);
+    Some((limit, used.saturating_sub(held_by_dead(region, index))))
+}
+
+/// Whether a slot's process is alive, judged in this process's pid namespace (the container's):
+/// the slots of processes that have ended but were not reaped yet are never shown.
+fn alive(process: &vgpu_region::ProcessSnapshot) -> bool {
+    process.status == vgpu_region::SLOT_LIVE
+        && vgpu_region::process::is_alive(process.pid, process.start_time.unwrap_or(0))
+}
+
+/// Bytes the slots of dead processes (killed, not reaped yet) still hold on a region device: the
+/// running total counts them until the next reap, what NVML shows never does.
+fn held_by_dead(region: &Region, index: usize) -> u64 {
+    region
+        .snapshot()
+        .processes
+        .iter()
+        .filter(|process| process.status == vgpu_region::SLOT_LIVE && !alive(process))
+        .filter_map(|process| process.memory.get(index))
+        .fold(0u64, |sum, usage| sum.saturating_add(usage.total))
 }
 
 #[cfg(test)]
@@ -258,7 +283,7 @@ fn processes_on(snapshot: &vgpu_region::Snapshot, index: usize) -> Vec<RegionPro
     snapshot
         .processes
         .iter()
-        .filter(|process| process.status == vgpu_region::SLOT_LIVE)
+        .filter(|process| alive(process))
         .filter_map(|process| {
             let used_bytes = process.memory.get(index)?.total;
             let pid = u32::try_from(process.pid).ok()?;

@@ -126,6 +126,10 @@ static ATTACHING: AtomicBool = AtomicBool::new(false);
 const WAIT_STEP: Duration = Duration::from_millis(1);
 /// How often queued region updates are retried in the background.
 const RETRY_INTERVAL: Duration = Duration::from_millis(100);
+/// Set when this process has given its slot back at exit ([`detach_at_exit`]): later charges
+/// (teardown code running after the library's destructor, other threads) are refused and
+/// releases dropped, quietly: the slot and everything charged to it are gone already.
+static DETACHED: AtomicBool = AtomicBool::new(false);
 
 /// The process's accounting, once CUDA has initialised with it. In a forked child, the first
 /// call attaches the child's own slot.
@@ -221,6 +225,30 @@ extern "C" fn forked_child() {
     }
     STARTING.store(false, Ordering::Release);
     ATTACHING.store(false, Ordering::Release);
+}
+
+/// At normal exit or unload of the library (`crate::exit`): gives this process's slot back to
+/// the region, releasing everything still charged to it. Only a slot attached for this very pid:
+/// a forked child that never attached (or charges its parent's slot) leaves the parent's alone.
+/// Never calls the driver; the region's lock is waited for at most its usual timeout.
+pub fn detach_at_exit() {
+    let accounting = ACCOUNTING.load(Ordering::Acquire);
+    let (Some(own), false) = (own(), accounting.is_null()) else {
+        return;
+    };
+    let Some(slot) = own
+        .slot
+        .filter(|slot| i64::from(slot.pid()) == i64::from(std::process::id()))
+    else {
+        return;
+    };
+    DETACHED.store(true, Ordering::SeqCst);
+    // SAFETY: a non-null pointer came from Box::leak in `start` and is never freed.
+    let region = &unsafe { &*accounting }.region;
+    if let Err(error) = region.detach(slot) {
+        // The slot is reaped later as a dead process's.
+        tracing::debug!("exit: {error}; the slot is left to be reaped");
+    }
 }
 
 /// Opens the region and attaches this process (after the real cuInit succeeded). Idempotent;
@@ -391,6 +419,9 @@ impl Accounting {
     /// returned all the same, so that its release later is right.
     pub fn record(&self, ordinal: CUdevice, kind: MemoryKind, bytes: u64) -> Option<Charge> {
         let device = self.device(ordinal)?;
+        if DETACHED.load(Ordering::Relaxed) {
+            return None;
+        }
         let own = self.own();
         let Some(slot) = own.slot else {
             tracing::error!(
@@ -427,6 +458,10 @@ impl Accounting {
         bytes: u64,
         limit: Option<u64>,
     ) -> Result<Option<Charge>, CUresult> {
+        if DETACHED.load(Ordering::Relaxed) {
+            tracing::debug!("allocation during exit, after the slot was given back: refused");
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
         let own = self.own();
         let Some(slot) = own.slot else {
             tracing::error!("this forked process has no slot in the region; allocation refused");
@@ -453,6 +488,9 @@ impl Accounting {
     /// Releases a charge made by this process. When the region's lock cannot be taken the
     /// release is queued (see [`Pending`]), never dropped.
     pub fn release(&self, charge: Charge) {
+        if DETACHED.load(Ordering::Relaxed) {
+            return;
+        }
         let own = self.own();
         let Some(slot) = own.slot else {
             return;

@@ -755,6 +755,10 @@ impl Runtime {
     /// Writes the process's GPU share over the last second, in percent, into its slot's
     /// `device_util[d].sm_util` (what HAMi's monitor reports).
     fn publish(&self, history: &mut [[(u64, i64); PUBLISH_WINDOW]; MAX_DEVICES], position: usize, now: u64) {
+        // Never into a slot the process has given back at exit (another may claim it).
+        let Some(_writing) = crate::exit::slot_write() else {
+            return;
+        };
         let Some(accounting) = crate::memory::accounting() else {
             return;
         };
