@@ -1,6 +1,7 @@
 //! What HAMi's monitor relies on, against the fake driver: a process's slot and charges are given
-//! back when it exits normally (return from `main`, `exit()`), a killed process is reaped by the
-//! next attach, and nothing reports the memory or utilisation of a process that is not alive.
+//! back when it exits normally (return from `main`, `exit()`, `dlclose` of the library), a killed
+//! process is reaped by the next attach, and nothing reports the memory or utilisation of a
+//! process that is not alive.
 //!
 //! Every test uses its own folder for the region (`CUDA_DEVICE_MEMORY_SHARED_CACHE`) and the
 //! fake's ground truth (`FAKE_CUDA_TRUTH`).
@@ -245,4 +246,32 @@ fn a_killed_process_is_reaped_at_the_next_attach_and_never_shown_meanwhile() {
     assert!(next.finish().status.success());
     keeper.send("quit");
     assert_left_no_trace(&dir, keeper, "the last process's exit");
+}
+
+#[test]
+fn unloading_the_library_gives_the_slot_back() {
+    let dir = TestDir::new("unload");
+    let hook = vgpu_integration::hook_library();
+    let mut session = run(&dir, "unload", &[("CUDA_DEVICE_MEMORY_LIMIT", "1g")])
+        .env_remove("LD_PRELOAD")
+        .args([hook.as_os_str(), (100 * MIB).to_string().as_ref()])
+        .spawn(Duration::from_secs(60));
+    let pid = session.pid();
+    assert_eq!(session.read_line().as_deref(), Some("loaded 0"));
+    assert_eq!(
+        slot_of(&dir.snapshot(), pid).map(|slot| slot.memory[0].total),
+        Some(CONTEXT + 100 * MIB),
+        "the charge while loaded"
+    );
+    assert_eq!(
+        session.ask("unload"),
+        "unloaded 0",
+        "dlclose did not unload the library"
+    );
+    // The process goes on: only the unload gave the slot back.
+    let after = dir.snapshot();
+    assert!(slot_of(&after, pid).is_none(), "the slot survived the unload");
+    assert_eq!((after.device_used(0), hami_total(&after), after.proc_num), (0, 0, 0));
+    let output = session.finish();
+    assert!(output.status.success(), "{output:?}");
 }

@@ -1,0 +1,43 @@
+// Loads libvgpu.so with dlopen (its path is the first argument), initialises CUDA through it,
+// retains device 0's primary context and allocates <bytes> (the second argument) without freeing
+// them, then prints "loaded <status>" and waits for a line on stdin; then unloads the library with
+// dlclose, prints "unloaded <1 if it is still loaded, else 0>" and waits for end of file.
+#define _GNU_SOURCE
+#include <cuda.h>
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+typedef CUresult (*init_fn)(unsigned);
+typedef CUresult (*retain_fn)(CUcontext *, CUdevice);
+typedef CUresult (*set_current_fn)(CUcontext);
+typedef CUresult (*alloc_fn)(CUdeviceptr *, size_t);
+
+int main(int argc, char **argv) {
+    if (argc != 3) return 2;
+    void *library = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
+    if (!library) {
+        printf("loaded -1 %s\n", dlerror());
+        return 1;
+    }
+    init_fn init = (init_fn)dlsym(library, "cuInit");
+    retain_fn retain = (retain_fn)dlsym(library, "cuDevicePrimaryCtxRetain");
+    set_current_fn set_current = (set_current_fn)dlsym(library, "cuCtxSetCurrent");
+    alloc_fn alloc = (alloc_fn)dlsym(library, "cuMemAlloc_v2");
+    CUresult status = init && retain && set_current && alloc ? init(0) : CUDA_ERROR_NOT_FOUND;
+    CUcontext ctx = NULL;
+    CUdeviceptr pointer = 0;
+    if (status == CUDA_SUCCESS) status = retain(&ctx, 0);
+    if (status == CUDA_SUCCESS) status = set_current(ctx);
+    if (status == CUDA_SUCCESS) status = alloc(&pointer, (size_t)strtoull(argv[2], NULL, 10));
+    printf("loaded %d\n", (int)status);
+    fflush(stdout);
+    char line[64];
+    if (!fgets(line, sizeof line, stdin)) return 1;
+    dlclose(library);
+    printf("unloaded %d\n", dlopen(argv[1], RTLD_NOW | RTLD_NOLOAD) != NULL);
+    fflush(stdout);
+    while (fgets(line, sizeof line, stdin)) {
+    }
+    return 0;
+}
