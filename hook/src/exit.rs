@@ -47,6 +47,11 @@ pub fn slot_write() -> Option<SlotWrite> {
     Some(SlotWrite(()))
 }
 
+/// Whether the process has begun to exit: background threads stop.
+pub fn exiting() -> bool {
+    EXITING.load(Ordering::Relaxed)
+}
+
 /// A forked child has none of its parent's threads, so none of their writes.
 extern "C" fn forked_child() {
     SLOT_WRITERS.store(0, Ordering::SeqCst);

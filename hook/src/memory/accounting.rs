@@ -305,6 +305,7 @@ pub fn start(config: &Config) -> Result<(), String> {
         });
     }
     let slot = region.attach(std::process::id() as i32).map_err(|e| e.to_string())?;
+    write_kernel_time(&region);
     let own = Own::leak(Some(Box::leak(Box::new(slot))));
     let accounting: &'static Accounting = Box::leak(Box::new(Accounting {
         region,
@@ -315,6 +316,15 @@ pub fn start(config: &Config) -> Result<(), String> {
     ACCOUNTING.store(std::ptr::from_ref(accounting).cast_mut(), Ordering::Release);
     accounting.watch_suspend_flag();
     Ok(())
+}
+
+/// Writes now (unix seconds) into the region's `last_kernel_time`, which HAMi's monitor reads:
+/// at attach, as HAMi-core does, and from the launches' tick (`throttle::activity`).
+pub fn write_kernel_time(region: &Region) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |elapsed| i64::try_from(elapsed.as_secs()).unwrap_or(i64::MAX));
+    region.hami().last_kernel_time.store(now, Ordering::Relaxed);
 }
 
 /// Opens the configured region file with the owners the configuration trusts; the error is one
@@ -640,7 +650,10 @@ impl Accounting {
             return own;
         }
         let slot = match self.region.attach(std::process::id() as i32) {
-            Ok(slot) => Some(&*Box::leak(Box::new(slot))),
+            Ok(slot) => {
+                write_kernel_time(&self.region);
+                Some(&*Box::leak(Box::new(slot)))
+            }
             Err(error) => {
                 tracing::error!("{error}; this forked process's allocations are charged to its parent's slot");
                 let inherited = INHERITED.load(Ordering::Acquire);

@@ -9,7 +9,9 @@ mod ledger;
 mod sizes;
 mod units;
 
-pub use accounting::{Accounting, accounting, detach_at_exit, limit_configured, no_pools, open_region, start};
+pub use accounting::{
+    Accounting, accounting, detach_at_exit, limit_configured, no_pools, open_region, start, write_kernel_time,
+};
 pub use devices::{DeviceEntry, current_ordinal, format_uuid};
 pub use handlers::*;
 pub use ledger::Charge;

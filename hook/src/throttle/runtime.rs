@@ -17,7 +17,7 @@ use super::boost;
 use super::crosscheck::{self, CrossCheck, Report};
 use super::estimates::Estimates;
 use super::sensor::{InFlight, SampleInfo, Sensor};
-use super::{MODE, OFF, ON, Stream, UNDECIDED, bucket, now_ns};
+use super::{IDLE, MODE, OFF, ON, Stream, UNDECIDED, activity, bucket, now_ns};
 use crate::config::{Config, UtilizationPolicy};
 use crate::hooks::real;
 use crate::sys::cuda::{
@@ -65,8 +65,6 @@ pub struct Runtime {
     /// Per region device index: each device's budget, sensor and estimates stand alone, so
     /// threads driving different GPUs never wait on each other.
     devices: [Device; MAX_DEVICES],
-    /// When `last_kernel_time` was last written (monotonic ns).
-    kernel_time_written_ns: AtomicU64,
     poller: Once,
 }
 
@@ -142,7 +140,9 @@ fn runtime() -> Result<Option<&'static Runtime>, CUresult> {
 
 #[cold]
 fn create() -> Result<Option<&'static Runtime>, CUresult> {
-    if MODE.load(Ordering::Relaxed) == OFF {
+    // The process's first launch comes here, limited or not.
+    activity::ensure_tick();
+    if matches!(MODE.load(Ordering::Relaxed), OFF | IDLE) {
         return Ok(None);
     }
     let Ok(config) = crate::init::config() else {
@@ -161,7 +161,6 @@ fn create() -> Result<Option<&'static Runtime>, CUresult> {
     let fresh = Box::into_raw(Box::new(Runtime {
         config,
         devices: std::array::from_fn(|_| Device::default()),
-        kernel_time_written_ns: AtomicU64::new(0),
         poller: Once::new(),
     }));
     // No lock (a forked child could inherit it held): the first pointer stored wins.
@@ -266,7 +265,7 @@ pub struct Ticket {
 /// launch that must not run (a limit without a region: [`without_region`]).
 #[inline(never)]
 pub fn before(stream: Stream, key: u64, measurable: bool) -> Result<Option<Ticket>, CUresult> {
-    if SHUTDOWN.load(Ordering::Relaxed) {
+    if activity::launched() || SHUTDOWN.load(Ordering::Relaxed) {
         return Ok(None);
     }
     Ok(runtime()?.and_then(|runtime| runtime.before(stream.handle(), key, measurable)))
@@ -295,12 +294,6 @@ fn capturing(stream: CUstream) -> bool {
 
 fn sleep_ns(ns: u64) {
     std::thread::sleep(Duration::from_nanos(ns));
-}
-
-fn unix_seconds() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |elapsed| elapsed.as_secs() as i64)
 }
 
 /// Adds a signed amount to a monotonic counter without wrapping below zero.
@@ -373,7 +366,7 @@ impl Runtime {
                 (waited, true)
             }
         };
-        self.account(hami, bucket, region_index, charge as i64, waited, now);
+        self.account(hami, bucket, region_index, charge as i64, waited);
         let sample = if plan.sample && measurable {
             if !checked && capturing(stream) {
                 self.charge(bucket, region_index, -(charge as i64));
@@ -449,16 +442,9 @@ impl Runtime {
     }
 
     /// Records an admitted launch: this process's counters (the background thread adds them to
-    /// the region's), the wait, HAMi's activity fields.
-    fn account(
-        &self,
-        hami: &SharedRegion,
-        bucket: &ComputeDevice,
-        region_index: usize,
-        charge: i64,
-        waited: u64,
-        now: u64,
-    ) {
+    /// the region's), the wait, HAMi's `recent_kernel` (`last_kernel_time` is every launch's:
+    /// `activity`).
+    fn account(&self, hami: &SharedRegion, bucket: &ComputeDevice, region_index: usize, charge: i64, waited: u64) {
         if waited > 0 {
             bucket.wait_ns.fetch_add(waited, Ordering::Relaxed);
         }
@@ -475,15 +461,6 @@ impl Runtime {
             let _ =
                 hami.recent_kernel
                     .compare_exchange(recent, RECENT_KERNEL_ACTIVE, Ordering::Relaxed, Ordering::Relaxed);
-        }
-        let written = self.kernel_time_written_ns.load(Ordering::Relaxed);
-        if now.saturating_sub(written) >= 1_000_000_000
-            && self
-                .kernel_time_written_ns
-                .compare_exchange(written, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            hami.last_kernel_time.store(unix_seconds(), Ordering::Relaxed);
         }
     }
 

@@ -275,3 +275,105 @@ fn unloading_the_library_gives_the_slot_back() {
     let output = session.finish();
     assert!(output.status.success(), "{output:?}");
 }
+
+// ------------------------------------------------------------------------------------------------
+// last_kernel_time: every launch, limited or not, and every attach.
+
+/// Joins the test's region (as a monitor would: no slot).
+fn join(dir: &TestDir) -> vgpu_region::Region {
+    vgpu_region::Region::open(&dir.region(), &vgpu_region::InitParams::default()).expect("join the region")
+}
+
+fn unix_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("the clock is after 1970")
+        .as_secs() as i64
+}
+
+/// A time long past, written into `last_kernel_time` to see who writes it next.
+const LONG_AGO: i64 = 1_000_000_000;
+
+fn last_kernel_time(region: &vgpu_region::Region) -> i64 {
+    region
+        .hami()
+        .last_kernel_time
+        .load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Waits up to `limit` for `last_kernel_time` to be now (within 2 s); returns how long it took.
+fn wait_for_kernel_time(region: &vgpu_region::Region, limit: Duration) -> Option<Duration> {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if last_kernel_time(region) >= unix_now() - 2 {
+            return Some(start.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    None
+}
+
+#[test]
+fn every_launch_moves_last_kernel_time_limited_or_not_and_every_attach_sets_it() {
+    /// A name, the processes' variables, and what `utilization_switch` is set to.
+    type Case<'a> = (&'a str, &'a [(&'a str, &'a str)], Option<i32>);
+    let cases: [Case; 3] = [
+        ("unlimited", &[], None),
+        ("limited", &[("CUDA_DEVICE_SM_LIMIT", "50")], None),
+        (
+            "limited, utilization_switch 0",
+            &[("CUDA_DEVICE_SM_LIMIT", "50")],
+            Some(0),
+        ),
+    ];
+    for (name, variables, switch) in cases {
+        let dir = TestDir::new("kernel-time");
+        let mut first = holding(&dir, "monitor_launch", 0, variables);
+        ok(&mut first, "load");
+        let region = join(&dir);
+        if let Some(switch) = switch {
+            region
+                .hami()
+                .utilization_switch
+                .store(switch, std::sync::atomic::Ordering::Relaxed);
+        }
+        // Attach: a second process's cuInit writes it.
+        region
+            .hami()
+            .last_kernel_time
+            .store(LONG_AGO, std::sync::atomic::Ordering::Relaxed);
+        let mut second = holding(&dir, "monitor_launch", 0, variables);
+        assert!(
+            last_kernel_time(&region) >= unix_now() - 2,
+            "{name}: attach did not write last_kernel_time"
+        );
+        // No launch, no write.
+        region
+            .hami()
+            .last_kernel_time
+            .store(LONG_AGO, std::sync::atomic::Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(1200));
+        assert_eq!(last_kernel_time(&region), LONG_AGO, "{name}: written without a launch");
+        // A launch: written within about a second (the tick).
+        ok(&mut first, "launch 2");
+        let took = wait_for_kernel_time(&region, Duration::from_secs(3));
+        assert!(took.is_some(), "{name}: a launch did not move last_kernel_time");
+        // Idle again: not rewritten; launching again moves it again.
+        std::thread::sleep(Duration::from_millis(1100));
+        region
+            .hami()
+            .last_kernel_time
+            .store(LONG_AGO, std::sync::atomic::Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(1200));
+        assert_eq!(last_kernel_time(&region), LONG_AGO, "{name}: rewritten while idle");
+        ok(&mut first, "launch 2");
+        assert!(
+            wait_for_kernel_time(&region, Duration::from_secs(3)).is_some(),
+            "{name}: a later launch did not move last_kernel_time"
+        );
+        second.send("quit");
+        first.send("quit");
+        assert!(second.finish().status.success());
+        assert!(first.finish().status.success());
+    }
+}
