@@ -9,6 +9,7 @@ mod exit;
 mod hooks;
 mod init;
 mod interpose;
+mod limits;
 mod log;
 mod memory;
 mod nvml;

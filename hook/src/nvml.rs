@@ -5,7 +5,7 @@
 use std::ffi::{CStr, c_char, c_uint};
 use std::sync::OnceLock;
 
-use vgpu_region::{InitParams, Region};
+use vgpu_region::{InitParams, OpenKind, Region};
 
 use crate::hooks::real;
 use crate::sys::nvml::{NVML_SUCCESS, nvmlDevice_t, nvmlMemory_t, nvmlMemory_v2_t, nvmlReturn_t};
@@ -162,19 +162,29 @@ fn limit_and_usage(device: nvmlDevice_t) -> Option<(u64, u64)> {
     let uuid = uuid_of(device)?;
     if let Some(accounting) = crate::memory::accounting() {
         let entry = accounting.device_by_uuid(&uuid)?;
-        let limit = entry.limit?;
+        let limit = accounting.limit(entry)?;
         let used = accounting.used(entry);
         return Some((
             limit,
             used.saturating_sub(held_by_dead(accounting.region(), entry.region_index)),
         ));
     }
-    let config = crate::init::config().ok()?;
-    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
-    let ordinal = cuda_ordinal(visible.as_deref(), nvml_index_of(device)?, &uuid)?;
-    let limit = config.memory_limit_of(ordinal)?;
     let region = monitor_region()?;
     let index = region.device_index(&uuid).ok()?;
+    // The container's limit is the region's while its processes use it; a region this process
+    // has just created (or re-created) holds no limits yet: the variables say what it will get.
+    let limit = if matches!(region.open_kind(), OpenKind::Joined | OpenKind::Repaired(_)) {
+        let limit = region
+            .hami()
+            .limit
+            .get(index)?
+            .load(std::sync::atomic::Ordering::Relaxed);
+        (limit != 0).then_some(limit)?
+    } else {
+        let config = crate::init::config().ok()?;
+        let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+        config.memory_limit_of(cuda_ordinal(visible.as_deref(), nvml_index_of(device)?, &uuid)?)?
+    };
     let used = region.device_used(index);
     Some((limit, used.saturating_sub(held_by_dead(region, index))))
 }

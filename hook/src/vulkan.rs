@@ -57,7 +57,8 @@ impl Budget for HookBudget {
         match device {
             Some(device) => Gpu::Accounted {
                 id: device.ordinal as u32,
-                limit: device.limit,
+                // The region's limit now (allocations are checked against it live, at each charge).
+                limit: accounting.and_then(|accounting| accounting.limit(device)),
             },
             // A UUID the accounting does not have is another GPU than CUDA's; one that could not
             // be read (or no accounting at all) may be one of CUDA's.

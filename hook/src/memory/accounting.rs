@@ -274,9 +274,11 @@ pub fn start(config: &Config) -> Result<(), String> {
         priority: config.task_priority,
         ..InitParams::default()
     };
-    for ordinal in 0..uuids.len().min(MAX_DEVICES) {
-        init.limits[ordinal] = config.memory_limit_of(ordinal).unwrap_or(0);
-        init.sm_limits[ordinal] = config.sm_limit_of(ordinal).map_or(0, u64::from);
+    // Every index, not only this process's devices: a device another process registers later
+    // gets the limit its index has here (the global variable's, when only that one is set).
+    for index in 0..MAX_DEVICES {
+        init.limits[index] = config.memory_limit_of(index).unwrap_or(0);
+        init.sm_limits[index] = config.sm_limit_of(index).map_or(0, u64::from);
     }
     let region = open_region(config, &init)?;
     match region.open_kind() {
@@ -297,11 +299,17 @@ pub fn start(config: &Config) -> Result<(), String> {
     let mut entries = Vec::with_capacity(uuids.len());
     for (ordinal, uuid) in uuids.into_iter().enumerate() {
         let region_index = region.device_index(&uuid).map_err(|e| e.to_string())?;
+        crate::limits::seed(
+            &region,
+            region_index,
+            ordinal,
+            config.memory_limit_of(ordinal),
+            config.sm_limit_of(ordinal),
+        );
         entries.push(DeviceEntry {
             ordinal: ordinal as CUdevice,
             uuid,
             region_index,
-            limit: config.memory_limit_of(ordinal),
         });
     }
     let slot = region.attach(std::process::id() as i32).map_err(|e| e.to_string())?;
@@ -385,6 +393,23 @@ impl Accounting {
         usize::try_from(ordinal).ok().and_then(|index| self.devices.get(index))
     }
 
+    /// The device's memory limit now: the region's (`crate::limits`).
+    pub fn limit(&self, device: &DeviceEntry) -> Option<u64> {
+        crate::limits::memory(&self.region, device.region_index)
+    }
+
+    /// The region device's compute limit now, in percent: the region's (`crate::limits`).
+    pub fn sm_limit(&self, region_index: usize) -> Option<u8> {
+        crate::limits::sm(&self.region, region_index)
+    }
+
+    /// Whether any of this process's devices has a compute limit now.
+    pub fn any_sm_limit(&self) -> bool {
+        self.devices
+            .iter()
+            .any(|device| self.sm_limit(device.region_index).is_some())
+    }
+
     pub fn device_by_uuid(&self, uuid: &str) -> Option<&DeviceEntry> {
         self.devices.iter().find(|device| device.uuid == uuid)
     }
@@ -421,7 +446,7 @@ impl Accounting {
         let Some(device) = self.device(ordinal) else {
             return Ok(None);
         };
-        self.charge_with_limit(device, kind, bytes, device.limit)
+        self.charge_with_limit(device, kind, bytes, self.limit(device))
     }
 
     /// Charges what the driver has already taken (a context, a module, a pool's reserve): never

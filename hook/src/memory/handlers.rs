@@ -245,7 +245,7 @@ fn measured_and_recorded<H>(
 /// free = min(total - used, physical free).
 fn virtual_view(accounting: &Accounting, ordinal: CUdevice, free: u64, total: u64) -> Option<(u64, u64)> {
     let device = accounting.device(ordinal)?;
-    let (total, _, free) = crate::nvml::virtual_memory(total, free, device.limit?, accounting.used(device));
+    let (total, _, free) = crate::nvml::virtual_memory(total, free, accounting.limit(device)?, accounting.used(device));
     Some((total, free))
 }
 
@@ -305,15 +305,12 @@ pub fn device_total_mem<S: DriverInt>(
     if result != CUDA_SUCCESS {
         return result;
     }
-    let limit = accounting()
-        .and_then(|a| a.device(device))
-        .and_then(|d| d.limit)
-        .or_else(|| {
-            // Before cuInit's accounting starts (or without a region), the configuration still says.
-            crate::init::config()
-                .ok()
-                .and_then(|config| config.memory_limit_of(usize::try_from(device).ok()?))
-        });
+    let limit = accounting().and_then(|a| a.limit(a.device(device)?)).or_else(|| {
+        // Before cuInit's accounting starts (or without a region), the configuration still says.
+        crate::init::config()
+            .ok()
+            .and_then(|config| config.memory_limit_of(usize::try_from(device).ok()?))
+    });
     // SAFETY: the driver accepted and wrote the pointer.
     if let (Some(limit), Some(physical)) = (limit, unsafe { read(bytes) }) {
         // SAFETY: as above.

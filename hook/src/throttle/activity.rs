@@ -10,6 +10,11 @@
 //! system call and no extra load, and the process's busy launches leave the fast path once a
 //! second.
 //!
+//! The tick also follows the region's compute limits, which may change while the process runs
+//! (`crate::limits`): an unlimited process whose limit is raised starts limiting within its
+//! period, and one whose limit is lifted goes back to the fast path
+//! ([`super::runtime::follow_live_limits`]).
+//!
 //! The tick is started by the process's first launch, which always takes the handler's path (the
 //! limiter decides its mode there: [`ensure_tick`]); a process that never launches has none.
 //! Fork: the child has no tick thread; the `pthread_atfork` child handler clears the flags and
@@ -42,10 +47,16 @@ pub fn launched() -> bool {
     {
         return true;
     }
+    note_launch();
+    false
+}
+
+/// Notes a launch for the next tick.
+#[inline]
+pub fn note_launch() {
     if !LAUNCHED.load(Ordering::Relaxed) {
         LAUNCHED.store(true, Ordering::Relaxed);
     }
-    false
 }
 
 /// Starts the tick unless it runs: called where a process's launches first take the handler's
@@ -97,7 +108,7 @@ fn tick_loop() {
 }
 
 /// One tick: `last_kernel_time` when a launch happened and a second has passed since the last
-/// write.
+/// write; then the region's live compute limits.
 fn tick(written: &mut u64) {
     let Some(accounting) = crate::memory::accounting() else {
         return;
@@ -107,6 +118,7 @@ fn tick(written: &mut u64) {
         crate::memory::write_kernel_time(accounting.region());
         *written = now;
     }
+    super::runtime::follow_live_limits(accounting);
 }
 
 /// Whether a launch happened since the last call. `OFF` means one did (the process's first launch

@@ -151,12 +151,21 @@ fn create() -> Result<Option<&'static Runtime>, CUresult> {
         MODE.store(OFF, Ordering::Relaxed);
         return Ok(None);
     };
-    if config.utilization_policy == UtilizationPolicy::Disable || config.sm_limit.iter().all(Option::is_none) {
+    if config.utilization_policy == UtilizationPolicy::Disable {
         MODE.store(OFF, Ordering::Relaxed);
         return Ok(None);
     }
-    if crate::memory::accounting().is_none() {
-        return without_region(config);
+    // The limits are the region's, live (`crate::limits`); without a region, the variables say
+    // whether a launch must be refused. A tick that turns the mode on meanwhile sees the limit
+    // again within its period.
+    let limited = match crate::memory::accounting() {
+        Some(accounting) => accounting.any_sm_limit(),
+        None if config.sm_limit.iter().any(Option::is_some) => return without_region(config),
+        None => false,
+    };
+    if !limited {
+        MODE.store(OFF, Ordering::Relaxed);
+        return Ok(None);
     }
     let fresh = Box::into_raw(Box::new(Runtime {
         config,
@@ -180,6 +189,31 @@ fn create() -> Result<Option<&'static Runtime>, CUresult> {
     let _ = MODE.compare_exchange(UNDECIDED, ON, Ordering::Relaxed, Ordering::Relaxed);
     // SAFETY: from Box::into_raw (ours or the winner's), never freed.
     Ok(Some(unsafe { &*winner }))
+}
+
+/// The tick (`activity`): follows the region's compute limits in a process whose launches are not
+/// limited now (turned on within the tick's period when a limit appears, so an unlimited process
+/// starts limiting) and turns the limiter off when none is left (its launches go back to the fast
+/// path). `GPU_CORE_UTILIZATION_POLICY=disable` never limits.
+pub fn follow_live_limits(accounting: &crate::memory::Accounting) {
+    let Ok(config) = crate::init::config() else {
+        return;
+    };
+    if config.utilization_policy == UtilizationPolicy::Disable {
+        return;
+    }
+    let limited = accounting.any_sm_limit();
+    let mode = MODE.load(Ordering::Relaxed);
+    if limited && matches!(mode, OFF | IDLE) {
+        let turned = MODE.compare_exchange(mode, ON, Ordering::Relaxed, Ordering::Relaxed);
+        if turned.is_ok() && mode == OFF {
+            // OFF stood for a launch since the tick last wrote last_kernel_time.
+            activity::note_launch();
+        }
+    } else if !limited && mode == ON {
+        // IDLE: the next launch goes back to the fast path, and shows the tick it happened.
+        let _ = MODE.compare_exchange(ON, IDLE, Ordering::Relaxed, Ordering::Relaxed);
+    }
 }
 
 /// A launch while a compute limit is configured but the process has no region: `cuInit` has not
@@ -326,8 +360,8 @@ impl Runtime {
         } else {
             crate::memory::current_ordinal()?
         };
-        let limit = self.config.sm_limit_of(ordinal as usize)?;
         let region_index = accounting.device(ordinal)?.region_index;
+        let limit = accounting.sm_limit(region_index)?;
         let region = accounting.region();
         let hami = region.hami();
         let bucket = region.extension().compute.get(region_index)?;
@@ -357,7 +391,7 @@ impl Runtime {
                 let admitted = if capturing(stream) {
                     None
                 } else {
-                    self.admit(hami, bucket, limit, charge, wait, now)
+                    self.admit(accounting, region_index, charge, wait, now)
                 };
                 let Some(waited) = admitted else {
                     device.estimates().forget(key, plan);
@@ -413,21 +447,23 @@ impl Runtime {
 
     /// Sleeps (`wait` ns first) until the bucket admits `cost` and `recent_kernel` allows launches.
     /// Returns the time waited since `since`, or `None` when the limit was lifted meanwhile
-    /// (nothing charged).
+    /// (nothing charged). The limit is the region's, read again at each wake-up.
     fn admit(
         &self,
-        hami: &SharedRegion,
-        bucket: &ComputeDevice,
-        limit: u8,
+        accounting: &crate::memory::Accounting,
+        region_index: usize,
         cost: u64,
         mut wait: u64,
         since: u64,
     ) -> Option<u64> {
+        let hami = accounting.region().hami();
+        let bucket = accounting.region().extension().compute.get(region_index)?;
         loop {
             sleep_ns(wait.clamp(MIN_WAIT_NS, MAX_WAIT_NS));
             if SHUTDOWN.load(Ordering::Relaxed) || !self.active(hami) {
                 return None;
             }
+            let limit = accounting.sm_limit(region_index)?;
             let now = now_ns();
             wait = if hami.recent_kernel.load(Ordering::Relaxed) < 0 {
                 // HAMi's monitor holds this container while a higher-priority one runs.

@@ -150,9 +150,12 @@ const UUID0: &str = "GPU-00000000-0000-0000-0000-000000000000";
 
 /// Joins (or creates) the region from the test, holding it so that a program starting later joins
 /// it as it is instead of reinitialising it.
-fn hold_region(dir: &TestDir) -> Region {
+/// Opens (or creates, with the compute limit the processes' variables give: the region's limits
+/// are the container's) the test's region, keeping it in use.
+fn hold_region(dir: &TestDir, sm_limit: u64) -> Region {
     let init = InitParams {
         device_uuids: vec![UUID0.to_string()],
+        sm_limits: [sm_limit; vgpu_region::MAX_DEVICES],
         ..InitParams::default()
     };
     Region::open(&dir.region(), &init).expect("open the region from the test")
@@ -377,7 +380,7 @@ fn recent_kernel_minus_one_blocks_launches_until_raised() {
     let session = start(run);
     let truth = dir.truth();
     std::thread::sleep(Duration::from_millis(500));
-    let region = hold_region(&dir);
+    let region = hold_region(&dir, 50);
     assert_eq!(region.hami().recent_kernel.load(Ordering::Relaxed), 2);
     region.hami().recent_kernel.store(-1, Ordering::Relaxed);
     // Launches already admitted finish; then nothing is launched while it stays -1.
@@ -449,7 +452,7 @@ fn policy_disable_never_limits() {
 fn switch_off_lifts_the_limit_unless_forced() {
     for (policy, expected) in [(None, None), (Some("force"), Some(20.0))] {
         let dir = TestDir::new("switch");
-        let region = hold_region(&dir);
+        let region = hold_region(&dir, 20);
         region.hami().utilization_switch.store(0, Ordering::Relaxed);
         let mut env = vec![("CUDA_DEVICE_SM_LIMIT", "20")];
         if let Some(policy) = policy {
@@ -470,7 +473,7 @@ fn switching_the_limit_off_releases_a_waiting_launch() {
     // At 1% a 2 ms kernel admits one launch per 200 ms, so the program is waiting most of the
     // time; turning the switch off must let it run at full speed at once.
     let dir = TestDir::new("release");
-    let region = hold_region(&dir);
+    let region = hold_region(&dir, 1);
     let run = compute_loop(
         &dir,
         &[("CUDA_DEVICE_SM_LIMIT", "1")],

@@ -1,10 +1,14 @@
 //! What HAMi's monitor relies on, against the fake driver: a process's slot and charges are given
 //! back when it exits normally (return from `main`, `exit()`, `dlclose` of the library), a killed
 //! process is reaped by the next attach, and nothing reports the memory or utilisation of a
-//! process that is not alive.
+//! process that is not alive; every launch moves `last_kernel_time`; the region's `limit[]` and
+//! `sm_limit[]` are the limits running processes enforce, changed live, and checked.
 //!
 //! Every test uses its own folder for the region (`CUDA_DEVICE_MEMORY_SHARED_CACHE`) and the
 //! fake's ground truth (`FAKE_CUDA_TRUTH`).
+
+#[path = "../../fake-driver/src/truth.rs"]
+mod truth;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -376,4 +380,184 @@ fn every_launch_moves_last_kernel_time_limited_or_not_and_every_attach_sets_it()
         assert!(second.finish().status.success());
         assert!(first.finish().status.success());
     }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Live limits: the region's limit[] and sm_limit[] are what running processes enforce.
+
+fn set_memory_limit(region: &vgpu_region::Region, bytes: u64) {
+    region.hami().limit[0].store(bytes, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn set_sm_limit(region: &vgpu_region::Region, percent: u64) {
+    region.hami().sm_limit[0].store(percent, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The answer's status field (after the command name).
+fn status(answer: &str) -> i32 {
+    answer
+        .split_whitespace()
+        .nth(1)
+        .and_then(|field| field.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {answer:?}"))
+}
+
+const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
+
+/// Lines of a finished program's stderr that contain `text`.
+fn stderr_lines_with(output: &std::process::Output, text: &str) -> usize {
+    String::from_utf8_lossy(&output.stderr)
+        .lines()
+        .filter(|line| line.contains(text))
+        .count()
+}
+
+#[test]
+fn a_memory_limit_changed_in_the_region_takes_effect_at_once_and_frees_nothing() {
+    let dir = TestDir::new("live-memory");
+    let mut session = holding(&dir, "mem_ops", 300 * MIB, &[("CUDA_DEVICE_MEMORY_LIMIT", "1g")]);
+    let region = join(&dir);
+    let used = CONTEXT + 300 * MIB;
+    assert_eq!(dir.snapshot().device_used(0), used);
+    // Lowered below the usage: new allocations are refused, nothing is freed, and the virtual
+    // device shows the new total with nothing free.
+    set_memory_limit(&region, 200 * MIB);
+    assert_eq!(status(&session.ask("alloc 1")), CUDA_ERROR_OUT_OF_MEMORY);
+    assert_eq!(dir.snapshot().device_used(0), used, "lowering the limit freed memory");
+    let limit = (200 * MIB).to_string();
+    assert_eq!(
+        ok(&mut session, "info"),
+        ["0", limit.as_str()],
+        "cuMemGetInfo: free, total"
+    );
+    assert_eq!(ok(&mut session, "nvml 0"), [limit.as_str(), limit.as_str(), "0"]);
+    // Raised: more than the first limit fits.
+    set_memory_limit(&region, 2 << 30);
+    ok(&mut session, &format!("alloc {}", 1200 * MIB));
+    assert_eq!(dir.snapshot().device_used(0), used + 1200 * MIB);
+    // Lifted (0 = none): the physical device.
+    set_memory_limit(&region, 0);
+    ok(&mut session, &format!("alloc {}", 4u64 << 30));
+    // A new process of the container follows the region, not its variables, and says so once.
+    set_memory_limit(&region, 6 << 30);
+    let mut joiner = holding(&dir, "mem_ops", 0, &[("CUDA_DEVICE_MEMORY_LIMIT", "16g")]);
+    let room = (6u64 << 30) - dir.snapshot().device_used(0);
+    assert_eq!(
+        status(&joiner.ask(&format!("alloc {}", room + 1))),
+        CUDA_ERROR_OUT_OF_MEMORY,
+        "the joiner used its own variable's limit"
+    );
+    ok(&mut joiner, &format!("alloc {room}"));
+    joiner.send("quit");
+    let joined = joiner.finish();
+    assert_eq!(
+        stderr_lines_with(&joined, "the region's applies"),
+        1,
+        "{}",
+        String::from_utf8_lossy(&joined.stderr)
+    );
+    session.send("quit");
+    let output = session.finish();
+    // Every change the process saw is one warning line, old and new: nothing is lifted silently.
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    for change in [
+        "from 1073741824 bytes (1024 MiB) to 209715200 bytes (200 MiB)",
+        "from 209715200 bytes (200 MiB) to 2147483648 bytes (2048 MiB)",
+        "from 2147483648 bytes (2048 MiB) to none",
+    ] {
+        assert_eq!(stderr_lines_with(&output, change), 1, "{change}: {stderr}");
+    }
+}
+
+/// The busy share (percent) of physical device 0 over `window`, from the fake's ground truth.
+fn busy_share(truth: &truth::Truth, window: Duration) -> f64 {
+    let (busy, at) = (truth.device(0).busy_ns(), Instant::now());
+    std::thread::sleep(window);
+    let (after, elapsed) = (truth.device(0).busy_ns(), at.elapsed());
+    (after - busy) as f64 * 100.0 / elapsed.as_nanos() as f64
+}
+
+/// The compute_loop program: 2 ms kernels on a stream for `seconds`, four deep.
+fn compute_loop(dir: &TestDir, seconds: &str, variables: &[(&str, &str)]) -> Session {
+    let mut session = run(dir, "compute_loop", variables)
+        .args(["kernel", "busy_2000us", seconds, "stream"])
+        .spawn(Duration::from_secs(60));
+    assert_eq!(session.read_line().as_deref(), Some("ready"));
+    session
+}
+
+#[test]
+fn a_compute_limit_raised_live_limits_an_unlimited_process_within_a_second() {
+    let dir = TestDir::new("live-compute");
+    let session = compute_loop(&dir, "6.5", &[]);
+    let truth = truth::Truth::open(&dir.0.join("truth")).expect("open the ground truth");
+    let region = join(&dir);
+    std::thread::sleep(Duration::from_millis(500));
+    // The whole device, far from 20% (the bar is low: this host-paced loop runs under the load
+    // of other tests too).
+    let unlimited = busy_share(&truth, Duration::from_millis(800));
+    assert!(unlimited > 60.0, "before any limit: busy share {unlimited:.1}%");
+    // Raised from none to 20%: held within a second.
+    set_sm_limit(&region, 20);
+    std::thread::sleep(Duration::from_millis(1000));
+    let limited = busy_share(&truth, Duration::from_millis(1500));
+    // Lifted again: back to the whole device within a second.
+    set_sm_limit(&region, 0);
+    std::thread::sleep(Duration::from_millis(1000));
+    let lifted = busy_share(&truth, Duration::from_millis(1000));
+    let mut session = session;
+    let output = session.finish();
+    eprintln!("busy share: unlimited {unlimited:.1}%, limited {limited:.1}%, lifted {lifted:.1}%");
+    assert!(output.status.success(), "{output:?}");
+    assert!(
+        (limited - 20.0).abs() <= 5.0,
+        "a second after the limit was set to 20: busy share {limited:.1}%"
+    );
+    assert!(
+        lifted > 60.0,
+        "a second after the limit was lifted: busy share {lifted:.1}%"
+    );
+    assert_eq!(stderr_lines_with(&output, "changed from none to 20%"), 1, "{output:?}");
+    assert_eq!(stderr_lines_with(&output, "changed from 20% to none"), 1, "{output:?}");
+}
+
+#[test]
+fn garbage_limits_in_the_region_never_crash_nor_lift_a_limit_silently() {
+    // A compute limit that is no percentage is ignored: the limit in force stays, said once.
+    let dir = TestDir::new("garbage-compute");
+    let session = compute_loop(&dir, "4", &[("CUDA_DEVICE_SM_LIMIT", "30")]);
+    let truth = truth::Truth::open(&dir.0.join("truth")).expect("open the ground truth");
+    let region = join(&dir);
+    std::thread::sleep(Duration::from_millis(300));
+    set_sm_limit(&region, 250);
+    std::thread::sleep(Duration::from_millis(700));
+    let share = busy_share(&truth, Duration::from_millis(2000));
+    set_sm_limit(&region, u64::MAX);
+    let mut session = session;
+    let output = session.finish();
+    eprintln!("busy share with sm_limit 250 over a limit of 30: {share:.1}%");
+    assert!(output.status.success(), "{output:?}");
+    assert!((share - 30.0).abs() <= 5.0, "with sm_limit 250: busy share {share:.1}%");
+    assert_eq!(
+        stderr_lines_with(&output, "holds sm_limit 250, which is not a percentage"),
+        1,
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+
+    // A memory limit is any size; a huge one is in force, and said (not lifted silently).
+    let dir = TestDir::new("garbage-memory");
+    let mut session = holding(&dir, "mem_ops", 0, &[("CUDA_DEVICE_MEMORY_LIMIT", "1g")]);
+    let region = join(&dir);
+    set_memory_limit(&region, u64::MAX);
+    ok(&mut session, &format!("alloc {}", 2u64 << 30));
+    session.send("quit");
+    let output = session.finish();
+    assert!(output.status.success());
+    assert_eq!(
+        stderr_lines_with(&output, "to 18446744073709551615 bytes"),
+        1,
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
 }

@@ -1452,30 +1452,31 @@ fn nvml_and_total_mem_show_the_virtual_device() {
     );
     assert_eq!(a.ask("info"), format!("info 0 {} {physical}", physical - used_1));
 
-    // Another process of the container, with a larger limit, takes more than a's limit: a sees
-    // used > total and must show free 0, not an underflow.
-    let mut big = start("4g");
-    assert_eq!(big.ask("init"), "init 0");
-    assert_eq!(big.ask("ctx 0"), "ctx 0");
-    assert_eq!(status(&big.ask(&format!("alloc {}", 1536 * MIB))), CUDA_SUCCESS);
+    // The container's limit is lowered below its usage while it runs (the region's limit is the
+    // container's: vgpu-smi set, or HAMi's monitor): a sees used > total and must show free 0,
+    // not an underflow.
+    let (region, device) = join_region(&dir);
+    let lowered = 100 * MIB;
+    region.hami().limit[device].store(lowered, std::sync::atomic::Ordering::Relaxed);
     let used = device_used(&snapshot(&dir.region()), 0);
-    assert!(used > GIB);
+    assert!(used > lowered);
     // used is capped at the total (hook/src/nvml.rs, virtual_memory): nvidia-smi never shows more
     // used than total, and free is 0.
     assert_eq!(
         a.ask("nvml 0"),
-        format!("nvml 0 {GIB} {GIB} 0"),
+        format!("nvml 0 {lowered} {lowered} 0"),
         "NVML with usage over the limit"
     );
-    assert_eq!(a.ask("nvml2 0"), format!("nvml2 0 {GIB} {GIB} 0"));
+    assert_eq!(a.ask("nvml2 0"), format!("nvml2 0 {lowered} {lowered} 0"));
     assert_eq!(a.ask("ctx 0"), "ctx 0");
     assert_eq!(
         a.ask("info"),
-        format!("info 0 0 {GIB}"),
+        format!("info 0 0 {lowered}"),
         "cuMemGetInfo with usage over the limit"
     );
     assert_eq!(status(&a.ask("alloc 1")), CUDA_ERROR_OUT_OF_MEMORY);
-    drop(big);
+    // Nothing was freed: the usage stands.
+    assert_eq!(device_used(&snapshot(&dir.region()), 0), used);
     drop(a);
 }
 
