@@ -96,26 +96,7 @@ pub struct ProcessDeviceReport {
     pub sm_util_percent: u64,
 }
 
-/// Whether a slot's process is alive, from the monitor's pid namespace: `kill(pid, 0)` and
-/// `/proc/<pid>/stat` (a zombie is dead; a different start time from the one recorded at attach
-/// means the pid was reused).
-pub fn process_is_alive(pid: i32, recorded_start_time: Option<u64>) -> bool {
-    if pid <= 0 {
-        return false;
-    }
-    // SAFETY: kill with signal 0 only checks for existence and permission.
-    if unsafe { libc::kill(pid, 0) } != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
-        return false;
-    }
-    match vgpu_region::process::read_proc_stat(pid) {
-        Some(stat) => {
-            let exited = matches!(stat.state, b'Z' | b'X' | b'x');
-            let reused = recorded_start_time.is_some_and(|recorded| recorded != 0 && recorded != stat.start_time);
-            !exited && !reused
-        }
-        None => true,
-    }
-}
+pub use crate::liveness::process_is_alive;
 
 /// Milliseconds since the Unix epoch now.
 pub fn now_unix_ms() -> u64 {
