@@ -240,6 +240,9 @@ pub enum RegionError {
     CorruptDeviceUuid { path: PathBuf, index: usize },
     /// A device index of 16 or more.
     NoSuchDevice { path: PathBuf, device: usize },
+    /// [`crate::Region::open_in_use`]: no process uses the region (or the file is missing), so
+    /// the next process to start re-creates it from its own variables.
+    NotInUse { path: PathBuf },
 }
 
 impl fmt::Display for RegionError {
@@ -304,6 +307,11 @@ impl fmt::Display for RegionError {
                 "shared region {}: no room for device {uuid:?}: all {} device entries are taken",
                 ShownPath(path),
                 crate::MAX_DEVICES
+            ),
+            Self::NotInUse { path } => write!(
+                f,
+                "shared region {}: no process uses it (the next one to start re-creates it from its variables)",
+                ShownPath(path)
             ),
             Self::CorruptDeviceUuid { path, index } => write!(
                 f,

@@ -283,6 +283,30 @@ impl Region {
         }
     }
 
+    /// Joins a region that processes are using, for a tool that changes it (`vgpu-smi set`): never
+    /// creates, initialises or rebuilds the file. A file nobody uses (no process holds its shared
+    /// `flock`) is [`RegionError::NotInUse`], and so is a missing one: the next process to start
+    /// re-creates it from its own variables, so a change made there would not last. The file is
+    /// checked as [`Region::open_with`] checks it, and held (shared) while the `Region` lives.
+    pub fn open_in_use(path: &Path, owners: Owners) -> Result<Region, RegionError> {
+        let (file, _) = match open_existing(path, owners) {
+            Ok(Some(opened)) => opened,
+            Ok(None) => return Err(RegionError::NotInUse { path: path.to_owned() }),
+            Err(error) => return Err(error),
+        };
+        let io_error = |source| RegionError::Io {
+            path: path.to_owned(),
+            operation: "flock",
+            source,
+        };
+        if sys::flock(&file, libc::LOCK_EX | libc::LOCK_NB).map_err(io_error)? {
+            // Nobody holds it; dropping the file releases the lock.
+            return Err(RegionError::NotInUse { path: path.to_owned() });
+        }
+        wait_for_shared_lock(&file, path)?;
+        Self::join(path, file)
+    }
+
     /// With the file held exclusively: validate what is there, then write a fresh region. A file
     /// of another user (`foreign_owner`) is only reinitialised when it is a valid region;
     /// otherwise it is refused before anything is written.
@@ -761,6 +785,21 @@ impl Region {
         self.lock()
     }
 
+    /// Writes the container's limits of region device `device`, under the lock: `memory` bytes
+    /// (`limit`, 0 = none) and `sm` percent (`sm_limit`, 0 = none); `None` leaves one as it is.
+    /// Returns the previous (`limit`, `sm_limit`). Every process of the region enforces them from
+    /// then on. Values are the caller's to validate (as the variables are).
+    pub fn set_limits(&self, device: usize, memory: Option<u64>, sm: Option<u64>) -> Result<(u64, u64), RegionError> {
+        self.check_device(device)?;
+        let _guard = self.lock()?;
+        let hami = &self.file().hami;
+        let swap = |field: &AtomicU64, value: Option<u64>| match value {
+            Some(value) => field.swap(value, Ordering::AcqRel),
+            None => field.load(Ordering::Acquire),
+        };
+        Ok((swap(&hami.limit[device], memory), swap(&hami.sm_limit[device], sm)))
+    }
+
     /// Frees the slots of dead processes and returns how many.
     pub fn reap_dead(&self) -> Result<usize, RegionError> {
         let guard = self.lock()?;
@@ -1030,10 +1069,6 @@ fn open_or_create(path: &Path, owners: Owners) -> Result<(File, Option<u32>), Re
         path: path.to_owned(),
         source,
     };
-    let unsafe_file = |problem| RegionError::UnsafeFile {
-        path: path.to_owned(),
-        problem,
-    };
     // Two rounds cover a file deleted between the two opens.
     for _ in 0..2 {
         match OpenOptions::new()
@@ -1054,39 +1089,55 @@ fn open_or_create(path: &Path, owners: Owners) -> Result<(File, Option<u32>), Re
             Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {}
             Err(error) => return Err(open_error(error)),
         }
-        // Refuse what is plainly not a region file before opening it: opening a device can have
-        // effects of its own (a watchdog, a tape), and opening a FIFO can block.
-        match std::fs::symlink_metadata(path) {
-            Ok(metadata) => {
-                if let Some(problem) = not_a_plain_file(&metadata) {
-                    return Err(unsafe_file(problem));
-                }
-            }
-            Err(error) if error.kind() == io::ErrorKind::NotFound => continue,
-            Err(error) => return Err(open_error(error)),
-        }
-        match OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-            .open(path)
-        {
-            Ok(file) => {
-                let foreign_owner = check_opened(path, &file, owners)?;
-                sys::clear_nonblocking(&file).map_err(|source| RegionError::Io {
-                    path: path.to_owned(),
-                    operation: "fcntl",
-                    source,
-                })?;
-                return Ok((file, foreign_owner));
-            }
-            Err(error) if error.kind() == io::ErrorKind::NotFound => continue,
-            // A link swapped in after the check above.
-            Err(error) if error.raw_os_error() == Some(libc::ELOOP) => return Err(unsafe_file(UnsafeFile::Symlink)),
-            Err(error) => return Err(open_error(error)),
+        if let Some(opened) = open_existing(path, owners)? {
+            return Ok(opened);
         }
     }
     Err(open_error(io::Error::from(io::ErrorKind::NotFound)))
+}
+
+/// Opens the existing file at `path` read-write with [`open_or_create`]'s checks; `None` when
+/// there is none.
+fn open_existing(path: &Path, owners: Owners) -> Result<Option<(File, Option<u32>)>, RegionError> {
+    let open_error = |source| RegionError::Open {
+        path: path.to_owned(),
+        source,
+    };
+    let unsafe_file = |problem| RegionError::UnsafeFile {
+        path: path.to_owned(),
+        problem,
+    };
+    // Refuse what is plainly not a region file before opening it: opening a device can have
+    // effects of its own (a watchdog, a tape), and opening a FIFO can block.
+    match std::fs::symlink_metadata(path) {
+        Ok(metadata) => {
+            if let Some(problem) = not_a_plain_file(&metadata) {
+                return Err(unsafe_file(problem));
+            }
+        }
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(error) => return Err(open_error(error)),
+    }
+    match OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+    {
+        Ok(file) => {
+            let foreign_owner = check_opened(path, &file, owners)?;
+            sys::clear_nonblocking(&file).map_err(|source| RegionError::Io {
+                path: path.to_owned(),
+                operation: "fcntl",
+                source,
+            })?;
+            Ok(Some((file, foreign_owner)))
+        }
+        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(None),
+        // A link swapped in after the check above.
+        Err(error) if error.raw_os_error() == Some(libc::ELOOP) => Err(unsafe_file(UnsafeFile::Symlink)),
+        Err(error) => Err(open_error(error)),
+    }
 }
 
 /// What makes a file's metadata (from `lstat` or `fstat`) unusable as a region file, ownership
