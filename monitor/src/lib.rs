@@ -11,9 +11,11 @@
 //! - [`table`]: the human table (80 columns, binary units).
 //! - [`metrics`]: the Prometheus exposition (`prometheus-client`).
 //! - [`control`]: `suspend` / `resume`.
+//! - [`limits`]: `set`, the container's limits in its region.
 //! - [`plot`]: PNG or SVG charts from a `--record` file (`plotters`).
 
 pub mod control;
+pub mod limits;
 pub mod liveness;
 pub mod metrics;
 pub mod plot;

@@ -11,7 +11,7 @@ use std::time::Duration;
 use vgpu_monitor::control::{self, Target};
 use vgpu_monitor::read::{DEFAULT_REGION_PATH, REGION_PATH_VARIABLE, discover, read_region, shown};
 use vgpu_monitor::report::{Report, build_report, now_unix_ms, process_is_alive};
-use vgpu_monitor::{metrics, plot, table};
+use vgpu_monitor::{limits, metrics, plot, table};
 
 const USAGE: &str = "\
 vgpu-smi: the GPU memory and compute of vgpu containers, read from their shared regions
@@ -21,6 +21,7 @@ usage:
   vgpu-smi serve --listen ADDR [--region PATH]...
   vgpu-smi suspend [--pid PID] [--region PATH]...
   vgpu-smi resume [--pid PID] [--region PATH]...
+  vgpu-smi set [--region PATH]... [--device N] [--memory SIZE] [--sm PERCENT]
   vgpu-smi plot --input RECORD --output FILE.png|FILE.svg
 
   --region PATH     a region file, or a directory of them (one level of subdirectories too);
@@ -32,6 +33,11 @@ usage:
   --now UNIX_MS     the time written into JSON reports (for reproducible output)
   --listen ADDR     serve: address to listen on, e.g. 127.0.0.1:9400 (port 0: any free port)
   --pid PID         suspend/resume: this process only (default: every live process)
+  --memory SIZE     set: the memory limit, as CUDA_DEVICE_MEMORY_LIMIT takes it (4g, 4096m; 0: none)
+  --sm PERCENT      set: the compute limit, as CUDA_DEVICE_SM_LIMIT takes it (1..100; 0 or 100: none)
+  --device N        set: this region device only (the GPU column; default: every device)
+                    set changes the limits of a running container's region (region files, not
+                    directories); every process of the container follows them at once
 
 exit status: 0 done; 1 a region could not be read or no process matched; 2 bad usage";
 
@@ -49,6 +55,9 @@ struct Options {
     pid: Option<i32>,
     input: Option<PathBuf>,
     output: Option<PathBuf>,
+    device: Option<usize>,
+    memory: Option<u64>,
+    sm: Option<u64>,
 }
 
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -59,6 +68,7 @@ enum Command {
     Suspend,
     Resume,
     Plot,
+    Set,
     Help,
     Version,
 }
@@ -75,6 +85,7 @@ fn parse(arguments: Vec<OsString>) -> Result<Options, String> {
                 "suspend" => Command::Suspend,
                 "resume" => Command::Resume,
                 "plot" => Command::Plot,
+                "set" => Command::Set,
                 "help" => Command::Help,
                 other => return Err(format!("unknown command {other:?}")),
             };
@@ -94,6 +105,16 @@ fn parse(arguments: Vec<OsString>) -> Result<Options, String> {
             "--listen" => options.listen = Some(value("--listen")?.to_string_lossy().into_owned()),
             "--count" => options.count = Some(number(&value("--count")?, "--count")?),
             "--now" => options.now = Some(number(&value("--now")?, "--now")?),
+            "--device" => options.device = Some(number(&value("--device")?, "--device")?),
+            "--memory" => {
+                let text = value("--memory")?.to_string_lossy().into_owned();
+                options.memory =
+                    Some(limits::parse_memory(&text).map_err(|problem| format!("--memory {text:?}: {problem}"))?);
+            }
+            "--sm" => {
+                let text = value("--sm")?.to_string_lossy().into_owned();
+                options.sm = Some(limits::parse_sm(&text).map_err(|problem| format!("--sm {text:?}: {problem}"))?);
+            }
             "--pid" => {
                 let pid = number::<i32>(&value("--pid")?, "--pid")?;
                 if pid <= 0 {
@@ -149,6 +170,7 @@ fn main() -> ExitCode {
         Command::Suspend => suspend_or_resume(&options, true),
         Command::Resume => suspend_or_resume(&options, false),
         Command::Plot => plot_command(&options),
+        Command::Set => set_command(&options),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,
@@ -357,6 +379,36 @@ fn suspend_or_resume(options: &Options, suspend: bool) -> Result<bool, String> {
     Ok(!failed)
 }
 
+fn set_command(options: &Options) -> Result<bool, String> {
+    if options.memory.is_none() && options.sm.is_none() {
+        return Err("usage: set needs --memory SIZE or --sm PERCENT (or both)".into());
+    }
+    let mut failed = false;
+    for path in region_arguments(options) {
+        if path.is_dir() {
+            eprintln!(
+                "vgpu-smi: {}: set changes one container's region: name its file, not a directory",
+                shown(&path)
+            );
+            failed = true;
+            continue;
+        }
+        match limits::set_limits(&path, options.device, options.memory, options.sm) {
+            Ok(changes) => {
+                println!("{}:", shown(&path));
+                for change in changes {
+                    println!("  {}", change.describe());
+                }
+            }
+            Err(problem) => {
+                eprintln!("vgpu-smi: {problem}");
+                failed = true;
+            }
+        }
+    }
+    Ok(!failed)
+}
+
 fn plot_command(options: &Options) -> Result<bool, String> {
     let (Some(input), Some(output)) = (&options.input, &options.output) else {
         return Err("usage: plot needs --input RECORD and --output FILE.png|FILE.svg".into());
@@ -402,6 +454,21 @@ mod tests {
         assert!(parse(arguments("--watch 0")).is_err());
         assert!(parse(arguments("--region")).is_err());
         assert!(parse(arguments("--count x")).is_err());
+        let options = parse(arguments("set --device 1 --memory 4g --sm 30")).unwrap();
+        assert_eq!(
+            (options.command, options.device, options.memory, options.sm),
+            (Command::Set, Some(1), Some(4 << 30), Some(30))
+        );
+        assert_eq!(parse(arguments("set --sm 100")).unwrap().sm, Some(0), "100 is no limit");
+        for bad in [
+            "set --memory 4q",
+            "set --sm 101",
+            "set --sm -1",
+            "set --device x",
+            "set --memory",
+        ] {
+            assert!(parse(arguments(bad)).is_err(), "{bad}");
+        }
     }
 
     #[test]

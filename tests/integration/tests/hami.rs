@@ -561,3 +561,88 @@ fn garbage_limits_in_the_region_never_crash_nor_lift_a_limit_silently() {
         String::from_utf8_lossy(&output.stderr)
     );
 }
+
+/// Runs `vgpu-smi` (built with the workspace) with these arguments.
+fn vgpu_smi(arguments: &[&str]) -> std::process::Output {
+    let path = vgpu_integration::profile_dir().join("vgpu-smi");
+    assert!(path.is_file(), "{} is missing: cargo build --workspace", path.display());
+    std::process::Command::new(path)
+        .args(arguments)
+        .env_remove("CUDA_DEVICE_MEMORY_SHARED_CACHE")
+        .output()
+        .expect("run vgpu-smi")
+}
+
+#[test]
+fn vgpu_smi_set_changes_a_running_containers_limits() {
+    let dir = TestDir::new("smi-set");
+    let mut session = holding(&dir, "mem_ops", 300 * MIB, &[("CUDA_DEVICE_MEMORY_LIMIT", "1g")]);
+    let region = dir.region().display().to_string();
+    let output = vgpu_smi(&["set", "--region", &region, "--memory", "200m", "--sm", "30"]);
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "{output:?}");
+    assert_eq!(
+        stdout,
+        format!(
+            "{region}:\n  GPU 0 (GPU-00000000-0000-0000-0000-000000000000): memory 1.00 GiB -> 200 MiB, compute none -> 30%\n"
+        )
+    );
+    let after = dir.snapshot();
+    assert_eq!((after.limits[0], after.sm_limits[0]), (200 * MIB, 30));
+    // In force at once: over the new limit, and nothing freed.
+    assert_eq!(status(&session.ask("alloc 1")), CUDA_ERROR_OUT_OF_MEMORY);
+    assert_eq!(dir.snapshot().device_used(0), CONTEXT + 300 * MIB);
+    // One of the two, on one device; 100% is no limit.
+    let output = vgpu_smi(&["set", "--region", &region, "--device", "0", "--sm", "100"]);
+    assert!(output.status.success(), "{output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stdout).contains("memory 200 MiB (unchanged), compute 30% -> none"),
+        "{output:?}"
+    );
+    assert_eq!(dir.snapshot().sm_limits[0], 0);
+
+    // Refused, each with one line and nothing written: values the variables refuse (usage, 2),
+    // a device the region does not have, a directory (1).
+    let before = std::fs::read(dir.region()).expect("read the region");
+    for (arguments, code, message) in [
+        (vec!["--memory", "4q"], 2, "--memory \"4q\""),
+        (vec!["--sm", "101"], 2, "--sm \"101\""),
+        (vec![], 2, "set needs --memory SIZE or --sm PERCENT"),
+        (
+            vec!["--device", "3", "--sm", "20"],
+            1,
+            "it has no device 3 (1 device registered",
+        ),
+    ] {
+        let mut full = vec!["set", "--region", region.as_str()];
+        full.extend(arguments);
+        let output = vgpu_smi(&full);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(code), "{full:?}: {stderr}");
+        assert!(
+            stderr.lines().next().is_some_and(|line| line.contains(message)),
+            "{full:?}: {stderr}"
+        );
+    }
+    let directory = dir.0.path().display().to_string();
+    let output = vgpu_smi(&["set", "--region", &directory, "--sm", "20"]);
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    assert_eq!(String::from_utf8_lossy(&output.stderr).lines().count(), 1, "{output:?}");
+    assert_eq!(
+        std::fs::read(dir.region()).expect("read the region"),
+        before,
+        "a refused set wrote"
+    );
+
+    // Once no process uses the region, the next one re-creates it from its variables: refused.
+    session.send("quit");
+    assert!(session.finish().status.success());
+    let before = std::fs::read(dir.region()).expect("read the region");
+    let output = vgpu_smi(&["set", "--region", &region, "--sm", "20"]);
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    assert!(
+        String::from_utf8_lossy(&output.stderr).contains("no process uses this region"),
+        "{output:?}"
+    );
+    assert_eq!(std::fs::read(dir.region()).expect("read the region"), before);
+}
