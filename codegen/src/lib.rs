@@ -7,6 +7,7 @@
 
 pub mod emit;
 pub mod headers;
+pub mod libclang;
 pub mod prototypes;
 pub mod route;
 pub mod table;
@@ -71,6 +72,8 @@ pub struct Generated {
     pub routed: Vec<route::Routed>,
     /// Which variant of each base name each CUDA version gets from `cuGetProcAddress`.
     pub variants: Vec<variants::VariantSet>,
+    /// The libclang bindgen ran.
+    pub libclang: libclang::Loaded,
 }
 
 /// Runs the whole pipeline over the headers in `include_dir` and the table at `table_path`.
@@ -90,5 +93,6 @@ pub fn generate(include_dir: &Path, table_path: &Path) -> Result<Generated> {
         nvml_types: nvml.types,
         routed,
         variants,
+        libclang: libclang::loaded(),
     })
 }
