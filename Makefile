@@ -2,7 +2,7 @@
 CARGO ?= cargo
 FAULT_DIR := target/fault-injection
 
-.PHONY: headers build release demo test lint fault-build bench-callgrind fuzz clean
+.PHONY: headers build release demo test lint fault-build cross-test bench-callgrind fuzz clean
 
 headers:
 	scripts/fetch-headers.sh
@@ -27,6 +27,10 @@ lint: headers
 test: build fault-build lint
 	$(CARGO) test --workspace
 	# fuzzing needs nightly: `make fuzz` (see fuzz/README.md)
+
+# aarch64 under qemu-user (needs cross tools: see scripts/cross-test.sh); CI runs it after `test`.
+cross-test: headers
+	scripts/cross-test.sh
 
 bench-callgrind: build
 	scripts/bench-callgrind.sh

@@ -5,9 +5,7 @@
 use std::collections::BTreeSet;
 use std::process::Command;
 
-use vgpu_integration::{
-    Run, ScratchDir, c_program, fault_injection_hook_library, hook_library, include_dir, workspace_root,
-};
+use vgpu_integration::{Run, ScratchDir, c_program, fault_injection_hook_library, hook_library};
 
 const CUDA_SUCCESS: &str = "0";
 const CUDA_ERROR_INVALID_VALUE: &str = "1";
@@ -15,8 +13,34 @@ const CUDA_ERROR_NOT_FOUND: &str = "500";
 const CUDA_ERROR_UNKNOWN: &str = "999";
 const NVML_ERROR_FUNCTION_NOT_FOUND: &str = "13";
 
-fn generated() -> vgpu_codegen::Generated {
-    vgpu_codegen::generate(&include_dir(), &workspace_root().join("cuda-api.toml")).expect("generate from the headers")
+/// What the headers declare, as this crate's build script read them with the generator.
+struct Declared {
+    cuda_version: u32,
+    /// (library key, declaring header, name) of every entry point the hook exports.
+    functions: Vec<(String, String, String)>,
+    /// Every base name with versioned variants (`cuMemAlloc` for `cuMemAlloc_v2`).
+    variant_bases: Vec<String>,
+}
+
+fn declared() -> Declared {
+    let mut declared = Declared {
+        cuda_version: 0,
+        functions: Vec::new(),
+        variant_bases: Vec::new(),
+    };
+    for line in include_str!(concat!(env!("OUT_DIR"), "/declared.txt")).lines() {
+        match line.split('\t').collect::<Vec<_>>()[..] {
+            ["cuda_version", version] => declared.cuda_version = version.parse().expect("a CUDA version"),
+            ["function", library, header, name] => {
+                declared
+                    .functions
+                    .push((library.to_string(), header.to_string(), name.to_string()))
+            }
+            ["variant", base] => declared.variant_bases.push(base.to_string()),
+            _ => panic!("unexpected line in declared.txt: {line:?}"),
+        }
+    }
+    declared
 }
 
 fn stderr_lines(output: &std::process::Output) -> Vec<String> {
@@ -28,13 +52,13 @@ fn stderr_lines(output: &std::process::Output) -> Vec<String> {
 
 #[test]
 fn exports_exactly_the_header_functions_dlsym_and_the_vulkan_layer_entry() {
-    let generated = generated();
+    let declared = declared();
     // The Vulkan layer's one entry point: only the loader calls it, so a preloaded library
     // interposes on nothing of Vulkan's (never vkGetInstanceProcAddr or vkGetDeviceProcAddr).
-    let expected: BTreeSet<String> = generated
-        .routed
+    let expected: BTreeSet<String> = declared
+        .functions
         .iter()
-        .map(|f| f.prototype.name.clone())
+        .map(|(_, _, name)| name.clone())
         .chain(["dlsym", "vkNegotiateLoaderLayerInterfaceVersion"].map(String::from))
         .collect();
     let output = Command::new("nm")
@@ -52,18 +76,18 @@ fn exports_exactly_the_header_functions_dlsym_and_the_vulkan_layer_entry() {
     let missing: Vec<_> = expected.difference(&exported).collect();
     assert!(extra.is_empty(), "exported but not in the headers: {extra:?}");
     assert!(missing.is_empty(), "in the headers but not exported: {missing:?}");
-    let cuda = generated
-        .routed
+    let cuda = declared
+        .functions
         .iter()
-        .filter(|f| f.library == vgpu_codegen::Library::Cuda)
+        .filter(|(library, _, _)| library == vgpu_codegen::Library::Cuda.key())
         .count();
-    let nvml = generated.routed.len() - cuda;
+    let nvml = declared.functions.len() - cuda;
     assert_eq!(exported.len(), cuda + nvml + 2);
-    if generated.cuda_version == 13000 {
-        let from_cuda_h = generated
-            .routed
+    if declared.cuda_version == 13000 {
+        let from_cuda_h = declared
+            .functions
             .iter()
-            .filter(|f| f.prototype.header == "cuda.h")
+            .filter(|(_, header, _)| header == "cuda.h")
             .count();
         assert_eq!(
             (from_cuda_h, nvml),
@@ -95,8 +119,8 @@ fn three_ways_to_the_driver_land_in_the_hook() {
 
 #[test]
 fn proc_address_returns_our_wrapper_for_the_drivers_choice() {
-    let generated = generated();
-    let names: BTreeSet<&str> = generated.variants.iter().map(|set| set.base.as_str()).collect();
+    let declared = declared();
+    let names: BTreeSet<&str> = declared.variant_bases.iter().map(String::as_str).collect();
     let mut input: Vec<&str> = names.into_iter().collect();
     input.push("cuNoSuchFunction");
     let expected_answers = input.len() * 4 * 3;

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use vgpu_integration::{Run, ScratchDir, Session, c_program, profile_dir};
+use vgpu_integration::{Run, ScratchDir, Session, c_program, command, profile_dir};
 use vgpu_region::{InitParams, Region};
 
 const MIB: u64 = 1 << 20;
@@ -148,7 +148,7 @@ fn set_sm_util(region: &Path, pid: u32, device: usize, percent: u64) {
 }
 
 fn run_smi(arguments: &[&str]) -> Output {
-    let output = std::process::Command::new(vgpu_smi())
+    let output = command(&vgpu_smi())
         .args(arguments)
         .env_remove("CUDA_DEVICE_MEMORY_SHARED_CACHE")
         .output()
@@ -267,7 +267,7 @@ fn one_device_limited_table_and_json() {
     insta::assert_snapshot!("one_device_json", redactions.json(&stdout(&json)));
 
     // The default region comes from the library's variable.
-    let by_variable = std::process::Command::new(vgpu_smi())
+    let by_variable = command(&vgpu_smi())
         .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", &region)
         .output()
         .expect("run vgpu-smi");
