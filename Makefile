@@ -2,7 +2,7 @@
 CARGO ?= cargo
 FAULT_DIR := target/fault-injection
 
-.PHONY: headers build release demo test lint fault-build cross-test bench-callgrind fuzz clean
+.PHONY: headers build release demo test lint fault-build cross-test dist bench-callgrind fuzz clean
 
 headers:
 	scripts/fetch-headers.sh
@@ -11,7 +11,7 @@ build: headers
 	$(CARGO) build --workspace
 
 release: headers
-	$(CARGO) build --release -p vgpu-hook
+	$(CARGO) build --release -p vgpu-hook -p vgpu-monitor
 	cp vulkan-layer/hami.json target/release/hami.json
 
 fault-build: headers
@@ -31,6 +31,10 @@ test: build fault-build lint
 # aarch64 under qemu-user (needs cross tools: see scripts/cross-test.sh); CI runs it after `test`.
 cross-test: headers
 	scripts/cross-test.sh
+
+# One release archive per architecture in dist/ (see scripts/dist.sh).
+dist: headers
+	scripts/dist.sh
 
 bench-callgrind: build
 	scripts/bench-callgrind.sh
