@@ -10,10 +10,12 @@
 //!   host's.
 //! - [`table`]: the human table (80 columns, binary units).
 //! - [`metrics`]: the Prometheus exposition (`prometheus-client`).
+//! - [`cli`]: the command line (clap).
 //! - [`control`]: `suspend` / `resume`.
 //! - [`limits`]: `set`, the container's limits in its region.
 //! - [`plot`]: PNG or SVG charts from a `--record` file (`plotters`).
 
+pub mod cli;
 pub mod control;
 pub mod limits;
 pub mod liveness;

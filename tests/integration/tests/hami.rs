@@ -605,9 +605,9 @@ fn vgpu_smi_set_changes_a_running_containers_limits() {
     // a device the region does not have, a directory (1).
     let before = std::fs::read(dir.region()).expect("read the region");
     for (arguments, code, message) in [
-        (vec!["--memory", "4q"], 2, "--memory \"4q\""),
-        (vec!["--sm", "101"], 2, "--sm \"101\""),
-        (vec![], 2, "set needs --memory SIZE or --sm PERCENT"),
+        (vec!["--memory", "4q"], 2, "invalid value '4q' for '--memory <SIZE>'"),
+        (vec!["--sm", "101"], 2, "invalid value '101' for '--sm <PERCENT>'"),
+        (vec![], 2, "the following required arguments were not provided"),
         (
             vec!["--device", "3", "--sm", "20"],
             1,
