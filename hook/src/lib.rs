@@ -10,6 +10,7 @@ mod hooks;
 mod init;
 mod interpose;
 mod limits;
+mod loaded;
 mod log;
 mod memory;
 mod nvml;

@@ -552,6 +552,7 @@ impl Accounting {
         own.has_pending.store(!pending.is_empty(), Ordering::Release);
         drop(pending);
         if !own.retrying.swap(true, Ordering::AcqRel) {
+            crate::loaded::keep_loaded();
             let spawned = std::thread::Builder::new()
                 .name("vgpu-pending".into())
                 .spawn(move || match accounting() {
@@ -569,6 +570,10 @@ impl Accounting {
     fn retry_pending(&self, own: &Own, slot: &Slot) {
         loop {
             std::thread::sleep(RETRY_INTERVAL);
+            // The slot was given back at exit, with everything queued for it.
+            if DETACHED.load(Ordering::Relaxed) {
+                return;
+            }
             self.apply_pending(own, slot);
             if own.has_pending.load(Ordering::Acquire) {
                 continue;
@@ -594,6 +599,9 @@ impl Accounting {
     #[cold]
     #[inline(never)]
     fn apply_queue(&self, own: &Own, slot: &Slot) {
+        if DETACHED.load(Ordering::Relaxed) {
+            return;
+        }
         let mut pending = own.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         'apply: for release in [false, true] {
             for device in 0..MAX_DEVICES {
@@ -624,7 +632,10 @@ impl Accounting {
                         Ok(()) => table[device][kind_index(kind)] = 0,
                         Err(error) if lock_not_taken(&error) => break 'apply,
                         Err(error) => {
-                            tracing::error!("{error}; {bytes} queued bytes could not be written");
+                            // After the slot was given back at exit there is nothing left to write.
+                            if !DETACHED.load(Ordering::Relaxed) {
+                                tracing::error!("{error}; {bytes} queued bytes could not be written");
+                            }
                             table[device][kind_index(kind)] = 0;
                         }
                     }

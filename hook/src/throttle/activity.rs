@@ -86,6 +86,7 @@ fn start_tick() {
         // SAFETY: registers a plain function that only stores atomics.
         unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
     }
+    crate::loaded::keep_loaded();
     let spawned = std::thread::Builder::new().name("vgpu-tick".into()).spawn(tick_loop);
     if let Err(error) = spawned {
         tracing::error!("cannot start the library's tick thread ({error}): last_kernel_time is not updated");

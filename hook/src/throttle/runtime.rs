@@ -515,6 +515,7 @@ impl Runtime {
                 // SAFETY: registers a plain function that stores atomics and sleeps briefly.
                 unsafe { libc::atexit(at_exit) };
             });
+            crate::loaded::keep_loaded();
             let spawned = std::thread::Builder::new()
                 .name("vgpu-limiter".into())
                 .spawn(move || self.poll_loop());

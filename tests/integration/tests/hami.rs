@@ -276,8 +276,37 @@ fn unloading_the_library_gives_the_slot_back() {
     let after = dir.snapshot();
     assert!(slot_of(&after, pid).is_none(), "the slot survived the unload");
     assert_eq!((after.device_used(0), hami_total(&after), after.proc_num), (0, 0, 0));
+    assert_eq!(session.read_line().as_deref(), Some("alive"));
     let output = session.finish();
     assert!(output.status.success(), "{output:?}");
+}
+
+#[test]
+fn a_library_whose_threads_run_is_kept_loaded_and_gives_the_slot_back_at_exit() {
+    // A launch starts the library's tick thread: a dlclose must not unmap the code it runs.
+    let dir = TestDir::new("unload-launched");
+    let hook = vgpu_integration::hook_library();
+    let mut session = run(&dir, "unload", &[("CUDA_DEVICE_MEMORY_LIMIT", "1g")])
+        .env_remove("LD_PRELOAD")
+        .args([hook.as_os_str(), (100 * MIB).to_string().as_ref(), "launch".as_ref()])
+        .spawn(Duration::from_secs(60));
+    let pid = session.pid();
+    assert_eq!(session.read_line().as_deref(), Some("loaded 0"));
+    assert_eq!(
+        session.ask("unload"),
+        "unloaded 1",
+        "the library was unmapped under its thread"
+    );
+    assert_eq!(session.read_line().as_deref(), Some("alive"));
+    assert!(
+        slot_of(&dir.snapshot(), pid).is_some(),
+        "kept loaded, it keeps its slot until exit"
+    );
+    let output = session.finish();
+    assert!(output.status.success(), "{output:?}");
+    let after = dir.snapshot();
+    assert!(slot_of(&after, pid).is_none(), "the slot survived the exit");
+    assert_eq!((after.device_used(0), hami_total(&after)), (0, 0));
 }
 
 // ------------------------------------------------------------------------------------------------
