@@ -126,6 +126,18 @@ pub fn c_program(name: &str, shared: bool) -> PathBuf {
     compile(name, shared, &[])
 }
 
+/// The executable `tests/programs/<name>.c`, compiled at most once per test binary (its tests run
+/// on parallel threads, and `c_program` compiles each call into a name of its own).
+pub fn compiled_program(name: &str) -> PathBuf {
+    static BUILT: std::sync::Mutex<std::collections::BTreeMap<String, PathBuf>> =
+        std::sync::Mutex::new(std::collections::BTreeMap::new());
+    let mut built = BUILT.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    built
+        .entry(name.to_string())
+        .or_insert_with(|| c_program(name, false))
+        .clone()
+}
+
 /// Compiles the executable `tests/programs/<name>.c` linked with these libraries too (`-lvulkan`).
 pub fn c_program_linked(name: &str, libraries: &[&str]) -> PathBuf {
     compile(name, false, libraries)

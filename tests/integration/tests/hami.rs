@@ -10,27 +10,17 @@
 #[path = "../../fake-driver/src/truth.rs"]
 mod truth;
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use vgpu_integration::{Run, ScratchDir, Session, c_program};
+use vgpu_integration::{Run, ScratchDir, Session};
 use vgpu_region::{SLOT_LIVE, Snapshot, read_snapshot};
 
 const MIB: u64 = 1 << 20;
 /// What each context takes on the fake (`FAKE_CUDA_CONTEXT_BYTES`).
 const CONTEXT: u64 = 48 * MIB;
 
-/// A C program, compiled once per test binary.
-fn program(name: &str) -> PathBuf {
-    static BUILT: Mutex<BTreeMap<String, PathBuf>> = Mutex::new(BTreeMap::new());
-    let mut built = BUILT.lock().unwrap_or_else(PoisonError::into_inner);
-    built
-        .entry(name.to_string())
-        .or_insert_with(|| c_program(name, false))
-        .clone()
-}
+use vgpu_integration::compiled_program as program;
 
 /// A fresh folder for one test's region and truth files.
 struct TestDir(ScratchDir);

@@ -19,7 +19,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use vgpu_codegen::table::{Class, Table};
-use vgpu_integration::{Run, ScratchDir, Session, c_program, fault_injection_hook_library, workspace_root};
+use vgpu_integration::{Run, ScratchDir, Session, fault_injection_hook_library, workspace_root};
 use vgpu_region::{
     EXTENSION_OFFSET, InitParams, MemoryUsage, OpenKind, REGION_FILE_SIZE, Region, SLOT_LIVE, Snapshot, read_snapshot,
 };
@@ -37,16 +37,7 @@ const CUDA_ERROR_NOT_INITIALIZED: i32 = 3;
 const CUDA_ERROR_INVALID_HANDLE: i32 = 400;
 const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;
 
-/// A C program, compiled once per test binary (tests run on parallel threads and `c_program`
-/// compiles into a per-process temporary name).
-fn program(name: &str) -> PathBuf {
-    static BUILT: Mutex<BTreeMap<String, PathBuf>> = Mutex::new(BTreeMap::new());
-    let mut built = BUILT.lock().unwrap_or_else(PoisonError::into_inner);
-    built
-        .entry(name.to_string())
-        .or_insert_with(|| c_program(name, false))
-        .clone()
-}
+use vgpu_integration::compiled_program as program;
 
 /// The race and the kill storm measure waits: they must not share the CPUs with each other.
 fn heavy() -> MutexGuard<'static, ()> {

@@ -13,14 +13,13 @@
 #[path = "../../fake-driver/src/truth.rs"]
 mod truth;
 
-use std::collections::BTreeMap;
 use std::os::unix::fs::FileExt;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use vgpu_integration::{Fields, Run, ScratchDir, Session, c_program};
+use vgpu_integration::{Fields, Run, ScratchDir, Session};
 use vgpu_region::{
     EXTENSION_OFFSET, Extension, ProcSlot, REGION_FILE_SIZE, SLOT_EXTENSIONS_OFFSET, SLOT_LIVE, SharedRegion,
     SlotExtension, read_snapshot,
@@ -33,15 +32,7 @@ const CONTEXT: u64 = 2 * MIB;
 /// Where extension version 1 kept its pthread mutex (64 bytes), now the lock's hints.
 const LOCK_AREA: usize = EXTENSION_OFFSET + std::mem::offset_of!(Extension, lock);
 
-/// A C program, compiled once per test binary.
-fn program(name: &str) -> PathBuf {
-    static BUILT: Mutex<BTreeMap<String, PathBuf>> = Mutex::new(BTreeMap::new());
-    let mut built = BUILT.lock().unwrap_or_else(PoisonError::into_inner);
-    built
-        .entry(name.to_string())
-        .or_insert_with(|| c_program(name, false))
-        .clone()
-}
+use vgpu_integration::compiled_program as program;
 
 /// The attacks measure the longest call: one at a time.
 fn heavy() -> MutexGuard<'static, ()> {
