@@ -120,7 +120,7 @@ impl ClockReading {
 /// beyond the boost the clock shows; NVML's utilisation would then only lower the factor where it
 /// reads more than the kernels' time: with two processes of one container taking turns on the
 /// GPU it read 0.55-0.65 for kernels measured at 0.47 of the time (the switches between their
-/// contexts count as busy and draw little power), which charged a GEMM at 1.08 instead of 1.18
+/// contexts count as busy and draw little power), which charged a GEMM 1.05-1.10 instead of ~1.17
 /// and let the container run at 57.5% of the unlimited rate under a limit of 50.
 pub fn busy_share(own: f64, gpu: Option<f64>, clock_known: bool) -> f64 {
     match gpu {
