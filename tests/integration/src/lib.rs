@@ -212,6 +212,18 @@ fn runner_preloads() -> Vec<PathBuf> {
         .clone()
 }
 
+/// The region a run uses unless its test names one: a file of this test process's own, so that a
+/// region left in `/tmp/cudevshr.cache` by another build or an older version (which the hook
+/// rebuilds, with a warning on stderr) cannot change what a test sees.
+fn default_region() -> &'static Path {
+    static REGION: OnceLock<PathBuf> = OnceLock::new();
+    REGION.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("vgpu-tests-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("create the test region folder");
+        dir.join("cudevshr.cache")
+    })
+}
+
 /// A program run: the preloads, extra environment, and input.
 pub struct Run {
     command: Command,
@@ -231,6 +243,7 @@ impl Run {
         ] {
             command.env_remove(variable);
         }
+        command.env("CUDA_DEVICE_MEMORY_SHARED_CACHE", default_region());
         Run { command, stdin: None }.preload(&[])
     }
 
