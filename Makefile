@@ -2,7 +2,7 @@
 CARGO ?= cargo
 FAULT_DIR := target/fault-injection
 
-.PHONY: headers build release demo test versions lint fault-build bench-callgrind fuzz clean
+.PHONY: headers build release demo test versions lint fault-build cross-test dist bench-callgrind fuzz clean
 
 headers:
 	scripts/fetch-headers.sh
@@ -11,7 +11,8 @@ build: headers
 	$(CARGO) build --workspace
 
 release: headers
-	$(CARGO) build --release -p vgpu-hook
+	$(CARGO) build --release -p vgpu-hook -p vgpu-monitor
+	cp vulkan-layer/hami.json target/release/hami.json
 
 fault-build: headers
 	$(CARGO) build -p vgpu-hook --features fault-injection --target-dir $(FAULT_DIR)
@@ -32,6 +33,14 @@ test: fault-build versions build lint
 
 versions: headers
 	scripts/test-versions.sh older
+
+# aarch64 under qemu-user (needs cross tools: see scripts/cross-test.sh); CI runs it after `test`.
+cross-test: headers
+	scripts/cross-test.sh
+
+# One release archive per architecture in dist/ (see scripts/dist.sh).
+dist: headers
+	scripts/dist.sh
 
 bench-callgrind: build
 	scripts/bench-callgrind.sh

@@ -11,6 +11,7 @@ fn main() {
     println!("cargo:rerun-if-changed={}", table.display());
     println!("cargo:rerun-if-env-changed=CUDA_INCLUDE_DIR");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    println!("cargo:rerun-if-env-changed={}", vgpu_codegen::libclang::VARIABLE);
     let include_dir = match vgpu_codegen::headers::locate(&root) {
         Ok(dir) => dir,
         Err(e) => fail(&e.to_string()),
@@ -25,6 +26,11 @@ fn main() {
         Ok(generated) => generated,
         Err(e) => fail(&e.to_string()),
     };
+    // Says which libclang generated the code (cargo shows build-script warnings of workspace crates).
+    println!("cargo:warning=generated with libclang {}", generated.libclang);
+    if let Some(library) = &generated.libclang.path {
+        println!("cargo:rerun-if-changed={}", library.display());
+    }
     let files = [
         ("cuda_types.rs", generated.cuda_types.as_str()),
         ("nvml_types.rs", generated.nvml_types.as_str()),

@@ -8,6 +8,11 @@ cd "$root"
 scripts/fetch-headers.sh >/dev/null
 cargo build --quiet --release -p vgpu-hook
 hook="$root/target/release/libvgpu.so"
+# Which libclang generated the hook: the build script's warning, which --quiet hides.
+output=$(ls -t "$root"/target/release/build/vgpu-hook-*/output 2>/dev/null | head -1)
+if [ -n "$output" ]; then
+  sed -n 's/^cargo:warning=generated with libclang /== libvgpu.so generated with libclang /p' "$output"
+fi
 work="$root/target/demo"
 mkdir -p "$work"
 include=$(scripts/cuda-include.sh)

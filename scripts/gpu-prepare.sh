@@ -19,3 +19,12 @@ target/release/vgpu-codegen | grep -v '^#' | awk '{print $1}' | grep '^cu' \
 target/release/vgpu-codegen | grep -v '^#' | awk '{print $1}' | grep '^cu' > .device/exports.txt
 wc -l .device/proc-names.txt
 ls -la .device
+# The Vulkan suite (tests/gpu/vulkan.sh) unpacks the loader and its headers there (the GPU machine
+# has neither, and no network), and the libraries NVIDIA's Vulkan driver (libGLX_nvidia.so.0) needs
+# where the machine lacks them.
+vulkan_debs="libvulkan1 libvulkan-dev libglvnd0 libx11-6 libxext6 libxcb1 libxau6 libxdmcp6 libbsd0 libmd0"
+mkdir -p .device/vulkan
+rm -f .device/vulkan/*.deb
+(cd .device/vulkan && { apt-get download $vulkan_debs >/dev/null 2>&1 \
+  || { apt-get update -qq && apt-get download $vulkan_debs; }; })
+ls -la .device/vulkan

@@ -11,6 +11,7 @@ pub mod compat;
 pub mod emit;
 pub mod handlers;
 pub mod headers;
+pub mod libclang;
 pub mod prototypes;
 pub mod route;
 pub mod table;
@@ -75,6 +76,8 @@ pub struct Generated {
     pub routed: Vec<route::Routed>,
     /// Which variant of each base name each CUDA version gets from `cuGetProcAddress`.
     pub variants: Vec<variants::VariantSet>,
+    /// The libclang bindgen ran.
+    pub libclang: libclang::Loaded,
 }
 
 /// What bindgen reads from one header folder: the slow half of the pipeline, shared by the hook,
@@ -117,5 +120,6 @@ pub fn generate_from(headers: &Headers, table_path: &Path, handlers_src: &Path) 
         nvml_types: nvml.types.clone(),
         routed,
         variants: headers.variants.clone(),
+        libclang: libclang::loaded(),
     })
 }

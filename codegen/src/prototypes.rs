@@ -42,8 +42,9 @@ fn shim_dir() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("shim")
 }
 
-fn bindgen_for(library: Library, header: &Path, include_dir: &Path) -> bindgen::Builder {
-    let builder = bindgen::Builder::default()
+fn bindgen_for(library: Library, header: &Path, include_dir: &Path) -> Result<bindgen::Builder> {
+    let libclang = crate::libclang::configured()?;
+    let mut builder = bindgen::Builder::default()
         .header(header.display().to_string())
         .clang_arg(format!("-I{}", include_dir.display()))
         .clang_arg(format!("-I{}", shim_dir().display()))
@@ -53,8 +54,14 @@ fn bindgen_for(library: Library, header: &Path, include_dir: &Path) -> bindgen::
         .generate_comments(false)
         .prepend_enum_name(false)
         .default_enum_style(bindgen::EnumVariation::Consts)
-        .size_t_is_usize(true);
-    match library {
+        .size_t_is_usize(true)
+        // Never ask a system clang executable for its include folders: clang would then read that
+        // clang's builtin headers instead of those beside the pinned libclang.
+        .detect_include_paths(false);
+    if let Some(resource_dir) = &libclang.resource_dir {
+        builder = builder.clang_arg(format!("-resource-dir={}", resource_dir.display()));
+    }
+    Ok(match library {
         // Exposes the legacy, _vN, _ptds and _ptsz prototypes, which the public macros hide.
         Library::Cuda => builder
             .clang_arg("-D__CUDA_API_VERSION_INTERNAL")
@@ -67,7 +74,7 @@ fn bindgen_for(library: Library, header: &Path, include_dir: &Path) -> bindgen::
             .allowlist_function("nvml.*")
             .allowlist_type("nvml.*")
             .allowlist_var("NVML_.*|nvml.*"),
-    }
+    })
 }
 
 /// Reads the library's header. For CUDA, also the interop headers (GL, EGL, VDPAU, profiler) when
@@ -96,7 +103,7 @@ pub fn read_header(library: Library, include_dir: &Path) -> Result<Header> {
 
 /// Runs bindgen over one header and splits the result into prototypes and types.
 fn read_one(library: Library, header: &Path, include_dir: &Path, origin: &'static str) -> Result<Header> {
-    let bindings = bindgen_for(library, header, include_dir)
+    let bindings = bindgen_for(library, header, include_dir)?
         .generate()
         .map_err(|e| Error(format!("bindgen failed on {}: {e}", header.display())))?;
     let file = syn::parse_file(&bindings.to_string())

@@ -4,9 +4,12 @@
 //!
 //! Nothing runs at load time: every piece initialises on first use.
 
+mod exit;
 mod hooks;
 mod init;
 mod interpose;
+mod limits;
+mod loaded;
 mod log;
 mod memory;
 mod nvml;
@@ -14,3 +17,4 @@ mod real;
 mod session;
 mod sys;
 mod throttle;
+mod vulkan;

@@ -5,7 +5,7 @@
 use std::ffi::{CStr, c_char, c_uint};
 use std::sync::OnceLock;
 
-use vgpu_region::{InitParams, Region};
+use vgpu_region::{InitParams, OpenKind, Region};
 
 use crate::hooks::real;
 use crate::sys::nvml::{NVML_SUCCESS, nvmlDevice_t, nvmlMemory_t, nvmlMemory_v2_t, nvmlReturn_t};
@@ -161,15 +161,50 @@ fn limit_and_usage(device: nvmlDevice_t) -> Option<(u64, u64)> {
     let uuid = uuid_of(device)?;
     if let Some(session) = crate::session::get() {
         let entry = session.device_by_uuid(&uuid)?;
-        return Some((entry.limit?, session.region().device_used(entry.region_index)));
+        let limit = session.limit(entry)?;
+        let used = session.region().device_used(entry.region_index);
+        return Some((
+            limit,
+            used.saturating_sub(held_by_dead(session.region(), entry.region_index)),
+        ));
     }
-    let config = crate::session::config().ok()?;
-    let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
-    let ordinal = cuda_ordinal(visible.as_deref(), nvml_index_of(device)?, &uuid)?;
-    let limit = config.memory_limit_of(ordinal)?;
     let region = monitor_region()?;
     let index = region.device_index(&uuid).ok()?;
-    Some((limit, region.device_used(index)))
+    // The container's limit is the region's while its processes use it; a region this process
+    // has just created (or re-created) holds no limits yet: the variables say what it will get.
+    let limit = if matches!(region.open_kind(), OpenKind::Joined | OpenKind::Repaired(_)) {
+        let limit = region
+            .hami()
+            .limit
+            .get(index)?
+            .load(std::sync::atomic::Ordering::Relaxed);
+        (limit != 0).then_some(limit)?
+    } else {
+        let config = crate::session::config().ok()?;
+        let visible = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+        config.memory_limit_of(cuda_ordinal(visible.as_deref(), nvml_index_of(device)?, &uuid)?)?
+    };
+    let used = region.device_used(index);
+    Some((limit, used.saturating_sub(held_by_dead(region, index))))
+}
+
+/// Whether a slot's process is alive, judged in this process's pid namespace (the container's):
+/// the slots of processes that have ended but were not reaped yet are never shown.
+fn alive(process: &vgpu_region::ProcessSnapshot) -> bool {
+    process.status == vgpu_region::SLOT_LIVE
+        && vgpu_region::process::is_alive(process.pid, process.start_time.unwrap_or(0))
+}
+
+/// Bytes the slots of dead processes (killed, not reaped yet) still hold on a region device: the
+/// running total counts them until the next reap, what NVML shows never does.
+fn held_by_dead(region: &Region, index: usize) -> u64 {
+    region
+        .snapshot()
+        .processes
+        .iter()
+        .filter(|process| process.status == vgpu_region::SLOT_LIVE && !alive(process))
+        .filter_map(|process| process.memory.get(index))
+        .fold(0u64, |sum, usage| sum.saturating_add(usage.total))
 }
 
 #[cfg(test)]
@@ -257,7 +292,7 @@ fn processes_on(snapshot: &vgpu_region::Snapshot, index: usize) -> Vec<RegionPro
     snapshot
         .processes
         .iter()
-        .filter(|process| process.status == vgpu_region::SLOT_LIVE)
+        .filter(|process| alive(process))
         .filter_map(|process| {
             let used_bytes = process.memory.get(index)?.total;
             let pid = u32::try_from(process.pid).ok()?;

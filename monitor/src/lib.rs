@@ -6,12 +6,19 @@
 //!   seqlock retries, then [`vgpu_region::read_snapshot`]); a bad file is a one-line message.
 //! - [`report`]: the [`report::Report`] every output is made from; its JSON form is the stable
 //!   schema of `docs/monitoring.md`.
+//! - [`liveness`]: whether a slot's process is alive, in the container's pid namespace or the
+//!   host's.
 //! - [`table`]: the human table (80 columns, binary units).
 //! - [`metrics`]: the Prometheus exposition (`prometheus-client`).
+//! - [`cli`]: the command line (clap).
 //! - [`control`]: `suspend` / `resume`.
+//! - [`limits`]: `set`, the container's limits in its region.
 //! - [`plot`]: PNG or SVG charts from a `--record` file (`plotters`).
 
+pub mod cli;
 pub mod control;
+pub mod limits;
+pub mod liveness;
 pub mod metrics;
 pub mod plot;
 pub mod read;

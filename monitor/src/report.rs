@@ -47,20 +47,21 @@ pub struct DeviceReport {
     pub uuid: String,
     /// Memory limit in bytes; `null` when unlimited.
     pub memory_limit_bytes: Option<u64>,
-    /// Bytes charged by the region's processes (the running total the limit is checked against).
+    /// Bytes charged by the region's processes that are alive (the sum of their slots' totals; a
+    /// dead process's slot, not reaped yet, is listed but not counted).
     pub memory_used_bytes: u64,
     /// `limit - used` (0 when over); `null` when unlimited.
     pub memory_free_bytes: Option<u64>,
-    /// Of the used bytes: CUDA contexts, loaded modules, data allocations (sums over live slots).
+    /// Of the used bytes: CUDA contexts, loaded modules, data allocations (sums over the slots of
+    /// processes that are alive).
     pub memory_context_bytes: u64,
     pub memory_module_bytes: u64,
     pub memory_data_bytes: u64,
     /// Compute limit in percent; `null` when unlimited.
     pub sm_limit_percent: Option<u64>,
-    /// Measured SM utilisation: the sum of the live processes' `device_util[d].sm_util`.
+    /// Measured SM utilisation: the sum of the processes' `device_util[d].sm_util`, those alive.
     pub sm_util_percent: u64,
-    /// Processes holding memory or utilisation on the device: slots in use, including a dead
-    /// process whose slot has not been reaped yet (its memory is still counted in `used`).
+    /// Processes alive holding memory or utilisation on the device.
     pub process_count: usize,
 }
 
@@ -95,26 +96,7 @@ pub struct ProcessDeviceReport {
     pub sm_util_percent: u64,
 }
 
-/// Whether a slot's process is alive, from the monitor's pid namespace: `kill(pid, 0)` and
-/// `/proc/<pid>/stat` (a zombie is dead; a different start time from the one recorded at attach
-/// means the pid was reused).
-pub fn process_is_alive(pid: i32, recorded_start_time: Option<u64>) -> bool {
-    if pid <= 0 {
-        return false;
-    }
-    // SAFETY: kill with signal 0 only checks for existence and permission.
-    if unsafe { libc::kill(pid, 0) } != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
-        return false;
-    }
-    match vgpu_region::process::read_proc_stat(pid) {
-        Some(stat) => {
-            let exited = matches!(stat.state, b'Z' | b'X' | b'x');
-            let reused = recorded_start_time.is_some_and(|recorded| recorded != 0 && recorded != stat.start_time);
-            !exited && !reused
-        }
-        None => true,
-    }
-}
+pub use crate::liveness::process_is_alive;
 
 /// Milliseconds since the Unix epoch now.
 pub fn now_unix_ms() -> u64 {
@@ -152,12 +134,18 @@ fn region_report(read: &RegionRead, is_alive: &impl Fn(i32, Option<u64>) -> bool
     };
     let snapshot = &state.snapshot;
     let device_count = snapshot.uuids.len().min(MAX_DEVICES);
+    // Judged once per slot: the device totals below count the processes that are alive only.
+    let alive: Vec<bool> = snapshot
+        .processes
+        .iter()
+        .map(|process| process.status == SLOT_LIVE && is_alive(process.pid, process.start_time))
+        .collect();
     let processes: Vec<ProcessReport> = snapshot
         .processes
         .iter()
+        .zip(&alive)
         .zip(state.suspended.iter().copied().chain(std::iter::repeat(false)))
-        .map(|(process, suspended)| {
-            let alive = process.status == SLOT_LIVE && is_alive(process.pid, process.start_time);
+        .map(|((process, &alive), suspended)| {
             let devices = (0..device_count)
                 .filter(|&device| process.memory[device].total > 0 || process.sm_util[device] > 0)
                 .map(|device| {
@@ -187,7 +175,8 @@ fn region_report(read: &RegionRead, is_alive: &impl Fn(i32, Option<u64>) -> bool
     let live_slots: Vec<_> = snapshot
         .processes
         .iter()
-        .filter(|process| process.status == SLOT_LIVE)
+        .zip(&alive)
+        .filter_map(|(process, &alive)| alive.then_some(process))
         .collect();
     let devices = (0..device_count)
         .map(|device| {
@@ -197,7 +186,8 @@ fn region_report(read: &RegionRead, is_alive: &impl Fn(i32, Option<u64>) -> bool
                     .fold(0u64, |total, process| total.saturating_add(field(process, device)))
             };
             let limit = (snapshot.limits[device] != 0).then_some(snapshot.limits[device]);
-            let used = snapshot.device_used(device);
+            // Not the region's running total, which counts dead slots until they are reaped.
+            let used = sum(|process, device| process.memory[device].total);
             DeviceReport {
                 index: device,
                 uuid: snapshot.uuids[device].clone(),

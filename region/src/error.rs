@@ -138,8 +138,6 @@ pub enum InitError {
     BadUuid { uuid: String },
     /// The same UUID twice.
     DuplicateUuid { uuid: String },
-    /// `pthread_mutex_init` failed (with this error number).
-    MutexInit { errno: i32 },
 }
 
 impl fmt::Display for InitError {
@@ -154,13 +152,6 @@ impl fmt::Display for InitError {
                 )
             }
             Self::DuplicateUuid { uuid } => write!(f, "device UUID {uuid:?} given twice"),
-            Self::MutexInit { errno } => {
-                write!(
-                    f,
-                    "the region's mutex cannot be created: {}",
-                    io::Error::from_raw_os_error(*errno)
-                )
-            }
         }
     }
 }
@@ -225,14 +216,12 @@ pub enum RegionError {
     InUseWithBadLayout { path: PathBuf, problem: LayoutError },
     /// The [`crate::InitParams`] are invalid.
     InvalidInit { path: PathBuf, problem: InitError },
-    /// The region's mutex was not acquired within 1 s: a process holding it is stuck (stopped,
-    /// or in another pid namespace where its death is not reported).
+    /// The region's lock was not acquired within 1 s: a process holding it is stuck (stopped,
+    /// or looping with the lock held).
     LockTimeout { path: PathBuf },
-    /// The region's mutex is unusable (a previous owner died and it was not made consistent);
-    /// it heals when the last user exits and the next one rebuilds the file.
-    LockUnrecoverable { path: PathBuf },
-    /// `pthread_mutex_timedlock` failed with an unexpected error number.
-    LockFailed { path: PathBuf, errno: i32 },
+    /// Locking failed: `fcntl` refused the file lock (a filesystem without open-file-description
+    /// locks), or a forked child could not open a description of the file of its own.
+    LockFailed { path: PathBuf, source: io::Error },
     /// All 1024 slots belong to live processes.
     NoFreeSlot { path: PathBuf },
     /// A pid of 0 or below was given to attach.
@@ -251,6 +240,9 @@ pub enum RegionError {
     CorruptDeviceUuid { path: PathBuf, index: usize },
     /// A device index of 16 or more.
     NoSuchDevice { path: PathBuf, device: usize },
+    /// [`crate::Region::open_in_use`]: no process uses the region (or the file is missing), so
+    /// the next process to start re-creates it from its own variables.
+    NotInUse { path: PathBuf },
 }
 
 impl fmt::Display for RegionError {
@@ -292,19 +284,9 @@ impl fmt::Display for RegionError {
                 "shared region {}: its lock was not acquired within 1 s (the process holding it is stuck)",
                 ShownPath(path)
             ),
-            Self::LockUnrecoverable { path } => {
-                write!(
-                    f,
-                    "shared region {}: its lock is unrecoverable until every user exits",
-                    ShownPath(path)
-                )
+            Self::LockFailed { path, source } => {
+                write!(f, "shared region {}: locking failed: {source}", ShownPath(path))
             }
-            Self::LockFailed { path, errno } => write!(
-                f,
-                "shared region {}: locking failed: {}",
-                ShownPath(path),
-                io::Error::from_raw_os_error(*errno)
-            ),
             Self::NoFreeSlot { path } => write!(
                 f,
                 "shared region {}: all {} process slots belong to live processes",
@@ -325,6 +307,11 @@ impl fmt::Display for RegionError {
                 "shared region {}: no room for device {uuid:?}: all {} device entries are taken",
                 ShownPath(path),
                 crate::MAX_DEVICES
+            ),
+            Self::NotInUse { path } => write!(
+                f,
+                "shared region {}: no process uses it (the next one to start re-creates it from its variables)",
+                ShownPath(path)
             ),
             Self::CorruptDeviceUuid { path, index } => write!(
                 f,
@@ -353,7 +340,7 @@ impl fmt::Display for RegionError {
 impl std::error::Error for RegionError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            Self::Open { source, .. } | Self::Io { source, .. } => Some(source),
+            Self::Open { source, .. } | Self::Io { source, .. } | Self::LockFailed { source, .. } => Some(source),
             Self::InUseWithBadLayout { problem, .. } => Some(problem),
             Self::InvalidInit { problem, .. } => Some(problem),
             Self::UnsafeFile { problem, .. } => Some(problem),

@@ -7,8 +7,10 @@
 //! 1. `docs/region-layout.md` describes every field and who writes it.
 //!
 //! Every field that processes share is an atomic of the C field's size, so one process can read a
-//! field while another writes it without undefined behaviour. The lock and the semaphores are opaque
-//! storage that only the pthread and semaphore functions touch.
+//! field while another writes it without undefined behaviour. HAMi-core's semaphores are opaque
+//! storage that only the semaphore functions touch (and vgpu only initialises). Nothing in the file
+//! is a pointer or state the kernel or libc interprets: the region's lock is a kernel-held file lock
+//! ([`FILE_LOCK_OFFSET`]), and [`LockWords`] only carries hints about it.
 
 use std::cell::UnsafeCell;
 use std::fmt::Write as _;
@@ -39,7 +41,9 @@ pub const SLOT_LIVE: i32 = 1;
 /// The extension's magic: the ASCII bytes `VGPUEXT1` as they lie in the file.
 pub const EXTENSION_MAGIC: u64 = u64::from_le_bytes(*b"VGPUEXT1");
 /// Layout version of [`Extension`]; a change of meaning of any existing byte increments it.
-pub const EXTENSION_VERSION: u32 = 1;
+/// Version 2: the lock is a file lock and [`Extension::lock`] holds [`LockWords`] (version 1 had a
+/// pthread mutex there, which version-2 processes would not exclude).
+pub const EXTENSION_VERSION: u32 = 2;
 /// Bytes of the extension, most of them reserved for later fields.
 pub const EXTENSION_SIZE: usize = 65_536;
 /// Where the extension starts: right after HAMi-core's struct.
@@ -47,18 +51,15 @@ pub const EXTENSION_OFFSET: usize = HAMI_REGION_SIZE;
 /// Size of a valid region file.
 pub const REGION_FILE_SIZE: usize = HAMI_REGION_SIZE + EXTENSION_SIZE;
 
-/// Bytes reserved for the process-shared mutex; glibc's `pthread_mutex_t` is 40 (x86_64) or 48
-/// (aarch64).
-pub const MUTEX_STORAGE_BYTES: usize = 64;
 /// Bytes of a glibc `sem_t` on 64-bit Linux.
 pub const SEMAPHORE_BYTES: usize = 32;
 
-/// Memory owned by C functions (`pthread_mutex_*`, `sem_init`) that synchronise it themselves.
-/// Rust code never reads or writes the bytes; it only hands out a pointer.
+/// Memory owned by C functions (`sem_init`) that synchronise it themselves. Rust code never reads
+/// or writes the bytes; it only hands out a pointer.
 #[repr(C, align(8))]
 pub struct OpaqueStorage<const N: usize>(UnsafeCell<[u8; N]>);
 
-// SAFETY: the bytes are only accessed through pthread/semaphore functions, which are designed for
+// SAFETY: the bytes are only accessed through semaphore functions, which are designed for
 // concurrent use from many threads and processes.
 unsafe impl<const N: usize> Sync for OpaqueStorage<N> {}
 
@@ -161,6 +162,35 @@ pub struct SharedRegion {
     pub sem_postinit: OpaqueStorage<SEMAPHORE_BYTES>,
 }
 
+/// What processes tell each other about the region's lock, in the 64 bytes where extension
+/// version 1 kept a pthread mutex. The lock itself is a kernel-held file lock on the byte at
+/// [`FILE_LOCK_OFFSET`]; these words are hints that only speed it up or make it fair, and every
+/// value a writer can put in them is harmless: at worst a lock waits a bounded time (see
+/// `region/src/lock.rs`).
+#[repr(C)]
+pub struct LockWords {
+    /// Nonzero (the holder's random token) from the moment a process has the lock until just
+    /// before it releases it. Found nonzero by the next holder: the previous one died inside
+    /// (its update may be half done), so the totals are recomputed.
+    pub holder: AtomicU64,
+    /// The token of the process holding the favour (the file lock on [`FAVOUR_LOCK_OFFSET`]):
+    /// it has waited, and goes next. 0 = none; checked against the file lock before anyone
+    /// holds back for it.
+    pub favoured: AtomicU64,
+    /// Futex word waiters sleep on; a release bumps it and wakes one sleeper when `sleepers`
+    /// says someone sleeps there (and no waiter is favoured).
+    pub wake: AtomicU32,
+    /// How many processes sleep (or are about to) on `wake`.
+    pub sleepers: AtomicU32,
+    /// Futex word the favoured waiter sleeps on; a release bumps it and wakes that waiter while
+    /// `favoured` is set.
+    pub favoured_wake: AtomicU32,
+    /// Reserved; 0.
+    pub reserved_word: AtomicU32,
+    /// Reserved; 0.
+    pub reserved: [AtomicU64; 4],
+}
+
 /// vgpu's per-slot state, parallel to [`SharedRegion::procs`].
 #[repr(C)]
 pub struct SlotExtension {
@@ -174,8 +204,13 @@ pub struct SlotExtension {
     pub suspend: AtomicU32,
     /// Reserved flags; 0.
     pub flags: AtomicU32,
+    /// Per region device index: this process's data allocations and frees under way (at most
+    /// 255 counted). In the slot, so that the marks of a process that dies in the middle of a
+    /// call go with it: a context measurement ignores the marks of dead processes' slots, and
+    /// reaping or claiming a slot clears them.
+    pub memory_in_flight: [AtomicU8; MAX_DEVICES],
     /// Reserved; 0.
-    pub reserved: [AtomicU64; 3],
+    pub reserved: [AtomicU64; 1],
 }
 
 /// The compute limiter's state for one device, shared by every process of the region: a token
@@ -205,6 +240,15 @@ pub struct ComputeDevice {
     pub reserved: [AtomicU64; 2],
 }
 
+/// The byte of the file every process locks with an open-file-description lock (`F_OFD_SETLK`,
+/// write lock, length 1) while it changes slots, totals or devices: the first byte of
+/// [`Extension::lock`]. The kernel releases it when the holder's description closes (its death).
+pub const FILE_LOCK_OFFSET: u64 = (EXTENSION_OFFSET + offset_of!(Extension, lock)) as u64;
+
+/// The byte whose file lock is the *favour*: the process holding it, one that has waited for the
+/// lock, goes next (see `region/src/lock.rs`).
+pub const FAVOUR_LOCK_OFFSET: u64 = FILE_LOCK_OFFSET + 1;
+
 /// Slot extensions start here, relative to the extension.
 pub const SLOT_EXTENSIONS_OFFSET: usize = 1024;
 /// The compute limiter's per-device state starts here, relative to the extension.
@@ -226,8 +270,9 @@ pub struct Extension {
     pub creator_pid: AtomicI32,
     /// Reserved; 0.
     pub header_reserved: AtomicU32,
-    /// The process-shared robust mutex that serialises every change of slots and totals.
-    pub lock: OpaqueStorage<MUTEX_STORAGE_BYTES>,
+    /// Hints about the region's lock (a file lock on [`FILE_LOCK_OFFSET`], which serialises
+    /// every change of slots, totals and devices).
+    pub lock: LockWords,
     /// Running total of `used[d].total` over live slots, per region device index.
     pub device_used: [AtomicU64; MAX_DEVICES],
     /// `CLOCK_MONOTONIC` nanoseconds of the last reap of dead slots.
@@ -236,10 +281,10 @@ pub struct Extension {
     pub next_generation: AtomicU64,
     /// Seconds since the epoch when the file was initialised.
     pub created_unix_secs: AtomicU64,
-    /// Per region device index: data allocations and frees under way, whose region charge and
-    /// driver memory may disagree. Low 32 bits: how many are under way; high 32 bits: how many
-    /// began (wrapping). A context measurement reads NVML only while it is 0 and unchanged.
-    pub memory_in_flight: [AtomicU64; MAX_DEVICES],
+    /// Per region device index: data allocations and frees begun, by every process (wrapping).
+    /// A context measurement reads NVML only while no slot has a call under way
+    /// ([`SlotExtension::memory_in_flight`]) and this count does not move.
+    pub memory_calls_begun: [AtomicU64; MAX_DEVICES],
     /// Pid of a process reading a consistent (NVML, region) pair; new data calls wait for it a
     /// little (bounded), so that one comes soon.
     pub memory_quiesce: AtomicU64,
@@ -293,6 +338,7 @@ const _: () = assert!(align_of::<SharedRegion>() == 8);
 
 // vgpu's extension.
 const _: () = assert!(size_of::<SlotExtension>() == 48);
+const _: () = assert!(size_of::<LockWords>() == 64);
 const _: () = assert!(offset_of!(Extension, lock) == 32);
 const _: () = assert!(offset_of!(Extension, device_used) == 96);
 const _: () = assert!(offset_of!(Extension, slots) == SLOT_EXTENSIONS_OFFSET);
@@ -303,8 +349,6 @@ const _: () = assert!(offset_of!(RegionFile, ext) == EXTENSION_OFFSET);
 const _: () = assert!(size_of::<RegionFile>() == REGION_FILE_SIZE);
 
 // The C objects must fit the storage reserved for them.
-const _: () = assert!(size_of::<libc::pthread_mutex_t>() <= MUTEX_STORAGE_BYTES);
-const _: () = assert!(align_of::<libc::pthread_mutex_t>() <= 8);
 const _: () = assert!(size_of::<libc::sem_t>() == SEMAPHORE_BYTES);
 const _: () = assert!(align_of::<libc::sem_t>() <= 8);
 
@@ -365,13 +409,19 @@ pub fn layout_listing() -> String {
             size: size_of::<Extension>(),
             fields: fields!(Extension => magic, version, extension_size, hami_region_size, creator_pid,
                 header_reserved, lock, device_used, last_reap_ns, next_generation, created_unix_secs,
-                memory_in_flight, memory_quiesce, reserved_header, slots, compute, reserved),
+                memory_calls_begun, memory_quiesce, reserved_header, slots, compute, reserved),
+        },
+        StructListing {
+            name: "LockWords",
+            placement: "vgpu lock hints, Extension.lock at 32",
+            size: size_of::<LockWords>(),
+            fields: fields!(LockWords => holder, favoured, wake, sleepers, favoured_wake, reserved_word, reserved),
         },
         StructListing {
             name: "SlotExtension",
             placement: "vgpu per-slot state, Extension.slots[i] at 1024 + 48 * i",
             size: size_of::<SlotExtension>(),
-            fields: fields!(SlotExtension => start_time, generation, suspend, flags, reserved),
+            fields: fields!(SlotExtension => start_time, generation, suspend, flags, memory_in_flight, reserved),
         },
         StructListing {
             name: "ComputeDevice",

@@ -1,7 +1,7 @@
 //! The shared region: one memory-mapped file that every process of a container maps, holding each
 //! process's device memory by kind and the limits, in HAMi-core's version 1.2 layout so that HAMi's
-//! monitor reads it unchanged, followed by vgpu's extension (a robust process-shared mutex, running
-//! totals per device, per-slot process identity). `docs/region-layout.md` documents the bytes.
+//! monitor reads it unchanged, followed by vgpu's extension (the lock's hint words, running totals
+//! per device, per-slot process identity). `docs/region-layout.md` documents the bytes.
 //!
 //! # Use
 //!
@@ -20,14 +20,16 @@
 //! # Guarantees
 //!
 //! - **Atomic limits across processes.** [`Region::try_charge`] checks and charges under one
-//!   process-shared mutex, with checked arithmetic: two processes racing for the last bytes cannot
-//!   both win, and sizes near `u64::MAX` are refused rather than wrapped.
-//! - **Killed processes do not block others.** The mutex is robust: when its owner dies (even by
-//!   SIGKILL mid-update) the next locker gets it at once, recomputes every running total from the
-//!   slots and reaps dead slots. Every lock attempt gives up after [`LOCK_TIMEOUT`] with
-//!   [`RegionError::LockTimeout`] instead of hanging (a stopped owner, or one in another pid
-//!   namespace). The mutex uses priority inheritance, so an unlock hands it to the longest waiter:
-//!   a process charging in a tight loop cannot starve the others.
+//!   lock shared by every process of the file, with checked arithmetic: two processes racing for
+//!   the last bytes cannot both win, and sizes near `u64::MAX` are refused rather than wrapped.
+//! - **No byte of the file can crash, misdirect or hang a locker.** The lock is a kernel-held
+//!   open-file-description lock on one byte of the file ([`FILE_LOCK_OFFSET`]), in front of which
+//!   the threads of a process queue; the file only holds hints about it ([`LockWords`]). A holder
+//!   killed even by SIGKILL mid-update releases it with its death, in any pid namespace; the next
+//!   holder sees the update was interrupted, recomputes every running total from the slots and
+//!   reaps dead slots. Every lock attempt gives up after [`LOCK_TIMEOUT`] with
+//!   [`RegionError::LockTimeout`] instead of hanging (a stopped holder). Waiters that have waited
+//!   long go first, so a process charging in a tight loop cannot starve the others.
 //! - **Dead processes' memory comes back.** Slots of dead processes (see [`process`] for how death
 //!   is detected, and its pid-namespace caveat) are reaped at every attach, at most every
 //!   [`REAP_INTERVAL`] during charges, and always before a charge is refused.
@@ -45,20 +47,23 @@
 //! # Fork and exec
 //!
 //! A [`Slot`] belongs to the process that attached it. After `fork` the child must call
-//! [`Region::attach`] with its own pid (the mapping, the fd and its file lock are inherited and
-//! stay valid) and never use the parent's `Slot`: its charges would land in the parent's slot.
+//! [`Region::attach`] with its own pid (the mapping, the fd and its shared `flock` are inherited
+//! and stay valid; the lock's description is replaced by one of the child's own at its first
+//! lock) and never use the parent's `Slot`: its charges would land in the parent's slot.
 //! Compare `Slot::pid()` with `getpid()`, or use `pthread_atfork`, to notice. After `exec` the new
 //! image opens the region again; attaching with the same pid resets the old image's slot (its
 //! device memory died with the old address space).
 
 mod error;
 mod layout;
+mod lock;
 pub mod process;
 pub mod snapshot;
 mod sys;
 
 use std::fs::{File, Metadata, OpenOptions, Permissions};
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
@@ -68,9 +73,9 @@ use std::time::{Duration, Instant, SystemTime};
 pub use error::{ChargeError, InitError, LayoutError, Refused, RegionError, UnsafeFile};
 pub use layout::{
     COMPUTE_OFFSET, ComputeDevice, DeviceMemory, DeviceUtil, EXTENSION_MAGIC, EXTENSION_OFFSET, EXTENSION_SIZE,
-    EXTENSION_VERSION, Extension, HAMI_INITIALIZED_FLAG, HAMI_MAJOR_VERSION, HAMI_MINOR_VERSION, HAMI_REGION_SIZE,
-    MAX_DEVICES, MAX_SLOTS, OpaqueStorage, ProcSlot, REGION_FILE_SIZE, RegionFile, SLOT_EXTENSIONS_OFFSET, SLOT_FREE,
-    SLOT_LIVE, SharedRegion, SlotExtension, UUID_BYTES, layout_listing,
+    EXTENSION_VERSION, Extension, FAVOUR_LOCK_OFFSET, FILE_LOCK_OFFSET, HAMI_INITIALIZED_FLAG, HAMI_MAJOR_VERSION,
+    HAMI_MINOR_VERSION, HAMI_REGION_SIZE, LockWords, MAX_DEVICES, MAX_SLOTS, OpaqueStorage, ProcSlot, REGION_FILE_SIZE,
+    RegionFile, SLOT_EXTENSIONS_OFFSET, SLOT_FREE, SLOT_LIVE, SharedRegion, SlotExtension, UUID_BYTES, layout_listing,
 };
 pub use process::process_start_time;
 pub use snapshot::{ExtensionSnapshot, MemoryUsage, ProcessSnapshot, Snapshot, read_snapshot};
@@ -204,15 +209,18 @@ impl Slot {
 /// file lock) but does not detach slots.
 pub struct Region {
     mapping: NonNull<RegionFile>,
+    /// The region's lock (declared before `locked_file`, whose descriptor it refers to, so that
+    /// it drops first).
+    lock: lock::RegionLock,
     /// The open file, holding the `LOCK_SH` that marks this process as a user of it.
     locked_file: File,
     path: PathBuf,
     open_kind: OpenKind,
 }
 
-// SAFETY: the mapping is shared memory made of atomics and of C objects (mutex, semaphores) built
-// for concurrent use; every compound update happens under the process-shared mutex. Nothing in
-// Region is tied to the thread that created it.
+// SAFETY: the mapping is shared memory made of atomics and of C objects (semaphores) built for
+// concurrent use; every compound update happens under the region's lock. Nothing in Region is
+// tied to the thread that created it.
 unsafe impl Send for Region {}
 // SAFETY: as above; `&Region` only gives out atomic access and lock-protected updates.
 unsafe impl Sync for Region {}
@@ -225,15 +233,9 @@ impl Drop for Region {
     }
 }
 
-/// Proof that the caller holds the region's mutex; unlocks on drop.
+/// Proof that the caller holds the region's lock; unlocks on drop.
 struct LockGuard<'a> {
-    region: &'a Region,
-}
-
-impl Drop for LockGuard<'_> {
-    fn drop(&mut self) {
-        sys::unlock(&self.region.file().ext.lock);
-    }
+    _held: lock::Held<'a>,
 }
 
 impl Region {
@@ -281,6 +283,30 @@ impl Region {
         }
     }
 
+    /// Joins a region that processes are using, for a tool that changes it (`vgpu-smi set`): never
+    /// creates, initialises or rebuilds the file. A file nobody uses (no process holds its shared
+    /// `flock`) is [`RegionError::NotInUse`], and so is a missing one: the next process to start
+    /// re-creates it from its own variables, so a change made there would not last. The file is
+    /// checked as [`Region::open_with`] checks it, and held (shared) while the `Region` lives.
+    pub fn open_in_use(path: &Path, owners: Owners) -> Result<Region, RegionError> {
+        let (file, _) = match open_existing(path, owners) {
+            Ok(Some(opened)) => opened,
+            Ok(None) => return Err(RegionError::NotInUse { path: path.to_owned() }),
+            Err(error) => return Err(error),
+        };
+        let io_error = |source| RegionError::Io {
+            path: path.to_owned(),
+            operation: "flock",
+            source,
+        };
+        if sys::flock(&file, libc::LOCK_EX | libc::LOCK_NB).map_err(io_error)? {
+            // Nobody holds it; dropping the file releases the lock.
+            return Err(RegionError::NotInUse { path: path.to_owned() });
+        }
+        wait_for_shared_lock(&file, path)?;
+        Self::join(path, file)
+    }
+
     /// With the file held exclusively: validate what is there, then write a fresh region. A file
     /// of another user (`foreign_owner`) is only reinitialised when it is a valid region;
     /// otherwise it is refused before anything is written.
@@ -314,9 +340,12 @@ impl Region {
                 .map_err(|source| io_error("ftruncate", source))?;
         }
         sys::preallocate(&file, REGION_FILE_SIZE).map_err(|source| io_error("fallocate", source))?;
+        let lock = lock::RegionLock::new(&file, file.as_raw_fd(), path)
+            .map_err(|source| io_error("open (a lock description)", source))?;
         let mapping = sys::map_shared(&file, REGION_FILE_SIZE).map_err(|source| io_error("mmap", source))?;
         let mut region = Region {
             mapping: mapping.cast(),
+            lock,
             locked_file: file,
             path: path.to_owned(),
             open_kind: OpenKind::Created,
@@ -345,10 +374,7 @@ impl Region {
         // SAFETY: the mapping is REGION_FILE_SIZE bytes, no reference into it is alive (the
         // validation above is over), and no other process uses it (we hold the file exclusively).
         unsafe { sys::zero(mapping, REGION_FILE_SIZE) };
-        write_initial_state(region.file(), init).map_err(|errno| RegionError::LockFailed {
-            path: path.to_owned(),
-            errno,
-        })?;
+        write_initial_state(region.file(), init);
         Ok(region)
     }
 
@@ -370,9 +396,12 @@ impl Region {
                 expected: REGION_FILE_SIZE as u64,
             }));
         }
+        let lock = lock::RegionLock::new(&file, file.as_raw_fd(), path)
+            .map_err(|source| io_error("open (a lock description)", source))?;
         let mapping = sys::map_shared(&file, REGION_FILE_SIZE).map_err(|source| io_error("mmap", source))?;
         let mut region = Region {
             mapping: mapping.cast(),
+            lock,
             locked_file: file,
             path: path.to_owned(),
             open_kind: OpenKind::Joined,
@@ -457,10 +486,11 @@ impl Region {
     }
 
     /// Gives a slot back (clean exit), releasing everything still charged to it. A slot that was
-    /// already reaped is fine.
-    pub fn detach(&self, slot: Slot) -> Result<(), RegionError> {
+    /// already reaped is fine. The handle is taken by reference (a process keeps its slot in a
+    /// static), but is invalid afterwards: every later use of it is [`RegionError::SlotLost`].
+    pub fn detach(&self, slot: &Slot) -> Result<(), RegionError> {
         let guard = self.lock()?;
-        if self.owned_slot(&slot).is_ok() {
+        if self.owned_slot(slot).is_ok() {
             self.release_slot_locked(&guard, slot.index);
             self.shrink_proc_num_locked(&guard);
         }
@@ -646,12 +676,17 @@ impl Region {
             .map_or(0, |total| total.load(Ordering::Acquire))
     }
 
-    /// Marks a data allocation or free under way on a region device (see
-    /// [`Extension::memory_in_flight`]); waits up to 2 ms while another process reads a
+    /// Marks a data allocation or free of `slot`'s process under way on a region device (see
+    /// [`SlotExtension::memory_in_flight`]); waits up to 2 ms while another process reads a
     /// consistent pair. Pair with [`Region::memory_call_done`].
-    pub fn memory_call_begins(&self, device: usize) {
+    pub fn memory_call_begins(&self, slot: &Slot, device: usize) {
         let ext = &self.file().ext;
-        let Some(word) = ext.memory_in_flight.get(device) else {
+        let (Some(begun), Some(mark)) = (
+            ext.memory_calls_begun.get(device),
+            ext.slots
+                .get(slot.index)
+                .and_then(|slot| slot.memory_in_flight.get(device)),
+        ) else {
             return;
         };
         let measurer = ext.memory_quiesce.load(Ordering::Acquire);
@@ -670,33 +705,39 @@ impl Region {
                 std::thread::yield_now();
             }
         }
-        word.fetch_add((1 << 32) + 1, Ordering::AcqRel);
+        // The mark before the count: a measurement that misses the mark sees the count move.
+        let _ = mark.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |marks| marks.checked_add(1));
+        begun.fetch_add(1, Ordering::SeqCst);
     }
 
     /// Ends what [`Region::memory_call_begins`] marked.
-    pub fn memory_call_done(&self, device: usize) {
-        if let Some(word) = self.file().ext.memory_in_flight.get(device) {
-            // Never below 0 in the count (a foreign writer could have zeroed it).
-            let _ = word.fetch_update(Ordering::AcqRel, Ordering::Acquire, |value| {
-                (value & 0xffff_ffff != 0).then(|| value - 1)
-            });
+    pub fn memory_call_done(&self, slot: &Slot, device: usize) {
+        let ext = &self.file().ext;
+        if let Some(mark) = ext
+            .slots
+            .get(slot.index)
+            .and_then(|slot| slot.memory_in_flight.get(device))
+        {
+            // Never below 0 (a foreign writer could have zeroed it).
+            let _ = mark.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |marks| marks.checked_sub(1));
         }
     }
 
-    /// Runs `read` when no data call of the region is under way on the device and none began
-    /// while it ran, retrying until `deadline`; `None` if that never happened.
+    /// Runs `read` when no live process of the region has a data call under way on the device
+    /// and none began while it ran, retrying until `deadline`; `None` if that never happened.
+    /// The marks of a slot whose process is dead (killed in the middle of a call) are ignored.
     pub fn quiet_read<T>(&self, device: usize, deadline: std::time::Instant, mut read: impl FnMut() -> T) -> Option<T> {
         let ext = &self.file().ext;
-        let word = ext.memory_in_flight.get(device)?;
+        let begun = ext.memory_calls_begun.get(device)?;
         let pid = u64::from(std::process::id());
         let _ = ext
             .memory_quiesce
             .compare_exchange(0, pid, Ordering::AcqRel, Ordering::Acquire);
         let result = loop {
-            let before = word.load(Ordering::Acquire);
-            if before & 0xffff_ffff == 0 {
+            let before = begun.load(Ordering::SeqCst);
+            if !self.calls_under_way(device) {
                 let value = read();
-                if word.load(Ordering::Acquire) == before {
+                if begun.load(Ordering::SeqCst) == before {
                     break Some(value);
                 }
             }
@@ -709,6 +750,54 @@ impl Region {
             .memory_quiesce
             .compare_exchange(pid, 0, Ordering::AcqRel, Ordering::Acquire);
         result
+    }
+
+    /// Whether a live slot whose process is alive marks a data call under way on the device.
+    fn calls_under_way(&self, device: usize) -> bool {
+        let file = self.file();
+        let proc_num = usize::try_from(file.hami.proc_num.load(Ordering::Acquire))
+            .unwrap_or(0)
+            .min(MAX_SLOTS);
+        file.hami
+            .procs
+            .iter()
+            .zip(&file.ext.slots)
+            .take(proc_num)
+            .any(|(slot, extension)| {
+                extension
+                    .memory_in_flight
+                    .get(device)
+                    .is_some_and(|mark| mark.load(Ordering::SeqCst) != 0)
+                    && slot.status.load(Ordering::Acquire) == SLOT_LIVE
+                    && process::is_alive(
+                        slot.pid.load(Ordering::Relaxed),
+                        extension.start_time.load(Ordering::Relaxed),
+                    )
+            })
+    }
+
+    /// Holds the region's lock until the returned guard drops: every update of the region, in
+    /// any process, waits meanwhile (at most [`LOCK_TIMEOUT`]). For tests and tools that need a
+    /// holder; the library never holds the lock across a call.
+    #[doc(hidden)]
+    #[must_use = "the lock is released when the guard drops"]
+    pub fn hold_lock(&self) -> Result<impl Sized + '_, RegionError> {
+        self.lock()
+    }
+
+    /// Writes the container's limits of region device `device`, under the lock: `memory` bytes
+    /// (`limit`, 0 = none) and `sm` percent (`sm_limit`, 0 = none); `None` leaves one as it is.
+    /// Returns the previous (`limit`, `sm_limit`). Every process of the region enforces them from
+    /// then on. Values are the caller's to validate (as the variables are).
+    pub fn set_limits(&self, device: usize, memory: Option<u64>, sm: Option<u64>) -> Result<(u64, u64), RegionError> {
+        self.check_device(device)?;
+        let _guard = self.lock()?;
+        let hami = &self.file().hami;
+        let swap = |field: &AtomicU64, value: Option<u64>| match value {
+            Some(value) => field.swap(value, Ordering::AcqRel),
+            None => field.load(Ordering::Acquire),
+        };
+        Ok((swap(&hami.limit[device], memory), swap(&hami.sm_limit[device], sm)))
     }
 
     /// Frees the slots of dead processes and returns how many.
@@ -748,35 +837,26 @@ impl Region {
         if owned { Ok(shared) } else { Err(lost()) }
     }
 
-    /// Locks the region's mutex, waiting at most [`LOCK_TIMEOUT`]. When the previous owner died
-    /// holding it, its update may be half done: the running totals are recomputed from the slots
-    /// and dead slots reaped before the lock is handed out.
+    /// Takes the region's lock, waiting at most [`LOCK_TIMEOUT`] (see `lock.rs`). When the
+    /// previous holder died holding it, its update may be half done: the running totals are
+    /// recomputed from the slots and dead slots reaped before the lock is handed out.
     fn lock(&self) -> Result<LockGuard<'_>, RegionError> {
-        let mutex = &self.file().ext.lock;
-        let result = match sys::try_lock(mutex) {
-            libc::EBUSY => sys::timed_lock(mutex, LOCK_TIMEOUT),
-            other => other,
-        };
-        match result {
-            0 => Ok(LockGuard { region: self }),
-            libc::EOWNERDEAD => {
-                sys::make_consistent(mutex);
-                let guard = LockGuard { region: self };
-                self.recompute_locked(&guard);
-                self.reap_locked(&guard);
-                Ok(guard)
-            }
-            libc::ETIMEDOUT => Err(RegionError::LockTimeout {
+        let held = self.lock.acquire(&self.file().ext.lock).map_err(|error| match error {
+            lock::LockError::Timeout => RegionError::LockTimeout {
                 path: self.path.clone(),
-            }),
-            libc::ENOTRECOVERABLE => Err(RegionError::LockUnrecoverable {
+            },
+            lock::LockError::Io(source) => RegionError::LockFailed {
                 path: self.path.clone(),
-            }),
-            errno => Err(RegionError::LockFailed {
-                path: self.path.clone(),
-                errno,
-            }),
+                source,
+            },
+        })?;
+        let interrupted = held.interrupted;
+        let guard = LockGuard { _held: held };
+        if interrupted {
+            self.recompute_locked(&guard);
+            self.reap_locked(&guard);
         }
+        Ok(guard)
     }
 
     /// Makes every slot consistent (closes seqlocks left odd, `total` = sum of kinds) and rebuilds
@@ -870,6 +950,7 @@ impl Region {
         extension.start_time.store(0, Ordering::Relaxed);
         extension.suspend.store(0, Ordering::Relaxed);
         extension.flags.store(0, Ordering::Relaxed);
+        clear_in_flight_marks(extension);
     }
 
     /// Makes a free slot this process's.
@@ -885,6 +966,7 @@ impl Region {
                 extension.generation.store(generation, Ordering::Relaxed);
                 extension.suspend.store(0, Ordering::Relaxed);
                 extension.flags.store(0, Ordering::Relaxed);
+                clear_in_flight_marks(extension);
                 slot.pid.store(pid, Ordering::Relaxed);
                 // HAMi's monitor reads pid once it sees the status.
                 slot.status.store(SLOT_LIVE, Ordering::Release);
@@ -919,7 +1001,7 @@ impl Region {
 pub fn initial_image(init: &InitParams) -> Result<Vec<u8>, InitError> {
     init.validate()?;
     let file = snapshot::zeroed_region_file();
-    write_initial_state(&file, init).map_err(|errno| InitError::MutexInit { errno })?;
+    write_initial_state(&file, init);
     let bytes: *const u8 = std::ptr::from_ref::<RegionFile>(&file).cast();
     // SAFETY: `file` is a live RegionFile of REGION_FILE_SIZE bytes with no padding (layout.rs
     // asserts the sizes add up), every byte initialised (zeroed, then written), and nobody else
@@ -927,9 +1009,9 @@ pub fn initial_image(init: &InitParams) -> Result<Vec<u8>, InitError> {
     Ok(unsafe { std::slice::from_raw_parts(bytes, REGION_FILE_SIZE) }.to_vec())
 }
 
-/// Fills an all-zero region: semaphores, header, devices, limits, the extension with its mutex,
-/// and `initialized_flag` last. Returns the pthread error number if the mutex cannot be made.
-fn write_initial_state(file: &RegionFile, init: &InitParams) -> Result<(), i32> {
+/// Fills an all-zero region: semaphores, header, devices, limits, the extension (its lock words
+/// stay zero: nobody holds or waits for the lock), and `initialized_flag` last.
+fn write_initial_state(file: &RegionFile, init: &InitParams) {
     let hami = &file.hami;
     let ext = &file.ext;
     sys::init_semaphore(&hami.sem);
@@ -964,11 +1046,9 @@ fn write_initial_state(file: &RegionFile, init: &InitParams) -> Result<(), i32> 
     ext.creator_pid.store(std::process::id() as i32, Ordering::Relaxed);
     ext.next_generation.store(1, Ordering::Relaxed);
     ext.created_unix_secs.store(now, Ordering::Relaxed);
-    sys::init_robust_mutex(&ext.lock)?;
 
     fence(Ordering::Release);
     hami.initialized_flag.store(HAMI_INITIALIZED_FLAG, Ordering::Release);
-    Ok(())
 }
 
 /// Opens the file read-write, creating it with mode 0666 if it does not exist, and checks that it
@@ -988,10 +1068,6 @@ fn open_or_create(path: &Path, owners: Owners) -> Result<(File, Option<u32>), Re
     let open_error = |source| RegionError::Open {
         path: path.to_owned(),
         source,
-    };
-    let unsafe_file = |problem| RegionError::UnsafeFile {
-        path: path.to_owned(),
-        problem,
     };
     // Two rounds cover a file deleted between the two opens.
     for _ in 0..2 {
@@ -1013,39 +1089,55 @@ fn open_or_create(path: &Path, owners: Owners) -> Result<(File, Option<u32>), Re
             Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {}
             Err(error) => return Err(open_error(error)),
         }
-        // Refuse what is plainly not a region file before opening it: opening a device can have
-        // effects of its own (a watchdog, a tape), and opening a FIFO can block.
-        match std::fs::symlink_metadata(path) {
-            Ok(metadata) => {
-                if let Some(problem) = not_a_plain_file(&metadata) {
-                    return Err(unsafe_file(problem));
-                }
-            }
-            Err(error) if error.kind() == io::ErrorKind::NotFound => continue,
-            Err(error) => return Err(open_error(error)),
-        }
-        match OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-            .open(path)
-        {
-            Ok(file) => {
-                let foreign_owner = check_opened(path, &file, owners)?;
-                sys::clear_nonblocking(&file).map_err(|source| RegionError::Io {
-                    path: path.to_owned(),
-                    operation: "fcntl",
-                    source,
-                })?;
-                return Ok((file, foreign_owner));
-            }
-            Err(error) if error.kind() == io::ErrorKind::NotFound => continue,
-            // A link swapped in after the check above.
-            Err(error) if error.raw_os_error() == Some(libc::ELOOP) => return Err(unsafe_file(UnsafeFile::Symlink)),
-            Err(error) => return Err(open_error(error)),
+        if let Some(opened) = open_existing(path, owners)? {
+            return Ok(opened);
         }
     }
     Err(open_error(io::Error::from(io::ErrorKind::NotFound)))
+}
+
+/// Opens the existing file at `path` read-write with [`open_or_create`]'s checks; `None` when
+/// there is none.
+fn open_existing(path: &Path, owners: Owners) -> Result<Option<(File, Option<u32>)>, RegionError> {
+    let open_error = |source| RegionError::Open {
+        path: path.to_owned(),
+        source,
+    };
+    let unsafe_file = |problem| RegionError::UnsafeFile {
+        path: path.to_owned(),
+        problem,
+    };
+    // Refuse what is plainly not a region file before opening it: opening a device can have
+    // effects of its own (a watchdog, a tape), and opening a FIFO can block.
+    match std::fs::symlink_metadata(path) {
+        Ok(metadata) => {
+            if let Some(problem) = not_a_plain_file(&metadata) {
+                return Err(unsafe_file(problem));
+            }
+        }
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(error) => return Err(open_error(error)),
+    }
+    match OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+    {
+        Ok(file) => {
+            let foreign_owner = check_opened(path, &file, owners)?;
+            sys::clear_nonblocking(&file).map_err(|source| RegionError::Io {
+                path: path.to_owned(),
+                operation: "fcntl",
+                source,
+            })?;
+            Ok(Some((file, foreign_owner)))
+        }
+        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(None),
+        // A link swapped in after the check above.
+        Err(error) if error.raw_os_error() == Some(libc::ELOOP) => Err(unsafe_file(UnsafeFile::Symlink)),
+        Err(error) => Err(open_error(error)),
+    }
 }
 
 /// What makes a file's metadata (from `lstat` or `fstat`) unusable as a region file, ownership
@@ -1155,6 +1247,13 @@ fn clear_device_memory(usage: &DeviceMemory) {
     .chain(&usage.unused)
     {
         field.store(0, Ordering::Relaxed);
+    }
+}
+
+/// A dead or departed process's data calls are over.
+fn clear_in_flight_marks(extension: &SlotExtension) {
+    for mark in &extension.memory_in_flight {
+        mark.store(0, Ordering::SeqCst);
     }
 }
 

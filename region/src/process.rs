@@ -51,8 +51,9 @@ pub fn process_start_time(pid: i32) -> Option<u64> {
     read_proc_stat(pid).map(|stat| stat.start_time)
 }
 
-/// Whether the process a slot records (pid, start time or 0 when unknown) is still alive.
-pub(crate) fn is_alive(pid: i32, recorded_start_time: u64) -> bool {
+/// Whether the process a slot records (pid, start time or 0 when unknown) is still alive, judged
+/// in the caller's pid namespace.
+pub fn is_alive(pid: i32, recorded_start_time: u64) -> bool {
     if pid <= 0 || !sys::process_exists(pid) {
         return false;
     }

@@ -2,11 +2,12 @@
 
 use std::fs::File;
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::ptr::NonNull;
+use std::sync::atomic::AtomicU32;
 use std::time::Duration;
 
-use crate::layout::{MUTEX_STORAGE_BYTES, OpaqueStorage, SEMAPHORE_BYTES};
+use crate::layout::{OpaqueStorage, SEMAPHORE_BYTES};
 
 /// A `MAP_SHARED` read-write mapping of the first `len` bytes of `file`.
 pub(crate) fn map_shared(file: &File, len: usize) -> io::Result<NonNull<u8>> {
@@ -76,65 +77,123 @@ pub(crate) fn flock(file: &File, operation: libc::c_int) -> io::Result<bool> {
     }
 }
 
-/// Initialises a process-shared robust mutex in `storage`. Returns the pthread error number.
-///
-/// Only the creator calls this, while it holds the file exclusively: nobody else can be using the
-/// mutex.
-pub(crate) fn init_robust_mutex(storage: &OpaqueStorage<MUTEX_STORAGE_BYTES>) -> Result<(), i32> {
-    let mutex: *mut libc::pthread_mutex_t = storage.as_mut_ptr();
-    let mut attributes = std::mem::MaybeUninit::<libc::pthread_mutexattr_t>::uninit();
-    // SAFETY: the attribute object is initialised by pthread_mutexattr_init before any other use
-    // and destroyed once; the storage is large and aligned enough for a pthread_mutex_t (asserted
-    // in layout.rs) and nobody else uses it during initialisation (see above).
-    unsafe {
-        let result = libc::pthread_mutexattr_init(attributes.as_mut_ptr());
-        if result != 0 {
-            return Err(result);
+/// One byte of a file, with what to do to it: take a write lock on it or release it.
+pub(crate) struct ByteLock(libc::flock);
+
+impl ByteLock {
+    /// A write lock on the byte at `offset`.
+    pub(crate) const fn write(offset: u64) -> ByteLock {
+        ByteLock(Self::range(libc::F_WRLCK, offset))
+    }
+
+    /// The release of a lock on the byte at `offset`.
+    pub(crate) const fn release(offset: u64) -> ByteLock {
+        ByteLock(Self::range(libc::F_UNLCK, offset))
+    }
+
+    const fn range(kind: libc::c_int, offset: u64) -> libc::flock {
+        // Region offsets are far below i64::MAX; l_pid must be 0 for OFD locks.
+        libc::flock {
+            l_type: kind as libc::c_short,
+            l_whence: libc::SEEK_SET as libc::c_short,
+            l_start: offset as libc::off_t,
+            l_len: 1,
+            l_pid: 0,
         }
-        let mut result = libc::pthread_mutexattr_setpshared(attributes.as_mut_ptr(), libc::PTHREAD_PROCESS_SHARED);
-        if result == 0 {
-            result = libc::pthread_mutexattr_setrobust(attributes.as_mut_ptr(), libc::PTHREAD_MUTEX_ROBUST);
-        }
-        if result == 0 {
-            // Priority inheritance makes the kernel hand the lock to the longest waiter on unlock
-            // (equal priorities queue in order), so a process hammering the lock cannot starve
-            // another one past the lock timeout.
-            result = libc::pthread_mutexattr_setprotocol(attributes.as_mut_ptr(), libc::PTHREAD_PRIO_INHERIT);
-        }
-        if result == 0 {
-            result = libc::pthread_mutex_init(mutex, attributes.as_ptr());
-        }
-        libc::pthread_mutexattr_destroy(attributes.as_mut_ptr());
-        if result == 0 { Ok(()) } else { Err(result) }
     }
 }
 
-/// `pthread_mutex_timedlock` with a deadline `timeout` from now. Returns its result: 0,
-/// `EOWNERDEAD` (locked; the previous owner died), `ETIMEDOUT`, `ENOTRECOVERABLE`, ...
-pub(crate) fn timed_lock(storage: &OpaqueStorage<MUTEX_STORAGE_BYTES>, timeout: Duration) -> i32 {
-    let deadline = realtime_after(timeout);
-    // SAFETY: the storage holds a mutex initialised by init_robust_mutex (the region's magic and
-    // version were checked before any lock); the deadline outlives the call.
-    unsafe { libc::pthread_mutex_timedlock(storage.as_mut_ptr(), &deadline) }
+/// Takes or releases an open-file-description lock on one byte of the file `fd` refers to,
+/// without waiting (`F_OFD_SETLK`). `Ok(false)`: another description holds it. The kernel keeps
+/// the lock outside the file and releases it when the description's last descriptor closes, so
+/// nothing written into the file can make it crash, block or point anywhere.
+pub(crate) fn ofd_lock(fd: RawFd, request: &ByteLock) -> io::Result<bool> {
+    loop {
+        // The system call itself: glibc's fcntl wrapper costs the fast path 25 instructions more
+        // (64-bit targets only, where struct flock is the kernel's).
+        // SAFETY: F_OFD_SETLK only reads the flock struct, which outlives the call.
+        if unsafe { libc::syscall(libc::SYS_fcntl, fd, libc::F_OFD_SETLK, &request.0) } == 0 {
+            return Ok(true);
+        }
+        let error = io::Error::last_os_error();
+        match error.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EAGAIN | libc::EACCES) => return Ok(false),
+            _ => return Err(error),
+        }
+    }
 }
 
-/// `pthread_mutex_trylock`: 0, `EBUSY`, `EOWNERDEAD`, ... Spares the uncontended path the clock
-/// read of a timed lock.
-pub(crate) fn try_lock(storage: &OpaqueStorage<MUTEX_STORAGE_BYTES>) -> i32 {
-    // SAFETY: as for timed_lock.
-    unsafe { libc::pthread_mutex_trylock(storage.as_mut_ptr()) }
+/// Whether a description other than `fd`'s holds a lock on the byte at `offset` (`F_OFD_GETLK`:
+/// would a write lock of ours conflict?).
+pub(crate) fn ofd_lock_held_elsewhere(fd: RawFd, offset: u64) -> io::Result<bool> {
+    // SAFETY: flock is a plain C struct for which all zeroes is a valid value.
+    let mut range: libc::flock = unsafe { std::mem::zeroed() };
+    range.l_type = libc::F_WRLCK as libc::c_short;
+    range.l_whence = libc::SEEK_SET as libc::c_short;
+    range.l_start = libc::off_t::try_from(offset).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    range.l_len = 1;
+    // SAFETY: F_OFD_GETLK reads and writes the flock struct, which outlives the call.
+    if unsafe { libc::fcntl(fd, libc::F_OFD_GETLK, &mut range) } == -1 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(range.l_type != libc::F_UNLCK as libc::c_short)
 }
 
-/// `pthread_mutex_consistent`, after a lock returned `EOWNERDEAD`.
-pub(crate) fn make_consistent(storage: &OpaqueStorage<MUTEX_STORAGE_BYTES>) {
-    // SAFETY: called by the owner of the mutex, right after it acquired it with EOWNERDEAD.
-    unsafe { libc::pthread_mutex_consistent(storage.as_mut_ptr()) };
+/// Sleeps while `word` holds `expected`, at most `timeout`, until a [`futex_wake`] on it (any
+/// process mapping the same file). Returns early on any change, signal or error: callers loop.
+pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let timeout = libc::timespec {
+        tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_nsec: libc::c_long::from(timeout.subsec_nanos()),
+    };
+    // SAFETY: FUTEX_WAIT (shared, keyed by the mapped file page) only reads the aligned word, which
+    // lives in the mapping for the duration of the call; the timeout outlives the call. The kernel
+    // compares the word and sleeps; no value makes it do anything else.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            &timeout,
+            std::ptr::null::<u32>(),
+            0u32,
+        )
+    };
 }
 
-/// `pthread_mutex_unlock`.
-pub(crate) fn unlock(storage: &OpaqueStorage<MUTEX_STORAGE_BYTES>) {
-    // SAFETY: called only by the lock guard, whose thread owns the mutex.
-    unsafe { libc::pthread_mutex_unlock(storage.as_mut_ptr()) };
+/// Wakes up to `count` processes sleeping in [`futex_wait`] on `word` (the longest sleeping
+/// first); returns how many it woke.
+pub(crate) fn futex_wake(word: &AtomicU32, count: i32) -> usize {
+    // SAFETY: FUTEX_WAKE only uses the word's address as a key; nothing is read or written.
+    let woken = unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            count,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0u32,
+        )
+    };
+    usize::try_from(woken).unwrap_or(0)
+}
+
+/// `close(fd)`, for descriptors this crate opened and owns.
+///
+/// # Safety
+/// `fd` is open, owned by the caller, and nothing uses it afterwards.
+pub(crate) unsafe fn close(fd: RawFd) {
+    // SAFETY: guaranteed by the caller; close is async-signal-safe (used after fork).
+    unsafe { libc::close(fd) };
+}
+
+/// Registers `child` to run in the child of every `fork`, before `fork` returns there.
+pub(crate) fn at_fork_in_child(child: extern "C" fn()) {
+    // SAFETY: registers a plain function; it only runs async-signal-safe code (see its callers).
+    unsafe { libc::pthread_atfork(None, None, Some(child)) };
 }
 
 /// Initialises one of HAMi-core's semaphores, process-shared and free, as HAMi-core's creator does.
@@ -182,25 +241,9 @@ pub fn monotonic_ns() -> u64 {
         .saturating_add(now.tv_nsec as u64)
 }
 
-fn realtime_after(timeout: Duration) -> libc::timespec {
-    let now = clock(libc::CLOCK_REALTIME);
-    let mut nanos = now.tv_nsec + libc::c_long::from(timeout.subsec_nanos());
-    let mut secs = now
-        .tv_sec
-        .saturating_add(libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX));
-    if nanos >= 1_000_000_000 {
-        nanos -= 1_000_000_000;
-        secs = secs.saturating_add(1);
-    }
-    libc::timespec {
-        tv_sec: secs,
-        tv_nsec: nanos,
-    }
-}
-
 fn clock(id: libc::clockid_t) -> libc::timespec {
     let mut now = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: `now` is a valid timespec to write; both clocks always exist on Linux.
+    // SAFETY: `now` is a valid timespec to write; the clocks asked for always exist on Linux.
     unsafe { libc::clock_gettime(id, &mut now) };
     now
 }

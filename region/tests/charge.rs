@@ -187,7 +187,11 @@ fn detach_releases_and_invalidates_the_slot() {
     let slot = region.attach(own_pid()).unwrap();
     region.try_charge(&slot, 0, MemoryKind::Data, 1000, None).unwrap();
     let index = slot.index();
-    region.detach(slot).unwrap();
+    region.detach(&slot).unwrap();
+    assert!(matches!(
+        region.try_charge(&slot, 0, MemoryKind::Data, 1, None),
+        Err(ChargeError::Region(RegionError::SlotLost { .. }))
+    ));
     assert_eq!(region.device_used(0), 0);
     let snapshot = region.snapshot();
     assert_eq!((snapshot.proc_num, snapshot.processes.len()), (0, 0));
@@ -305,6 +309,7 @@ fn the_file_decodes_like_the_live_region() {
 fn a_dead_measurer_does_not_slow_data_calls() {
     let dir = ScratchDir::new("dead-measurer");
     let region = open(&dir);
+    let slot = region.attach(own_pid()).unwrap();
     // The mark a context measurement leaves when its process is killed in the middle of it.
     let mut child = std::process::Command::new("true")
         .spawn()
@@ -315,8 +320,8 @@ fn a_dead_measurer_does_not_slow_data_calls() {
         .extension()
         .memory_quiesce
         .store(u64::from(dead), Ordering::Release);
-    region.memory_call_begins(0);
-    region.memory_call_done(0);
+    region.memory_call_begins(&slot, 0);
+    region.memory_call_done(&slot, 0);
     assert_eq!(
         region.extension().memory_quiesce.load(Ordering::Acquire),
         0,
@@ -327,8 +332,8 @@ fn a_dead_measurer_does_not_slow_data_calls() {
         .extension()
         .memory_quiesce
         .store(u64::from(std::process::id()), Ordering::Release);
-    region.memory_call_begins(0);
-    region.memory_call_done(0);
+    region.memory_call_begins(&slot, 0);
+    region.memory_call_done(&slot, 0);
     assert_eq!(
         region.extension().memory_quiesce.load(Ordering::Acquire),
         u64::from(std::process::id())

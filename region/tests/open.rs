@@ -200,10 +200,11 @@ fn wrong_versions_and_magics_are_rebuilt() {
                 magic: u64::from_le_bytes(*b"HAMICORE"),
             },
         ),
+        // Version 1 kept a pthread mutex where version 2 has the lock's hints.
         (
             EXTENSION_OFFSET + 8,
-            &2u32.to_le_bytes(),
-            LayoutError::WrongExtensionVersion { version: 2 },
+            &1u32.to_le_bytes(),
+            LayoutError::WrongExtensionVersion { version: 1 },
         ),
     ];
     for (offset, bytes, problem) in cases {

@@ -11,7 +11,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{PATH_VAR, ROLE_VAR, Rng, ScratchDir, Worker, fake_holder, one_device, own_pid, raw_mutex, report_value};
+use common::{
+    PATH_VAR, ROLE_VAR, Rng, ScratchDir, Worker, fake_holder, hold_region_lock, one_device, own_pid, report_value,
+};
 use vgpu_region::{ChargeError, MAX_SLOTS, MemoryKind, Region, RegionError, SLOT_LIVE, process_start_time};
 
 const MIB: u64 = 1 << 20;
@@ -32,6 +34,7 @@ fn worker() {
         "storm" => storm_worker(&region, env_u64("LIMIT")),
         "hold_lock" => hold_lock_worker(&region, false),
         "hold_lock_and_stop" => hold_lock_worker(&region, true),
+        "mid_call" => mid_call_worker(&region),
         other => panic!("unknown worker role {other}"),
     }
 }
@@ -131,19 +134,27 @@ fn storm_worker(region: &Region, limit: u64) {
     }
 }
 
-/// Attaches, charges 1 MiB, then takes the region's mutex behind the API's back and leaves the
+/// Attaches, charges 1 MiB, then takes the region's lock behind the API's back and leaves the
 /// running total half-updated, as a process killed mid-update would; then hangs (or stops).
 fn hold_lock_worker(region: &Region, stop_self: bool) {
     let slot = region.attach(own_pid()).unwrap();
     region.try_charge(&slot, 0, MemoryKind::Data, MIB, None).unwrap();
-    // SAFETY: the region's mutex, initialised by its creator; this thread locks it once.
-    assert_eq!(unsafe { libc::pthread_mutex_lock(raw_mutex(region)) }, 0);
+    let _held = hold_region_lock(region);
     region.extension().device_used[0].fetch_add(12_345, Ordering::Relaxed);
     println!("READY");
     if stop_self {
         // SAFETY: stops this process; the test continues it with SIGKILL.
         unsafe { libc::raise(libc::SIGSTOP) };
     }
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+/// Attaches and marks a data call under way on device 0, as the library does around a driver
+/// allocation; then waits to be killed in the middle of it.
+fn mid_call_worker(region: &Region) {
+    let slot = region.attach(own_pid()).unwrap();
+    region.memory_call_begins(&slot, 0);
+    println!("READY {}", slot.index());
     std::thread::sleep(Duration::from_secs(60));
 }
 
@@ -355,4 +366,31 @@ fn when_every_slot_is_live_attach_fails_cleanly() {
     let snapshot = region.snapshot();
     assert_eq!((snapshot.proc_num, snapshot.processes.len()), (501, 1));
     assert_eq!(snapshot.processes[0].status, SLOT_LIVE);
+}
+
+#[test]
+fn a_process_killed_inside_a_data_call_takes_its_mark_with_it() {
+    let dir = ScratchDir::new("mid-call");
+    let region = Region::open(&dir.region_path(), &one_device()).unwrap();
+    let mut caller = Worker::spawn("mid_call", &dir.region_path(), &[]);
+    let index: usize = caller.line_with("READY").unwrap().parse().unwrap();
+    // While it lives, its call is under way: no quiet moment.
+    let deadline = || Instant::now() + Duration::from_millis(50);
+    assert_eq!(region.quiet_read(0, deadline(), || ()), None);
+    caller.kill();
+
+    // Killed, its mark no longer counts, before any reaping ...
+    let started = Instant::now();
+    assert_eq!(region.quiet_read(0, deadline(), || ()), Some(()));
+    assert!(started.elapsed() < Duration::from_millis(20), "{:?}", started.elapsed());
+    assert_eq!(
+        region.extension().slots[index].memory_in_flight[0].load(Ordering::Relaxed),
+        1
+    );
+    // ... and reaping its slot clears it.
+    assert_eq!(region.reap_dead().unwrap(), 1);
+    assert_eq!(
+        region.extension().slots[index].memory_in_flight[0].load(Ordering::Relaxed),
+        0
+    );
 }

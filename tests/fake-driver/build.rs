@@ -40,6 +40,7 @@ fn main() -> Result<()> {
     println!("cargo:rustc-cdylib-link-arg=-Wl,-Bsymbolic");
     println!("cargo:rerun-if-env-changed=CUDA_INCLUDE_DIR");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    println!("cargo:rerun-if-env-changed={}", vgpu_codegen::libclang::VARIABLE);
 
     let root = headers::workspace_root(&manifest_dir);
     let include_dir = headers::locate(&root)?;

@@ -7,8 +7,8 @@
 # the error against min(limit, natural share); the mean absolute and the largest error; then two
 # processes of one region at 50 and two regions at 30 and 70. About 7 minutes. The report is also
 # written to $OUT/compute.txt ($OUT/compute-$COMPUTE_TAG.txt with COMPUTE_TAG). VGPU_HOOK runs
-# another library (HAMi-core's: tests/gpu/hami_core_build.sh, with COMPUTE_POLICY=FORCE). COMPUTE_SECONDS, COMPUTE_WARMUP, COMPUTE_WORKLOADS and
-# COMPUTE_LIMITS shorten it (see compute_bench.py).
+# another build of the library (a path to its libvgpu.so). COMPUTE_SECONDS, COMPUTE_WARMUP,
+# COMPUTE_WORKLOADS and COMPUTE_LIMITS shorten it (see compute_bench.py).
 set -u
 root=$(pwd)
 hook="${VGPU_HOOK:-$root/.device/libvgpu.so}"

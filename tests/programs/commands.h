@@ -4,6 +4,7 @@
 #include <cuda.h>
 #include <nvml.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 // NVML initialised on first use, then the handle of the device at this index.
@@ -17,7 +18,8 @@ static inline nvmlReturn_t nvml_device(unsigned index, nvmlDevice_t *device) {
     return nvmlDeviceGetHandleByIndex_v2(index, device);
 }
 
-// init, ctx <ordinal>, alloc <bytes> and free <pointer>: answered, and 1 returned; 0 for any
+// init, ctx <ordinal>, alloc <bytes> and free <pointer>: answered, and 1 returned; exit <code>:
+// calls exit() (atexit handlers and destructors run; "quit" returns from main instead); 0 for any
 // other command.
 static inline int common_command(const char *command, unsigned long long number) {
     if (strcmp(command, "init") == 0) {
@@ -35,6 +37,9 @@ static inline int common_command(const char *command, unsigned long long number)
         printf("alloc %d %llu\n", (int)status, (unsigned long long)p);
     } else if (strcmp(command, "free") == 0) {
         printf("free %d\n", (int)cuMemFree_v2((CUdeviceptr)number));
+    } else if (strcmp(command, "exit") == 0) {
+        fflush(stdout);
+        exit((int)number);
     } else {
         return 0;
     }

@@ -18,7 +18,12 @@
 //     nvml2bad <index>     -> nvml2bad <status>                   _v2 with a wrong struct version
 //     umask                -> umask <octal>                       the process's umask
 //     signals              -> signals <hex mask>                  signals whose handler is not SIG_DFL
-//     quit                 -> (exits)
+//     forkexit <bytes>     -> forkexit <code> <child pid>         fork; the child allocates <bytes> with
+//                                                                 cuMemAlloc_v2, keeps them and calls exit(0)
+//                                                                 (3 when the allocation failed); the parent
+//                                                                 waits for it (code -1: it did not exit)
+//     exit <code>          -> (calls exit(code))
+//     quit                 -> (returns from main)
 // Numbers are decimal; sizes go through strtoull, so 18446744073709551615 is SIZE_MAX.
 #define _GNU_SOURCE
 #include <cuda.h>
@@ -29,6 +34,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "commands.h"
 
@@ -112,6 +119,18 @@ int main(void) {
                 if (sigaction(sig, NULL, &action) == 0 && action.sa_handler != SIG_DFL) handled |= 1ull << sig;
             }
             printf("signals %llx\n", handled);
+        } else if (strcmp(command, "forkexit") == 0) {
+            fflush(stdout);
+            pid_t child = fork();
+            if (child == 0) {
+                CUdeviceptr p = 0;
+                exit(cuMemAlloc_v2(&p, (size_t)number) == CUDA_SUCCESS ? 0 : 3);
+            }
+            int wait_status = 0;
+            int code = child > 0 && waitpid(child, &wait_status, 0) == child && WIFEXITED(wait_status)
+                           ? WEXITSTATUS(wait_status)
+                           : -1;
+            printf("forkexit %d %d\n", code, (int)child);
         } else if (strcmp(command, "quit") == 0) {
             break;
         } else {

@@ -18,7 +18,8 @@
 //                                                                    first call with a null buffer
 //     churn <bytes> <ms>   -> churn <pairs> <refused>                cuMemAlloc_v2 + cuMemFree_v2 pairs for ms milliseconds
 //     pid                  -> pid <getpid()>
-//     quit                 -> (exits)
+//     exit <code>          -> (calls exit(code))
+//     quit                 -> (returns from main)
 // The legacy and _v2 process queries are only declared without the automatic upgrade to _v3.
 #define NVML_NO_UNVERSIONED_FUNC_DEFS
 #define _GNU_SOURCE

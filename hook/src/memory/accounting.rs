@@ -3,6 +3,7 @@
 //! queue of region updates the lock did not let through.
 
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use vgpu_region::{ChargeError, MAX_DEVICES, MemoryKind, Region, RegionError, Slot};
@@ -29,6 +30,9 @@ struct Own {
     pending: Mutex<Pending>,
     /// Whether `pending` holds anything (the fast path's one load).
     has_pending: AtomicBool,
+    /// Whether a thread retries `pending` in the background (for a process that may never make
+    /// another accounting call).
+    retrying: AtomicBool,
 }
 
 /// This process's part: the one of the current fork epoch (see [`session::epoch`]).
@@ -42,6 +46,7 @@ impl Own {
             ledger: Ledger::default(),
             pending: Mutex::new(Pending::default()),
             has_pending: AtomicBool::new(false),
+            retrying: AtomicBool::new(false),
         }))
     }
 
@@ -82,8 +87,10 @@ impl Own {
 /// Charges and releases this process owes the region: a release, or a charge of memory the driver
 /// has already taken (`record`), made while the region's lock could not be taken (a timeout). They
 /// are kept here, never dropped, and written at the next accounting call that gets the lock (any
-/// allocation, free or memory query of the process); the slot is freed at exit in any case. Per
-/// process: a forked child starts with an empty queue of its own and never touches the parent's.
+/// allocation, free or memory query of the process), or by a background thread that retries every
+/// [`RETRY_INTERVAL`] while any are left (a process may never call again); the slot is freed at
+/// exit in any case. Per process: a forked child starts with an empty queue of its own and never
+/// touches the parent's.
 #[derive(Default)]
 struct Pending {
     /// Bytes to charge, by region device index and kind.
@@ -135,11 +142,11 @@ impl Pending {
 
 /// Whether a region error means the lock could not be taken (the update can be made later).
 fn lock_not_taken(error: &RegionError) -> bool {
-    matches!(
-        error,
-        RegionError::LockTimeout { .. } | RegionError::LockFailed { .. } | RegionError::LockUnrecoverable { .. }
-    )
+    matches!(error, RegionError::LockTimeout { .. } | RegionError::LockFailed { .. })
 }
+
+/// How often queued region updates are retried in the background.
+const RETRY_INTERVAL: Duration = Duration::from_millis(100);
 
 /// The process's accounting, once CUDA has initialised the session. In a forked child, the first
 /// call attaches the child's slot and starts its own ledger.
@@ -164,8 +171,7 @@ pub fn accounting() -> Option<Accounting> {
 /// `cuInit`, and frameworks do not take it for a full device to be freed and retried.
 #[cold]
 pub fn unaccounted(call: impl FnOnce() -> CUresult) -> CUresult {
-    let limited = session::config().map_or(true, |config| config.memory_limit.iter().any(Option::is_some));
-    if !limited {
+    if !limit_configured() {
         return call();
     }
     static SAID: AtomicBool = AtomicBool::new(false);
@@ -176,6 +182,12 @@ pub fn unaccounted(call: impl FnOnce() -> CUresult) -> CUresult {
         );
     }
     CUDA_ERROR_NOT_INITIALIZED
+}
+
+/// Whether a memory limit is configured (or the configuration was refused): without accounting,
+/// allocations must then be refused.
+pub fn limit_configured() -> bool {
+    session::config().map_or(true, |config| config.memory_limit.iter().any(Option::is_some))
 }
 
 /// The table's fast path for the synchronisations: a process without pools has nothing to bring
@@ -201,6 +213,16 @@ impl Accounting {
         self.session.device(ordinal)
     }
 
+    /// The device of this UUID (as NVML writes it).
+    pub fn device_by_uuid(&self, uuid: &str) -> Option<&'static DeviceEntry> {
+        self.session.device_by_uuid(uuid)
+    }
+
+    /// The device's memory limit now: the region's (`crate::limits`).
+    pub fn limit(&self, device: &DeviceEntry) -> Option<u64> {
+        self.session.limit(device)
+    }
+
     /// Bytes charged on the device by every process of the region.
     pub fn used(&self, device: &DeviceEntry) -> u64 {
         let own = self.own;
@@ -212,12 +234,17 @@ impl Accounting {
         self.region().device_used(device.region_index)
     }
 
-    /// Marks a data call under way on a region device until the guard drops, so that a context
-    /// measurement in any process of the region never reads NVML in the middle of it.
+    /// Marks a data call under way on a region device, in this process's slot, until the guard
+    /// drops, so that a context measurement in any process of the region never reads NVML in the
+    /// middle of it (a process killed meanwhile takes its marks with its slot).
     pub fn in_flight(&self, region_index: usize) -> InFlight {
-        self.region().memory_call_begins(region_index);
+        let slot = self.session.slot();
+        if let Some(slot) = slot {
+            self.region().memory_call_begins(slot, region_index);
+        }
         InFlight {
             region: self.region(),
+            slot,
             region_index,
         }
     }
@@ -228,7 +255,7 @@ impl Accounting {
         let Some(device) = self.device(ordinal) else {
             return Ok(None);
         };
-        self.charge_with_limit(device, kind, bytes, device.limit)
+        self.charge_with_limit(device, kind, bytes, self.limit(device))
     }
 
     /// Charges what the driver has already taken (a context, a module, a pool's reserve): never
@@ -236,6 +263,9 @@ impl Accounting {
     /// returned all the same, so that its release later is right.
     pub fn record(&self, ordinal: CUdevice, kind: MemoryKind, bytes: u64) -> Option<Charge> {
         let device = self.device(ordinal)?;
+        if session::detached() {
+            return None;
+        }
         let own = self.own;
         let Some(slot) = self.session.slot() else {
             tracing::error!(
@@ -255,7 +285,7 @@ impl Accounting {
                 tracing::warn!(
                     "{error}; {bytes} bytes the driver has taken will be charged at the next accounting call"
                 );
-                Self::queue(own, false, &charge);
+                self.queue(slot, false, &charge);
                 Some(charge)
             }
             Err(error) => {
@@ -272,6 +302,10 @@ impl Accounting {
         bytes: u64,
         limit: Option<u64>,
     ) -> Result<Option<Charge>, CUresult> {
+        if session::detached() {
+            tracing::debug!("allocation during exit, after the slot was given back: refused");
+            return Err(CUDA_ERROR_OUT_OF_MEMORY);
+        }
         let own = self.own;
         let Some(slot) = self.session.slot() else {
             tracing::error!("this forked process has no slot in the region; allocation refused");
@@ -298,6 +332,9 @@ impl Accounting {
     /// Releases a charge made by this process. When the region's lock cannot be taken the
     /// release is queued (see [`Pending`]), never dropped.
     pub fn release(&self, charge: Charge) {
+        if session::detached() {
+            return;
+        }
         let own = self.own;
         let Some(slot) = self.session.slot() else {
             return;
@@ -310,24 +347,67 @@ impl Accounting {
                     "{error}; {} bytes will be released at the next accounting call",
                     charge.bytes
                 );
-                Self::queue(own, true, &charge);
+                self.queue(slot, true, &charge);
             }
             Err(error) => tracing::error!("{error}; {} bytes could not be released", charge.bytes),
         }
     }
 
     /// Queues an update in this process's own queue (a forked child's is its own, never the
-    /// parent's).
-    fn queue(own: &Own, release: bool, charge: &Charge) {
+    /// parent's), and makes sure a thread retries it.
+    fn queue(self, slot: &'static Slot, release: bool, charge: &Charge) {
+        let own = self.own;
         let mut pending = own.pending.lock();
         pending.add(release, charge);
         own.has_pending.store(!pending.is_empty(), Ordering::Release);
+        drop(pending);
+        if !own.retrying.swap(true, Ordering::AcqRel) {
+            crate::loaded::keep_loaded();
+            let spawned = std::thread::Builder::new()
+                .name("vgpu-pending".into())
+                .spawn(move || self.retry_pending(slot));
+            if let Err(error) = spawned {
+                own.retrying.store(false, Ordering::Release);
+                tracing::warn!("cannot start a thread to retry queued region updates ({error}); the next call will");
+            }
+        }
+    }
+
+    /// The background retry: applies the queue every [`RETRY_INTERVAL`] until it is empty.
+    fn retry_pending(self, slot: &Slot) {
+        let own = self.own;
+        loop {
+            std::thread::sleep(RETRY_INTERVAL);
+            // The slot was given back at exit, with everything queued for it.
+            if session::detached() {
+                return;
+            }
+            self.apply_pending(own, slot);
+            if own.has_pending.load(Ordering::Acquire) {
+                continue;
+            }
+            own.retrying.store(false, Ordering::Release);
+            // Something queued between the look and the store, whose queuer saw this thread
+            // running: take it on again, unless another thread did.
+            if !own.has_pending.load(Ordering::Acquire) || own.retrying.swap(true, Ordering::AcqRel) {
+                return;
+            }
+        }
     }
 
     /// Writes this process's queued charges, then its queued releases, as far as the lock lets
-    /// them through.
+    /// them through (one load when there are none: every charge and release comes here first).
+    #[inline]
     fn apply_pending(&self, own: &Own, slot: &Slot) {
-        if !own.has_pending.load(Ordering::Acquire) {
+        if own.has_pending.load(Ordering::Acquire) {
+            self.apply_queue(own, slot);
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn apply_queue(&self, own: &Own, slot: &Slot) {
+        if session::detached() {
             return;
         }
         let mut pending = own.pending.lock();
@@ -360,7 +440,10 @@ impl Accounting {
                         Ok(()) => table[device][kind_index(kind)] = 0,
                         Err(error) if lock_not_taken(&error) => break 'apply,
                         Err(error) => {
-                            tracing::error!("{error}; {bytes} queued bytes could not be written");
+                            // After the slot was given back at exit there is nothing left to write.
+                            if !session::detached() {
+                                tracing::error!("{error}; {bytes} queued bytes could not be written");
+                            }
                             table[device][kind_index(kind)] = 0;
                         }
                     }
@@ -419,11 +502,14 @@ mod fault_injection {
 /// A data call under way (see [`Accounting::in_flight`]).
 pub struct InFlight {
     region: &'static Region,
+    slot: Option<&'static Slot>,
     region_index: usize,
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.region.memory_call_done(self.region_index);
+        if let Some(slot) = self.slot {
+            self.region.memory_call_done(slot, self.region_index);
+        }
     }
 }

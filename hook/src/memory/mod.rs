@@ -16,8 +16,10 @@ mod queries;
 mod sizes;
 mod units;
 
-pub use accounting::no_pools;
+pub use accounting::{Accounting, accounting, limit_configured, no_pools};
 pub use contexts::*;
 pub use data::*;
+pub use ledger::Charge;
+pub use pool_sync::charge_or_refuse;
 pub use pools::*;
 pub use queries::*;

@@ -13,7 +13,7 @@ use crate::sys::cuda::*;
 
 /// Charges against the limit; before refusing, brings pool charges up to date (pools give memory
 /// back at synchronisations we do not see) and tries once more.
-pub(super) fn charge_or_refuse(
+pub fn charge_or_refuse(
     accounting: Accounting,
     ordinal: CUdevice,
     kind: MemoryKind,

@@ -10,7 +10,7 @@ use crate::sys::cuda::*;
 /// free = min(total - used, physical free).
 fn virtual_view(accounting: Accounting, ordinal: CUdevice, free: u64, total: u64) -> Option<(u64, u64)> {
     let device = accounting.device(ordinal)?;
-    let (total, _, free) = crate::nvml::virtual_memory(total, free, device.limit?, accounting.used(device));
+    let (total, _, free) = crate::nvml::virtual_memory(total, free, accounting.limit(device)?, accounting.used(device));
     Some((total, free))
 }
 
@@ -60,15 +60,12 @@ pub fn device_total_mem<S: DriverInt>(call: impl FnOnce() -> CUresult, bytes: *m
     if result != CUDA_SUCCESS {
         return result;
     }
-    let limit = accounting()
-        .and_then(|a| a.device(dev))
-        .and_then(|d| d.limit)
-        .or_else(|| {
-            // Before cuInit's accounting starts (or without a region), the configuration still says.
-            crate::session::config()
-                .ok()
-                .and_then(|config| config.memory_limit_of(usize::try_from(dev).ok()?))
-        });
+    let limit = accounting().and_then(|a| a.limit(a.device(dev)?)).or_else(|| {
+        // Before cuInit's accounting starts (or without a region), the configuration still says.
+        crate::session::config()
+            .ok()
+            .and_then(|config| config.memory_limit_of(usize::try_from(dev).ok()?))
+    });
     // SAFETY: the driver accepted and wrote the pointer.
     if let (Some(limit), Some(physical)) = (limit, unsafe { read(bytes) }) {
         // SAFETY: as above.

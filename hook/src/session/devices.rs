@@ -1,6 +1,6 @@
 //! The CUDA devices this process sees: their UUIDs (the region indexes devices by UUID, so
-//! processes with different `CUDA_VISIBLE_DEVICES` share one region correctly), their limits, and
-//! which one an allocation lands on.
+//! processes with different `CUDA_VISIBLE_DEVICES` share one region correctly), and which one an
+//! allocation lands on. Their limits are the region's (`crate::limits`).
 
 use crate::hooks::real;
 use crate::sys::cuda::{CUDA_SUCCESS, CUdevice, CUuuid};
@@ -14,8 +14,6 @@ pub struct DeviceEntry {
     pub uuid: String,
     /// Index of this GPU in the shared region.
     pub region_index: usize,
-    /// `CUDA_DEVICE_MEMORY_LIMIT[_<ordinal>]`.
-    pub limit: Option<u64>,
 }
 
 /// Formats a CUDA UUID the way NVML and HAMi do.

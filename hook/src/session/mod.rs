@@ -18,7 +18,7 @@ use std::time::Duration;
 use vgpu_config::{Config, ConfigError};
 use vgpu_region::{InitParams, MAX_DEVICES, OpenKind, Owners, Region, Slot};
 
-pub use devices::{DeviceEntry, current_ordinal};
+pub use devices::{DeviceEntry, current_ordinal, format_uuid};
 
 use crate::sys::cuda::CUdevice;
 
@@ -49,6 +49,10 @@ static STARTING: AtomicBool = AtomicBool::new(false);
 static ATTACHING: AtomicBool = AtomicBool::new(false);
 /// How long a thread sleeps between looks while another one starts or attaches.
 const WAIT_STEP: Duration = Duration::from_millis(1);
+/// Set when this process has given its slot back at exit ([`detach_at_exit`]): later charges
+/// (teardown code running after the library's destructor, other threads) are refused and
+/// releases dropped, quietly: the slot and everything charged to it are gone already.
+static DETACHED: AtomicBool = AtomicBool::new(false);
 
 /// The configuration, read from the environment once per process (a forked child inherits it,
 /// which is right: it inherits the environment too).
@@ -149,9 +153,11 @@ pub fn start(config: &Config) -> Result<(), String> {
         priority: config.task_priority,
         ..InitParams::default()
     };
-    for ordinal in 0..uuids.len().min(MAX_DEVICES) {
-        init.limits[ordinal] = config.memory_limit_of(ordinal).unwrap_or(0);
-        init.sm_limits[ordinal] = config.sm_limit_of(ordinal).map_or(0, u64::from);
+    // Every index, not only this process's devices: a device another process registers later
+    // gets the limit its index has here (the global variable's, when only that one is set).
+    for index in 0..MAX_DEVICES {
+        init.limits[index] = config.memory_limit_of(index).unwrap_or(0);
+        init.sm_limits[index] = config.sm_limit_of(index).map_or(0, u64::from);
     }
     let region = open_region(config, &init)?;
     match region.open_kind() {
@@ -172,14 +178,21 @@ pub fn start(config: &Config) -> Result<(), String> {
     let mut entries = Vec::with_capacity(uuids.len());
     for (ordinal, uuid) in uuids.into_iter().enumerate() {
         let region_index = region.device_index(&uuid).map_err(|e| e.to_string())?;
+        crate::limits::seed(
+            &region,
+            region_index,
+            ordinal,
+            config.memory_limit_of(ordinal),
+            config.sm_limit_of(ordinal),
+        );
         entries.push(DeviceEntry {
             ordinal: ordinal as CUdevice,
             uuid,
             region_index,
-            limit: config.memory_limit_of(ordinal),
         });
     }
     let slot = region.attach(std::process::id() as i32).map_err(|e| e.to_string())?;
+    write_kernel_time(&region);
     let process = leak_process(Some(Box::leak(Box::new(slot))));
     let session: &'static Session = Box::leak(Box::new(Session {
         region,
@@ -190,6 +203,45 @@ pub fn start(config: &Config) -> Result<(), String> {
     SESSION.store(std::ptr::from_ref(session).cast_mut(), Ordering::Release);
     session.watch_suspend_flag();
     Ok(())
+}
+
+/// Writes now (unix seconds) into the region's `last_kernel_time`, which HAMi's monitor reads:
+/// at attach, as HAMi-core does, and from the launches' tick (`throttle::activity`).
+pub fn write_kernel_time(region: &Region) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |elapsed| i64::try_from(elapsed.as_secs()).unwrap_or(i64::MAX));
+    region.hami().last_kernel_time.store(now, Ordering::Relaxed);
+}
+
+/// At normal exit or unload of the library (`crate::exit`): gives this process's slot back to
+/// the region, releasing everything still charged to it. Only a slot attached for this very pid:
+/// a forked child that never attached (or charges its parent's slot) leaves the parent's alone.
+/// Never calls the driver; the region's lock is waited for at most its usual timeout.
+pub fn detach_at_exit() {
+    let session = SESSION.load(Ordering::Acquire);
+    let (Some(process), false) = (process(), session.is_null()) else {
+        return;
+    };
+    let Some(slot) = process
+        .slot
+        .filter(|slot| i64::from(slot.pid()) == i64::from(std::process::id()))
+    else {
+        return;
+    };
+    DETACHED.store(true, Ordering::SeqCst);
+    // SAFETY: a non-null pointer came from Box::leak in `start` and is never freed.
+    let region = &unsafe { &*session }.region;
+    if let Err(error) = region.detach(slot) {
+        // The slot is reaped later as a dead process's.
+        tracing::debug!("exit: {error}; the slot is left to be reaped");
+    }
+}
+
+/// Whether this process has given its slot back at exit ([`detach_at_exit`]).
+#[inline(always)]
+pub fn detached() -> bool {
+    DETACHED.load(Ordering::Relaxed)
 }
 
 /// Opens the configured region file with the owners the configuration trusts; the error is one
@@ -218,6 +270,23 @@ impl Session {
     /// The device of this CUDA ordinal.
     pub fn device(&'static self, ordinal: CUdevice) -> Option<&'static DeviceEntry> {
         usize::try_from(ordinal).ok().and_then(|index| self.devices.get(index))
+    }
+
+    /// The device's memory limit now: the region's (`crate::limits`).
+    pub fn limit(&'static self, device: &DeviceEntry) -> Option<u64> {
+        crate::limits::memory(&self.region, device.region_index)
+    }
+
+    /// The region device's compute limit now, in percent: the region's (`crate::limits`).
+    pub fn sm_limit(&'static self, region_index: usize) -> Option<u8> {
+        crate::limits::sm(&self.region, region_index)
+    }
+
+    /// Whether any of this process's devices has a compute limit now.
+    pub fn any_sm_limit(&'static self) -> bool {
+        self.devices
+            .iter()
+            .any(|device| self.sm_limit(device.region_index).is_some())
     }
 
     /// The device of this UUID (as NVML writes it).
@@ -259,7 +328,10 @@ impl Session {
             return process;
         }
         let slot = match self.region.attach(std::process::id() as i32) {
-            Ok(slot) => Some(&*Box::leak(Box::new(slot))),
+            Ok(slot) => {
+                write_kernel_time(&self.region);
+                Some(&*Box::leak(Box::new(slot)))
+            }
             Err(error) => {
                 tracing::error!("{error}; this forked process's allocations are charged to its parent's slot");
                 let inherited = INHERITED.load(Ordering::Acquire);

@@ -12,8 +12,8 @@
 //! - the GPU's power `P` (NVML's average), its enforced power limit `P_cap`, an idle power of
 //!   [`IDLE_SHARE`] of the board's default power limit `P_rated` (the clocks stay up between
 //!   kernels; idle power is the board's, whatever limit an administrator set), and the share `s` of the
-//!   GPU's time that kernels take: the container's own (measured by the sensor, before
-//!   compensation), or NVML's utilisation of the whole GPU where NVML measures it and it is more;
+//!   GPU's time that kernels take: the container's own, measured by the sensor before
+//!   compensation ([`busy_share`] says why NVML's utilisation is used only without a clock reading);
 //! - the GPU's dynamic power were it busy all the time at this clock: `(P - P_idle) / s`;
 //! - dynamic power grows as the clock to the power [`ALPHA`], a kernel's time shrinks as the clock
 //!   to the power [`BETA`] (both measured on the H200: a GEMM's time is not all compute); so a
@@ -109,6 +109,23 @@ impl ClockReading {
         let floor_ratio = heaviest_over_limit.powf(-1.0 / ALPHA).min(1.0);
         let ratio = (self.sm_mhz / self.max_sm_mhz).min(1.0);
         Some((ratio / floor_ratio).powf(BETA).max(1.0))
+    }
+}
+
+/// The busy share `s` the power is divided by: the container's own (`own`, from its measured
+/// kernel time), and where the clock bound cannot apply (no clock reading) NVML's utilisation of
+/// the whole GPU (`gpu`) when it is more.
+///
+/// With a clock reading the clock bounds the factor, so other containers' power cannot be charged
+/// beyond the boost the clock shows; NVML's utilisation would then only lower the factor where it
+/// reads more than the kernels' time: with two processes of one container taking turns on the
+/// GPU it read 0.55-0.65 for kernels measured at 0.47 of the time (the switches between their
+/// contexts count as busy and draw little power), which charged a GEMM 1.05-1.10 instead of ~1.17
+/// and let the container run at 57.5% of the unlimited rate under a limit of 50.
+pub fn busy_share(own: f64, gpu: Option<f64>, clock_known: bool) -> f64 {
+    match gpu {
+        Some(gpu) if !clock_known && gpu > own => gpu,
+        _ => own,
     }
 }
 
@@ -243,6 +260,21 @@ mod tests {
             }),
             ..h200(watts)
         }
+    }
+
+    #[test]
+    fn nvml_utilisation_counts_only_without_a_clock_reading() {
+        // Two processes of one container on the H200: kernels 0.47 of the time, NVML 0.6.
+        assert_eq!(busy_share(0.47, Some(0.6), true), 0.47);
+        assert_eq!(busy_share(0.47, Some(0.6), false), 0.6);
+        assert_eq!(busy_share(0.47, Some(0.3), false), 0.47);
+        assert_eq!(busy_share(0.47, None, false), 0.47);
+        // The GEMM held to half the GPU by two processes is charged about its boost (1.16, under
+        // the clock's bound of 1.18 at 1980 MHz), not the 1.08-1.10 that NVML's share gave.
+        let reading = at_clock(501.0, 1980.0, false);
+        let two = target_factor(reading, busy_share(0.47, Some(0.6), true));
+        assert!((1.15..=1.19).contains(&two), "{two}");
+        assert!(target_factor(reading, 0.6) < 1.11);
     }
 
     #[test]

@@ -14,6 +14,7 @@
 //!
 //! `docs/compute-limit.md` describes the design and its constants.
 
+mod activity;
 mod boost;
 mod bucket;
 mod crosscheck;
@@ -32,6 +33,9 @@ const UNDECIDED: u8 = 0;
 const OFF: u8 = 1;
 /// Some device is limited.
 const ON: u8 = 2;
+/// No device is limited, and no launch happened since the tick last wrote `last_kernel_time`:
+/// the next launch takes the handler's path once and sets `OFF` again ([`activity`]).
+const IDLE: u8 = 3;
 
 static MODE: AtomicU8 = AtomicU8::new(UNDECIDED);
 

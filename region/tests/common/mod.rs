@@ -3,13 +3,15 @@
 
 #![allow(dead_code)]
 
+use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
+use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use vgpu_region::{InitParams, Region, SLOT_LIVE};
+use vgpu_region::{FILE_LOCK_OFFSET, InitParams, Region, SLOT_LIVE};
 
 /// Environment variable naming the role of a worker process.
 pub const ROLE_VAR: &str = "VGPU_REGION_TEST_ROLE";
@@ -186,7 +188,19 @@ pub fn fake_holder(region: &Region, index: usize, pid: i32, start_time: u64) {
     }
 }
 
-/// The region's mutex as the pthread type, for tests that lock it behind the API's back.
-pub fn raw_mutex(region: &Region) -> *mut libc::pthread_mutex_t {
-    std::ptr::from_ref(&region.extension().lock).cast_mut().cast()
+/// Takes the region's lock behind the API's back, as another process's library does: a write
+/// lock on the byte at `FILE_LOCK_OFFSET` through a description of its own, and the holder word
+/// set. Held until the returned file closes (or its process dies).
+pub fn hold_region_lock(region: &Region) -> File {
+    let file = OpenOptions::new().read(true).write(true).open(region.path()).unwrap();
+    // SAFETY: all zeroes is a valid flock.
+    let mut range: libc::flock = unsafe { std::mem::zeroed() };
+    range.l_type = libc::F_WRLCK as libc::c_short;
+    range.l_whence = libc::SEEK_SET as libc::c_short;
+    range.l_start = FILE_LOCK_OFFSET as libc::off_t;
+    range.l_len = 1;
+    // SAFETY: F_OFD_SETLKW with a valid flock on an open fd.
+    assert_eq!(unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLKW, &range) }, 0);
+    region.extension().lock.holder.store(0x5eed, Ordering::Release);
+    file
 }

@@ -52,6 +52,7 @@ mod config;
 mod context;
 mod device;
 mod engine;
+mod external;
 mod ffi;
 mod graph;
 mod memory;

@@ -173,6 +173,10 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CUdeviceptr, bytesize: usize) 
         if dptr.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
+        let delay = crate::config::get().alloc_us;
+        if delay > 0 {
+            std::thread::sleep(std::time::Duration::from_micros(delay));
+        }
         let mut state = initialised()?;
         let current = state.current()?;
         let ptr = state.alloc_plain(current, bytesize as u64, bytesize as u64)?;

@@ -322,12 +322,16 @@ fn running<T>(
         Vec::new()
     } else {
         truth.reclaim_dead();
-        truth
-            .processes()
-            .into_iter()
-            .filter(|p| p.used[index] > 0)
-            .map(|p| (p.pid, p.used[index]))
-            .collect()
+        // One entry per process: one that also uses the fake Vulkan driver has a truth slot for
+        // each driver, and NVML counts a process's memory as one.
+        let mut list: Vec<(c_uint, c_ulonglong)> = Vec::new();
+        for process in truth.processes().into_iter().filter(|p| p.used[index] > 0) {
+            match list.iter_mut().find(|(pid, _)| *pid == process.pid) {
+                Some(entry) => entry.1 = entry.1.saturating_add(process.used[index]),
+                None => list.push((process.pid, process.used[index])),
+            }
+        }
+        list
     };
     // SAFETY: `count` is a valid, non-null in/out pointer of the caller.
     let room = unsafe { count.read() } as usize;

@@ -93,6 +93,8 @@ pub struct State {
     /// VMM mappings: start -> (size, physical handle).
     pub mappings: BTreeMap<u64, (u64, u64)>,
     pub arrays: HashMap<usize, crate::array::Array>,
+    /// Imported external memory objects.
+    pub externals: HashMap<usize, crate::external::External>,
     pub mipmaps: HashMap<usize, crate::array::Array>,
     pub modules: HashMap<usize, Module>,
     pub functions: HashMap<usize, Function>,
@@ -249,6 +251,7 @@ impl State {
             reservations: BTreeMap::new(),
             mappings: BTreeMap::new(),
             arrays: HashMap::new(),
+            externals: HashMap::new(),
             mipmaps: HashMap::new(),
             modules: HashMap::new(),
             functions: HashMap::new(),

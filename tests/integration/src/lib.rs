@@ -4,6 +4,14 @@
 //! The libraries are cdylibs, which cargo cannot hand to a test as a dependency, so the tests
 //! expect them built first (`make test` does: `cargo build --workspace`, and the fault-injection
 //! build into `target/fault-injection`). A missing one is a test failure naming the command.
+//!
+//! For another architecture (`scripts/cross-test.sh` runs the suite for aarch64 under qemu-user),
+//! three variables say where things are and how to run them: `CARGO_BUILD_TARGET` (which cargo
+//! reads too) puts the built libraries under `target/<triple>/`, `VGPU_TEST_CC` is the C compiler
+//! for the test programs, and `VGPU_TEST_RUNNER` is a command prefix for every program a test
+//! starts (`qemu-aarch64-static`): a container has no binfmt_misc to run foreign binaries directly.
+//! Under a runner every test program also preloads `tests/programs/real_own_stat.c`, which undoes
+//! qemu's made-up `/proc/<own pid>/stat` (see there).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -23,9 +31,38 @@ pub fn target_dir() -> PathBuf {
         .unwrap_or_else(|| workspace_root().join("target"))
 }
 
+/// The profile the tests were built in.
+fn profile() -> &'static str {
+    if cfg!(debug_assertions) { "debug" } else { "release" }
+}
+
+/// `<target>/<triple>/` when cargo builds for another target than the host
+/// (`CARGO_BUILD_TARGET`), else `<target>/`.
+fn with_build_target(target: PathBuf) -> PathBuf {
+    match std::env::var_os("CARGO_BUILD_TARGET").filter(|triple| !triple.is_empty()) {
+        Some(triple) => target.join(triple),
+        None => target,
+    }
+}
+
 /// The profile folder the tests were built in (`debug` or `release`).
 pub fn profile_dir() -> PathBuf {
-    target_dir().join(if cfg!(debug_assertions) { "debug" } else { "release" })
+    with_build_target(target_dir()).join(profile())
+}
+
+/// A command that runs `program` (a test program or one of the workspace's binaries) through
+/// `VGPU_TEST_RUNNER` when that is set (a prefix split at spaces, such as an emulator).
+pub fn command(program: &Path) -> Command {
+    let runner = std::env::var("VGPU_TEST_RUNNER").unwrap_or_default();
+    let mut words = runner.split_whitespace();
+    match words.next() {
+        Some(first) => {
+            let mut command = Command::new(first);
+            command.args(words).arg(program);
+            command
+        }
+        None => Command::new(program),
+    }
 }
 
 fn require(path: PathBuf, how: &str) -> PathBuf {
@@ -42,11 +79,17 @@ pub fn hook_library() -> PathBuf {
     require(profile_dir().join("libvgpu.so"), "cargo build --workspace")
 }
 
+/// The fake Vulkan driver, `libvgpu_fake_icd.so`.
+pub fn fake_icd_library() -> PathBuf {
+    require(profile_dir().join("libvgpu_fake_icd.so"), "cargo build --workspace")
+}
+
 /// The hook built with the test-only `fault-injection` feature.
 pub fn fault_injection_hook_library() -> PathBuf {
-    let profile = if cfg!(debug_assertions) { "debug" } else { "release" };
     require(
-        target_dir().join("fault-injection").join(profile).join("libvgpu.so"),
+        with_build_target(target_dir().join("fault-injection"))
+            .join(profile())
+            .join("libvgpu.so"),
         "cargo build -p vgpu-hook --features fault-injection --target-dir target/fault-injection",
     )
 }
@@ -104,6 +147,27 @@ pub fn cuda_version() -> u32 {
 /// Compiles `tests/programs/<name>.c` (once per test process) and returns the executable, or the
 /// shared object when `shared` is set.
 pub fn c_program(name: &str, shared: bool) -> PathBuf {
+    compile(name, shared, &[])
+}
+
+/// The executable `tests/programs/<name>.c`, compiled at most once per test binary (its tests run
+/// on parallel threads, and `c_program` compiles each call into a name of its own).
+pub fn compiled_program(name: &str) -> PathBuf {
+    static BUILT: std::sync::Mutex<std::collections::BTreeMap<String, PathBuf>> =
+        std::sync::Mutex::new(std::collections::BTreeMap::new());
+    let mut built = BUILT.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    built
+        .entry(name.to_string())
+        .or_insert_with(|| c_program(name, false))
+        .clone()
+}
+
+/// Compiles the executable `tests/programs/<name>.c` linked with these libraries too (`-lvulkan`).
+pub fn c_program_linked(name: &str, libraries: &[&str]) -> PathBuf {
+    compile(name, false, libraries)
+}
+
+fn compile(name: &str, shared: bool, libraries: &[&str]) -> PathBuf {
     let source = workspace_root()
         .join("tests")
         .join("programs")
@@ -125,7 +189,10 @@ pub fn c_program(name: &str, shared: bool) -> PathBuf {
         std::process::id(),
         COMPILATIONS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     ));
-    let mut command = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()));
+    let compiler = std::env::var("VGPU_TEST_CC")
+        .or_else(|_| std::env::var("CC"))
+        .unwrap_or_else(|_| "cc".into());
+    let mut command = Command::new(compiler);
     command
         .arg("-O1")
         .arg("-Wall")
@@ -139,7 +206,8 @@ pub fn c_program(name: &str, shared: bool) -> PathBuf {
     } else {
         command
             .arg(format!("-L{}", fake_driver_dir().display()))
-            .args(["-pthread", "-lcuda", "-lnvidia-ml", "-ldl"]);
+            .args(["-pthread", "-lcuda", "-lnvidia-ml", "-ldl"])
+            .args(libraries);
     }
     let result = command.output().expect("run the C compiler");
     assert!(
@@ -152,6 +220,34 @@ pub fn c_program(name: &str, shared: bool) -> PathBuf {
     output
 }
 
+/// The preloads every test program gets besides those a test names: under an emulator
+/// (`VGPU_TEST_RUNNER`), the one that shows each process the kernel's record of itself.
+fn runner_preloads() -> Vec<PathBuf> {
+    static PRELOADS: OnceLock<Vec<PathBuf>> = OnceLock::new();
+    PRELOADS
+        .get_or_init(|| {
+            let runner = std::env::var("VGPU_TEST_RUNNER").unwrap_or_default();
+            if runner.trim().is_empty() {
+                Vec::new()
+            } else {
+                vec![c_program("real_own_stat", true)]
+            }
+        })
+        .clone()
+}
+
+/// The region a run uses unless its test names one: a file of this test process's own, so that a
+/// region left in `/tmp/cudevshr.cache` by another build or an older version (which the hook
+/// rebuilds, with a warning on stderr) cannot change what a test sees.
+fn default_region() -> &'static Path {
+    static REGION: OnceLock<PathBuf> = OnceLock::new();
+    REGION.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("vgpu-tests-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("create the test region folder");
+        dir.join("cudevshr.cache")
+    })
+}
+
 /// A program run: the preloads, extra environment, and input.
 pub struct Run {
     command: Command,
@@ -161,7 +257,7 @@ pub struct Run {
 impl Run {
     /// Runs `program` against the fake driver, without the hook.
     pub fn new(program: &Path) -> Run {
-        let mut command = Command::new(program);
+        let mut command = command(program);
         command.env("LD_LIBRARY_PATH", fake_driver_dir());
         for variable in [
             "LD_PRELOAD",
@@ -171,13 +267,24 @@ impl Run {
         ] {
             command.env_remove(variable);
         }
-        Run { command, stdin: None }
+        command.env("CUDA_DEVICE_MEMORY_SHARED_CACHE", default_region());
+        Run { command, stdin: None }.preload(&[])
     }
 
-    /// Preloads these libraries, in this order.
+    /// Preloads these libraries, in this order (then those of [`runner_preloads`], if any).
     pub fn preload(mut self, libraries: &[&Path]) -> Run {
-        let list: Vec<String> = libraries.iter().map(|l| l.display().to_string()).collect();
-        self.command.env("LD_PRELOAD", list.join(":"));
+        let extra = runner_preloads();
+        let list: Vec<String> = libraries
+            .iter()
+            .copied()
+            .chain(extra.iter().map(PathBuf::as_path))
+            .map(|library| library.display().to_string())
+            .collect();
+        if list.is_empty() {
+            self.command.env_remove("LD_PRELOAD");
+        } else {
+            self.command.env("LD_PRELOAD", list.join(":"));
+        }
         self
     }
 

@@ -5,9 +5,7 @@
 use std::collections::BTreeSet;
 use std::process::Command;
 
-use vgpu_integration::{
-    Run, ScratchDir, c_program, fault_injection_hook_library, hook_library, include_dir, workspace_root,
-};
+use vgpu_integration::{Run, ScratchDir, c_program, fault_injection_hook_library, hook_library};
 
 const CUDA_SUCCESS: &str = "0";
 const CUDA_ERROR_INVALID_VALUE: &str = "1";
@@ -15,14 +13,34 @@ const CUDA_ERROR_NOT_FOUND: &str = "500";
 const CUDA_ERROR_UNKNOWN: &str = "999";
 const NVML_ERROR_FUNCTION_NOT_FOUND: &str = "13";
 
-fn generated() -> vgpu_codegen::Generated {
-    let root = workspace_root();
-    vgpu_codegen::generate(
-        &include_dir(),
-        &root.join("cuda-api.toml"),
-        &root.join("hook").join("src"),
-    )
-    .expect("generate from the headers")
+/// What the headers declare, as this crate's build script read them with the generator.
+struct Declared {
+    cuda_version: u32,
+    /// (library key, declaring header, name) of every entry point the hook exports.
+    functions: Vec<(String, String, String)>,
+    /// Every base name with versioned variants (`cuMemAlloc` for `cuMemAlloc_v2`).
+    variant_bases: Vec<String>,
+}
+
+fn declared() -> Declared {
+    let mut declared = Declared {
+        cuda_version: 0,
+        functions: Vec::new(),
+        variant_bases: Vec::new(),
+    };
+    for line in include_str!(concat!(env!("OUT_DIR"), "/declared.txt")).lines() {
+        match line.split('\t').collect::<Vec<_>>()[..] {
+            ["cuda_version", version] => declared.cuda_version = version.parse().expect("a CUDA version"),
+            ["function", library, header, name] => {
+                declared
+                    .functions
+                    .push((library.to_string(), header.to_string(), name.to_string()))
+            }
+            ["variant", base] => declared.variant_bases.push(base.to_string()),
+            _ => panic!("unexpected line in declared.txt: {line:?}"),
+        }
+    }
+    declared
 }
 
 fn stderr_lines(output: &std::process::Output) -> Vec<String> {
@@ -33,13 +51,15 @@ fn stderr_lines(output: &std::process::Output) -> Vec<String> {
 }
 
 #[test]
-fn exports_exactly_the_header_functions_and_dlsym() {
-    let generated = generated();
-    let expected: BTreeSet<String> = generated
-        .routed
+fn exports_exactly_the_header_functions_dlsym_and_the_vulkan_layer_entry() {
+    let declared = declared();
+    // The Vulkan layer's one entry point: only the loader calls it, so a preloaded library
+    // interposes on nothing of Vulkan's (never vkGetInstanceProcAddr or vkGetDeviceProcAddr).
+    let expected: BTreeSet<String> = declared
+        .functions
         .iter()
-        .map(|f| f.prototype.name.clone())
-        .chain(std::iter::once("dlsym".to_string()))
+        .map(|(_, _, name)| name.clone())
+        .chain(["dlsym", "vkNegotiateLoaderLayerInterfaceVersion"].map(String::from))
         .collect();
     let output = Command::new("nm")
         .args(["-D", "--defined-only"])
@@ -56,31 +76,31 @@ fn exports_exactly_the_header_functions_and_dlsym() {
     let missing: Vec<_> = expected.difference(&exported).collect();
     assert!(extra.is_empty(), "exported but not in the headers: {extra:?}");
     assert!(missing.is_empty(), "in the headers but not exported: {missing:?}");
-    let cuda = generated
-        .routed
+    let cuda = declared
+        .functions
         .iter()
-        .filter(|f| f.library == vgpu_codegen::Library::Cuda)
+        .filter(|(library, _, _)| library == vgpu_codegen::Library::Cuda.key())
         .count();
-    let nvml = generated.routed.len() - cuda;
-    assert_eq!(exported.len(), cuda + nvml + 1);
+    let nvml = declared.functions.len() - cuda;
+    assert_eq!(exported.len(), cuda + nvml + 2);
     // The counts each supported release's headers declare (cuda.h, nvml.h), as the snapshots show.
-    let declared = match generated.cuda_version {
+    let counts = match declared.cuda_version {
         12090 => Some((616, 387)),
         13000 => Some((634, 398)),
         13050 => Some((685, 436)),
         _ => None,
     };
-    if let Some(declared) = declared {
-        let from_cuda_h = generated
-            .routed
+    if let Some(counts) = counts {
+        let from_cuda_h = declared
+            .functions
             .iter()
-            .filter(|f| f.prototype.header == "cuda.h")
+            .filter(|(_, header, _)| header == "cuda.h")
             .count();
         assert_eq!(
             (from_cuda_h, nvml),
-            declared,
+            counts,
             "driver and NVML functions of the CUDA {} headers",
-            generated.cuda_version
+            declared.cuda_version
         );
         assert!(cuda > from_cuda_h, "the interop headers' entry points are exported too");
     }
@@ -107,8 +127,8 @@ fn three_ways_to_the_driver_land_in_the_hook() {
 
 #[test]
 fn proc_address_returns_our_wrapper_for_the_drivers_choice() {
-    let generated = generated();
-    let names: BTreeSet<&str> = generated.variants.iter().map(|set| set.base.as_str()).collect();
+    let declared = declared();
+    let names: BTreeSet<&str> = declared.variant_bases.iter().map(String::as_str).collect();
     let mut input: Vec<&str> = names.into_iter().collect();
     input.push("cuNoSuchFunction");
     let expected_answers = input.len() * 5 * 3;
@@ -207,27 +227,28 @@ fn missing_symbols_return_not_found_and_log_once() {
 /// (scripts/test-versions.sh), every function newer than it.
 #[test]
 fn functions_the_driver_lacks_answer_not_found_with_one_line_each() {
-    let generated = generated();
+    let declared = declared();
     let driver = vgpu_integration::fake_driver_dir().join("libcuda.so.1");
     let driver_path = std::ffi::CString::new(driver.display().to_string()).expect("path");
     // SAFETY: a NUL-terminated path; the library is the fake driver, which runs no constructor
     // that matters here, and stays loaded for the test process's life.
     let handle = unsafe { libc::dlopen(driver_path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
     assert!(!handle.is_null(), "cannot load {}", driver.display());
-    let lacking: Vec<(String, &str)> = generated
-        .routed
+    let lacking: Vec<(String, &str)> = declared
+        .functions
         .iter()
-        .filter(|f| {
-            let name = std::ffi::CString::new(f.prototype.name.as_str()).expect("name");
+        .filter(|(_, _, name)| {
+            let name = std::ffi::CString::new(name.as_str()).expect("name");
             // SAFETY: a valid handle and a NUL-terminated name.
             unsafe { libc::dlsym(handle, name.as_ptr()) }.is_null()
         })
-        .map(|f| {
-            let expected = match f.library {
-                vgpu_codegen::Library::Cuda => CUDA_ERROR_NOT_FOUND,
-                vgpu_codegen::Library::Nvml => NVML_ERROR_FUNCTION_NOT_FOUND,
+        .map(|(library, _, name)| {
+            let expected = if library == vgpu_codegen::Library::Cuda.key() {
+                CUDA_ERROR_NOT_FOUND
+            } else {
+                NVML_ERROR_FUNCTION_NOT_FOUND
             };
-            (f.prototype.name.clone(), expected)
+            (name.clone(), expected)
         })
         .collect();
     assert!(

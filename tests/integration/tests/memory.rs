@@ -19,9 +19,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use vgpu_codegen::table::{Class, Table};
-use vgpu_integration::{
-    Run, ScratchDir, Session, c_program, cuda_version, fault_injection_hook_library, workspace_root,
-};
+use vgpu_integration::{Run, ScratchDir, Session, cuda_version, fault_injection_hook_library, workspace_root};
 use vgpu_region::{
     EXTENSION_OFFSET, InitParams, MemoryUsage, OpenKind, REGION_FILE_SIZE, Region, SLOT_LIVE, Snapshot, read_snapshot,
 };
@@ -39,16 +37,7 @@ const CUDA_ERROR_NOT_INITIALIZED: i32 = 3;
 const CUDA_ERROR_INVALID_HANDLE: i32 = 400;
 const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;
 
-/// A C program, compiled once per test binary (tests run on parallel threads and `c_program`
-/// compiles into a per-process temporary name).
-fn program(name: &str) -> PathBuf {
-    static BUILT: Mutex<BTreeMap<String, PathBuf>> = Mutex::new(BTreeMap::new());
-    let mut built = BUILT.lock().unwrap_or_else(PoisonError::into_inner);
-    built
-        .entry(name.to_string())
-        .or_insert_with(|| c_program(name, false))
-        .clone()
-}
+use vgpu_integration::compiled_program as program;
 
 /// The race and the kill storm measure waits: they must not share the CPUs with each other.
 fn heavy() -> MutexGuard<'static, ()> {
@@ -1462,30 +1451,31 @@ fn nvml_and_total_mem_show_the_virtual_device() {
     );
     assert_eq!(a.ask("info"), format!("info 0 {} {physical}", physical - used_1));
 
-    // Another process of the container, with a larger limit, takes more than a's limit: a sees
-    // used > total and must show free 0, not an underflow.
-    let mut big = start("4g");
-    assert_eq!(big.ask("init"), "init 0");
-    assert_eq!(big.ask("ctx 0"), "ctx 0");
-    assert_eq!(status(&big.ask(&format!("alloc {}", 1536 * MIB))), CUDA_SUCCESS);
+    // The container's limit is lowered below its usage while it runs (the region's limit is the
+    // container's: vgpu-smi set, or HAMi's monitor): a sees used > total and must show free 0,
+    // not an underflow.
+    let (region, device) = join_region(&dir);
+    let lowered = 100 * MIB;
+    region.hami().limit[device].store(lowered, std::sync::atomic::Ordering::Relaxed);
     let used = device_used(&snapshot(&dir.region()), 0);
-    assert!(used > GIB);
+    assert!(used > lowered);
     // used is capped at the total (hook/src/nvml.rs, virtual_memory): nvidia-smi never shows more
     // used than total, and free is 0.
     assert_eq!(
         a.ask("nvml 0"),
-        format!("nvml 0 {GIB} {GIB} 0"),
+        format!("nvml 0 {lowered} {lowered} 0"),
         "NVML with usage over the limit"
     );
-    assert_eq!(a.ask("nvml2 0"), format!("nvml2 0 {GIB} {GIB} 0"));
+    assert_eq!(a.ask("nvml2 0"), format!("nvml2 0 {lowered} {lowered} 0"));
     assert_eq!(a.ask("ctx 0"), "ctx 0");
     assert_eq!(
         a.ask("info"),
-        format!("info 0 0 {GIB}"),
+        format!("info 0 0 {lowered}"),
         "cuMemGetInfo with usage over the limit"
     );
     assert_eq!(status(&a.ask("alloc 1")), CUDA_ERROR_OUT_OF_MEMORY);
-    drop(big);
+    // Nothing was freed: the usage stands.
+    assert_eq!(device_used(&snapshot(&dir.region()), 0), used);
     drop(a);
 }
 
@@ -1739,6 +1729,50 @@ fn updates_made_while_the_lock_times_out_are_applied_once_it_works() {
     assert_eq!((used(), truth.device(0).used()), (0, 0));
 }
 
+/// Issue 16: a release queued while the lock timed out, by a process that then never makes
+/// another accounting call (an idle server, a job waiting for input), is applied in the background
+/// once the lock works: before, its bytes stayed charged for the rest of the process's life.
+#[test]
+fn a_release_queued_by_a_process_that_calls_no_more_is_applied_in_the_background() {
+    let dir = TestDir::new("queued-idle");
+    let fault = dir.0.join("lock-timeout");
+    let hook = fault_injection_hook_library();
+    let mut session = setup(Run::new(&program("mem_ops")).preload(&[hook.as_path()]), &dir)
+        .env("FAKE_CUDA_MEMORY", "4g")
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+        .env("VGPU_FAULT_LOCK_TIMEOUT_FILE", &fault)
+        .spawn(Duration::from_secs(30));
+    let truth = dir.truth();
+    let used = || device_used(&snapshot(&dir.region()), 0);
+    assert_eq!(session.ask("init"), "init 0");
+    assert_eq!(session.ask("ctx 0"), "ctx 0");
+    let answer = session.ask(&format!("alloc {}", 177 * MIB));
+    assert_eq!(status(&answer), CUDA_SUCCESS, "{answer}");
+    std::fs::write(&fault, "").unwrap();
+    assert_eq!(session.ask(&format!("free {}", number(&answer, 2))), "free 0");
+    // While the lock "times out", the release waits in the queue (and its retries fail).
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(used(), CONTEXT + 177 * MIB, "the fault did not hold the release back");
+    // The lock works again; the process makes no call at all.
+    std::fs::remove_file(&fault).unwrap();
+    let started = Instant::now();
+    while used() != CONTEXT && started.elapsed() < Duration::from_secs(3) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        (used(), truth.device(0).used()),
+        (CONTEXT, CONTEXT),
+        "{} MiB stayed charged with no call to write the queued release",
+        (used() - CONTEXT) / MIB
+    );
+    eprintln!(
+        "the queued release was written {:?} after the lock worked again",
+        started.elapsed()
+    );
+    session.send("quit");
+    assert!(session.finish().status.success());
+}
+
 /// Issue 16: a threaded process that forks while its other threads allocate. Each child must get
 /// through its first CUDA calls (none of the library's locks inherited held), with a slot of its
 /// own, and neither the child's charges nor the parent's may end up in the wrong slot.
@@ -1840,5 +1874,54 @@ fn context_charges_are_exact_while_other_processes_churn() {
         20,
         "{exact} of 20 contexts charged exactly {CHURN_CONTEXT} bytes while 3 processes churned; charged (MiB): {:?}",
         charged.iter().map(|bytes| bytes / MIB).collect::<Vec<_>>()
+    );
+}
+
+/// Issue 16: a process killed in the middle of a data call (inside a slow cuMemAlloc here) must
+/// not leave its in-flight mark behind. It used to stay in a region-wide count, and every later
+/// context measurement on the device waited twice its 50 ms for a quiet moment that never came.
+#[test]
+fn a_process_killed_inside_an_allocation_does_not_slow_later_context_measurements() {
+    let _heavy = heavy();
+    let dir = TestDir::new("killed-mid-alloc");
+    let env = |run: Run| {
+        setup(run, &dir)
+            .env("FAKE_CUDA_MEMORY", "8g")
+            .env("FAKE_NVML_NO_PROCESSES", "1")
+            .env("CUDA_DEVICE_MEMORY_LIMIT", "4g")
+    };
+    // Keeps the region in use (a region nobody uses is rebuilt at the next start, marks and all).
+    let mut bystander = env(Run::new(&program("mem_ops")).hooked()).spawn(Duration::from_secs(60));
+    assert_eq!(bystander.ask("init"), "init 0");
+    let mut victim = env(Run::new(&program("mem_ops")).hooked())
+        .env("FAKE_CUDA_ALLOC_US", "10000000")
+        .spawn(Duration::from_secs(60));
+    assert_eq!(victim.ask("init"), "init 0");
+    assert_eq!(victim.ask("ctx 0"), "ctx 0");
+    victim.send(&format!("alloc {MIB}"));
+    // The allocation takes 10 s in the driver: the victim is inside it.
+    std::thread::sleep(Duration::from_millis(500));
+    victim.kill();
+
+    let mut measurer = env(Run::new(&program("mem_ops")).hooked()).spawn(Duration::from_secs(60));
+    assert_eq!(measurer.ask("init"), "init 0");
+    let pid = measurer.pid();
+    let mut took = Vec::new();
+    for _ in 0..10 {
+        let started = Instant::now();
+        assert_eq!(measurer.ask("ctx 0"), "ctx 0");
+        took.push(started.elapsed());
+        assert_eq!(usage(&snapshot(&dir.region()), pid, 0).context, CONTEXT);
+        assert_eq!(measurer.ask("reset 0"), "reset 0");
+    }
+    measurer.send("quit");
+    let _ = measurer.finish();
+    bystander.send("quit");
+    let _ = bystander.finish();
+    took.sort();
+    eprintln!("context creations after the kill: {took:?}");
+    assert!(
+        took[5] < Duration::from_millis(50),
+        "context creations took {took:?}: each waited for the dead process's in-flight mark"
     );
 }

@@ -11,7 +11,7 @@ use vgpu_region::{ComputeDevice, SharedRegion};
 use crate::hooks::real;
 use crate::sys::cuda::{CU_STREAM_CAPTURE_STATUS_NONE, CUDA_SUCCESS, CUresult, CUstream, CUstreamCaptureStatus};
 use crate::throttle::sensor::{InFlight, SampleInfo};
-use crate::throttle::{Stream, bucket, now_ns};
+use crate::throttle::{Stream, activity, bucket, now_ns};
 
 use super::{Runtime, SHUTDOWN, runtime};
 
@@ -45,7 +45,7 @@ pub struct Ticket {
 /// launch that must not run (a limit without a region: [`without_region`]).
 #[inline(never)]
 pub fn before(stream: Stream, key: u64, measurable: bool) -> Result<Option<Ticket>, CUresult> {
-    if SHUTDOWN.load(Ordering::Relaxed) {
+    if activity::launched() || SHUTDOWN.load(Ordering::Relaxed) {
         return Ok(None);
     }
     Ok(runtime()?.and_then(|runtime| runtime.before(stream.handle(), key, measurable)))
@@ -76,12 +76,6 @@ fn sleep_ns(ns: u64) {
     std::thread::sleep(Duration::from_nanos(ns));
 }
 
-fn unix_seconds() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |elapsed| elapsed.as_secs() as i64)
-}
-
 impl Runtime {
     /// Whether the limit applies now: HAMi's monitor turns `utilization_switch` on while the GPU
     /// is really shared, unless the policy overrides it.
@@ -101,8 +95,8 @@ impl Runtime {
         } else {
             crate::session::current_ordinal()?
         };
-        let limit = self.config.sm_limit_of(ordinal as usize)?;
         let region_index = accounting.device(ordinal)?.region_index;
+        let limit = accounting.sm_limit(region_index)?;
         let region = accounting.region();
         let hami = region.hami();
         let bucket = region.extension().compute.get(region_index)?;
@@ -132,7 +126,7 @@ impl Runtime {
                 let admitted = if capturing(stream) {
                     None
                 } else {
-                    self.admit(hami, bucket, limit, charge, wait, now)
+                    self.admit(accounting, region_index, charge, wait, now)
                 };
                 let Some(waited) = admitted else {
                     device.estimates().forget(key, plan);
@@ -141,7 +135,7 @@ impl Runtime {
                 (waited, true)
             }
         };
-        self.account(hami, bucket, region_index, charge as i64, waited, now);
+        self.account(hami, bucket, region_index, charge as i64, waited);
         let sample = if plan.sample && measurable {
             if !checked && capturing(stream) {
                 self.charge(bucket, region_index, -(charge as i64));
@@ -188,21 +182,23 @@ impl Runtime {
 
     /// Sleeps (`wait` ns first) until the bucket admits `cost` and `recent_kernel` allows launches.
     /// Returns the time waited since `since`, or `None` when the limit was lifted meanwhile
-    /// (nothing charged).
+    /// (nothing charged). The limit is the region's, read again at each wake-up.
     fn admit(
         &self,
-        hami: &SharedRegion,
-        bucket: &ComputeDevice,
-        limit: u8,
+        session: &'static crate::session::Session,
+        region_index: usize,
         cost: u64,
         mut wait: u64,
         since: u64,
     ) -> Option<u64> {
+        let hami = session.region().hami();
+        let bucket = session.region().extension().compute.get(region_index)?;
         loop {
             sleep_ns(wait.clamp(MIN_WAIT_NS, MAX_WAIT_NS));
             if SHUTDOWN.load(Ordering::Relaxed) || !self.active(hami) {
                 return None;
             }
+            let limit = session.sm_limit(region_index)?;
             let now = now_ns();
             wait = if hami.recent_kernel.load(Ordering::Relaxed) < 0 {
                 // HAMi's monitor holds this container while a higher-priority one runs.
@@ -217,16 +213,9 @@ impl Runtime {
     }
 
     /// Records an admitted launch: this process's counters (the background thread adds them to
-    /// the region's), the wait, HAMi's activity fields.
-    fn account(
-        &self,
-        hami: &SharedRegion,
-        bucket: &ComputeDevice,
-        region_index: usize,
-        charge: i64,
-        waited: u64,
-        now: u64,
-    ) {
+    /// the region's), the wait, HAMi's `recent_kernel` (`last_kernel_time` is every launch's:
+    /// `activity`).
+    fn account(&self, hami: &SharedRegion, bucket: &ComputeDevice, region_index: usize, charge: i64, waited: u64) {
         if waited > 0 {
             bucket.wait_ns.fetch_add(waited, Ordering::Relaxed);
         }
@@ -243,15 +232,6 @@ impl Runtime {
             let _ =
                 hami.recent_kernel
                     .compare_exchange(recent, RECENT_KERNEL_ACTIVE, Ordering::Relaxed, Ordering::Relaxed);
-        }
-        let written = self.kernel_time_written_ns.load(Ordering::Relaxed);
-        if now.saturating_sub(written) >= 1_000_000_000
-            && self
-                .kernel_time_written_ns
-                .compare_exchange(written, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            hami.last_kernel_time.store(unix_seconds(), Ordering::Relaxed);
         }
     }
 }

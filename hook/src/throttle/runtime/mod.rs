@@ -21,7 +21,7 @@ use vgpu_region::{ComputeDevice, MAX_DEVICES};
 
 use super::estimates::Estimates;
 use super::sensor::Sensor;
-use super::{MODE, OFF, ON, UNDECIDED, bucket};
+use super::{IDLE, MODE, OFF, ON, UNDECIDED, activity, bucket};
 use crate::sys::cuda::{CUDA_ERROR_NOT_INITIALIZED, CUresult};
 
 pub use admission::{after, before};
@@ -43,8 +43,6 @@ pub struct Runtime {
     /// Per region device index: each device's budget, sensor and estimates stand alone, so
     /// threads driving different GPUs never wait on each other.
     devices: [Device; MAX_DEVICES],
-    /// When `last_kernel_time` was last written (monotonic ns).
-    kernel_time_written_ns: AtomicU64,
     poller: Once,
 }
 
@@ -119,7 +117,9 @@ fn runtime() -> Result<Option<&'static Runtime>, CUresult> {
 /// Builds this process's limiter in place of `stale` (null, or a parent's before a fork).
 #[cold]
 fn create(stale: *mut Runtime) -> Result<Option<&'static Runtime>, CUresult> {
-    if MODE.load(Ordering::Relaxed) == OFF {
+    // The process's first launch comes here, limited or not.
+    activity::ensure_tick();
+    if matches!(MODE.load(Ordering::Relaxed), OFF | IDLE) {
         return Ok(None);
     }
     let Ok(config) = crate::session::config() else {
@@ -128,18 +128,26 @@ fn create(stale: *mut Runtime) -> Result<Option<&'static Runtime>, CUresult> {
         MODE.store(OFF, Ordering::Relaxed);
         return Ok(None);
     };
-    if config.utilization_policy == UtilizationPolicy::Disable || config.sm_limit.iter().all(Option::is_none) {
+    if config.utilization_policy == UtilizationPolicy::Disable {
         MODE.store(OFF, Ordering::Relaxed);
         return Ok(None);
     }
-    if crate::session::get().is_none() {
-        return without_region(config);
+    // The limits are the region's, live (`crate::limits`); without a region, the variables say
+    // whether a launch must be refused. A tick that turns the mode on meanwhile sees the limit
+    // again within its period.
+    let limited = match crate::session::get() {
+        Some(session) => session.any_sm_limit(),
+        None if config.sm_limit.iter().any(Option::is_some) => return without_region(config),
+        None => false,
+    };
+    if !limited {
+        MODE.store(OFF, Ordering::Relaxed);
+        return Ok(None);
     }
     let fresh = Box::into_raw(Box::new(Runtime {
         epoch: crate::session::epoch(),
         config,
         devices: std::array::from_fn(|_| Device::default()),
-        kernel_time_written_ns: AtomicU64::new(0),
         poller: Once::new(),
     }));
     // No lock (a forked child could inherit it held): the first pointer stored wins.
@@ -154,6 +162,31 @@ fn create(stale: *mut Runtime) -> Result<Option<&'static Runtime>, CUresult> {
     let _ = MODE.compare_exchange(UNDECIDED, ON, Ordering::Relaxed, Ordering::Relaxed);
     // SAFETY: from Box::into_raw (ours or the winner's), never freed.
     Ok(Some(unsafe { &*winner }))
+}
+
+/// The tick (`activity`): follows the region's compute limits in a process whose launches are not
+/// limited now (turned on within the tick's period when a limit appears, so an unlimited process
+/// starts limiting) and turns the limiter off when none is left (its launches go back to the fast
+/// path). `GPU_CORE_UTILIZATION_POLICY=disable` never limits.
+pub fn follow_live_limits(session: &'static crate::session::Session) {
+    let Ok(config) = crate::session::config() else {
+        return;
+    };
+    if config.utilization_policy == UtilizationPolicy::Disable {
+        return;
+    }
+    let limited = session.any_sm_limit();
+    let mode = MODE.load(Ordering::Relaxed);
+    if limited && matches!(mode, OFF | IDLE) {
+        let turned = MODE.compare_exchange(mode, ON, Ordering::Relaxed, Ordering::Relaxed);
+        if turned.is_ok() && mode == OFF {
+            // OFF stood for a launch since the tick last wrote last_kernel_time.
+            activity::note_launch();
+        }
+    } else if !limited && mode == ON {
+        // IDLE: the next launch goes back to the fast path, and shows the tick it happened.
+        let _ = MODE.compare_exchange(ON, IDLE, Ordering::Relaxed, Ordering::Relaxed);
+    }
 }
 
 /// A launch while a compute limit is configured but the process has no region: `cuInit` has not

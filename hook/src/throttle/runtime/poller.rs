@@ -81,6 +81,7 @@ impl Runtime {
                 // SAFETY: registers a plain function that stores atomics and sleeps briefly.
                 unsafe { libc::atexit(at_exit) };
             });
+            crate::loaded::keep_loaded();
             let spawned = std::thread::Builder::new()
                 .name("vgpu-limiter".into())
                 .spawn(move || self.poll_loop());
@@ -240,11 +241,9 @@ impl Runtime {
         let (then, busy_then, readings) = std::mem::replace(seen, (now, busy, seen.2.saturating_add(1)));
         let current = f64::from(boost.load(Ordering::Relaxed)) / f64::from(BOOST_UNIT);
         let own = busy.saturating_sub(busy_then) as f64 / now.saturating_sub(then).max(1) as f64 / current;
-        // Where NVML measures the GPU's utilisation, it counts other containers' kernels too: the
-        // power is then not all this container's (where NVML reports 0%, only the container's
-        // own share is known).
-        let gpu = utilisation.map_or(0.0, |percent| f64::from(percent) / 100.0);
-        let share = own.max(gpu);
+        let gpu = utilisation.map(|percent| f64::from(percent) / 100.0);
+        let clock_known = power.is_some_and(|reading| reading.clock.is_some());
+        let share = boost::busy_share(own, gpu, clock_known);
         let target = power.map_or(1.0, |reading| boost::target_factor(reading, share));
         let next = boost::smoothed(current, target, starting || readings == 0);
         boost.store((next * f64::from(BOOST_UNIT)).round() as u32, Ordering::Relaxed);
@@ -252,7 +251,8 @@ impl Runtime {
             // Both sources of the share, so that a run can tell which one set the factor.
             tracing::debug!(
                 "compute limiter: device {ordinal} boost factor {next:.3} (busy share {share:.3}: the container's \
-                 {own:.3}, NVML's {gpu:.3})"
+                 {own:.3}, NVML's {:.3})",
+                gpu.unwrap_or(0.0)
             );
         }
     }
@@ -261,6 +261,13 @@ impl Runtime {
     fn correct(&self, device: &Device, info: SampleInfo, measured: u64) {
         let correction = device.estimates().measured(info.key, info.charged, measured);
         let correction = self.boosted(info.region_index, correction);
+        // One line per measurement: what a run's diagnosis needs (measured against charged).
+        tracing::debug!(
+            "compute limiter: device index {} key {:x} measured {measured} ns, charged {} ns, correction {correction} ns",
+            info.region_index,
+            info.key,
+            info.charged
+        );
         if correction == 0 {
             return;
         }
@@ -318,6 +325,10 @@ impl Runtime {
     /// Writes the process's GPU share over the last second, in percent, into its slot's
     /// `device_util[d].sm_util` (what HAMi's monitor reports).
     fn publish(&self, history: &mut [[(u64, i64); PUBLISH_WINDOW]; MAX_DEVICES], position: usize, now: u64) {
+        // Never into a slot the process has given back at exit (another may claim it).
+        let Some(_writing) = crate::exit::slot_write() else {
+            return;
+        };
         let Some(accounting) = crate::session::get() else {
             return;
         };

@@ -1,0 +1,133 @@
+//! Kernel activity for HAMi's monitor: the region's `last_kernel_time` (unix seconds of the last
+//! launch; HAMi exports it as the container's last-kernel metric and its priority feedback uses
+//! it), moved by every launch, limited or not, and written at attach (`session::start`).
+//!
+//! The unlimited launch path pays nothing for it: a background tick ([`TICK_PERIOD`]) that has
+//! written the time (at most once a second) turns the limiter's mode from `OFF` to `IDLE`. The
+//! fast path only goes to the driver directly while the mode is `OFF`, so the next launch takes
+//! the handler's path once, where [`launched`] turns it back to `OFF`: the next tick knows a launch
+//! happened. Launches on the limited path set a flag instead. So an unlimited launch makes no
+//! system call and no extra load, and the process's busy launches leave the fast path once a
+//! second.
+//!
+//! The tick also follows the region's compute limits, which may change while the process runs
+//! (`crate::limits`): an unlimited process whose limit is raised starts limiting within its
+//! period, and one whose limit is lifted goes back to the fast path
+//! ([`super::runtime::follow_live_limits`]).
+//!
+//! The tick is started by the process's first launch, which always takes the handler's path (the
+//! limiter decides its mode there: [`ensure_tick`]); a process that never launches has none.
+//! Fork: the child has no tick thread; the `pthread_atfork` child handler clears the flags and
+//! makes the limiter decide its mode again, so the child's first launch takes the handler's path
+//! and starts a tick of its own.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use super::{IDLE, MODE, OFF, UNDECIDED};
+
+/// How often the tick runs.
+pub const TICK_PERIOD: Duration = Duration::from_millis(500);
+/// `last_kernel_time` is written at most this often.
+const WRITE_PERIOD_NS: u64 = 1_000_000_000;
+
+/// A launch on the handler's path happened since the tick last wrote `last_kernel_time`.
+static LAUNCHED: AtomicBool = AtomicBool::new(false);
+/// The tick thread is running (or being started) in this process.
+static TICKING: AtomicBool = AtomicBool::new(false);
+
+/// A launch on the handler's path notes that it happened. True when it is an unlimited launch
+/// that found the mode `IDLE` (the first since the tick wrote): it goes to the driver directly.
+#[inline]
+pub fn launched() -> bool {
+    if MODE.load(Ordering::Relaxed) == IDLE
+        && MODE
+            .compare_exchange(IDLE, OFF, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    {
+        return true;
+    }
+    note_launch();
+    false
+}
+
+/// Notes a launch for the next tick.
+#[inline]
+pub fn note_launch() {
+    if !LAUNCHED.load(Ordering::Relaxed) {
+        LAUNCHED.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Starts the tick unless it runs: called where a process's launches first take the handler's
+/// path (the limiter's decision, once per process and again in a forked child). Nothing to do
+/// without a region (cuInit has not succeeded here).
+#[cold]
+pub fn ensure_tick() {
+    if TICKING.load(Ordering::Relaxed) || crate::session::get().is_none() {
+        return;
+    }
+    if !TICKING.swap(true, Ordering::AcqRel) {
+        start_tick();
+    }
+}
+
+extern "C" fn forked_child() {
+    TICKING.store(false, Ordering::Relaxed);
+    LAUNCHED.store(false, Ordering::Relaxed);
+    // The child's first launch decides again, on the handler's path, where its tick starts.
+    MODE.store(UNDECIDED, Ordering::Relaxed);
+}
+
+fn start_tick() {
+    // A flag rather than a `Once`, which a child forked in the middle would wait on forever.
+    static AT_FORK: AtomicBool = AtomicBool::new(false);
+    if !AT_FORK.swap(true, Ordering::AcqRel) {
+        // SAFETY: registers a plain function that only stores atomics.
+        unsafe { libc::pthread_atfork(None, None, Some(forked_child)) };
+    }
+    crate::loaded::keep_loaded();
+    let spawned = std::thread::Builder::new().name("vgpu-tick".into()).spawn(tick_loop);
+    if let Err(error) = spawned {
+        tracing::error!("cannot start the library's tick thread ({error}): last_kernel_time is not updated");
+    }
+}
+
+fn tick_loop() {
+    let mut written = 0u64;
+    let mut said = false;
+    loop {
+        std::thread::sleep(TICK_PERIOD);
+        if crate::exit::exiting() {
+            return;
+        }
+        let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| tick(&mut written)));
+        if step.is_err() && !std::mem::replace(&mut said, true) {
+            tracing::error!("the library's tick failed; skipping it");
+        }
+    }
+}
+
+/// One tick: `last_kernel_time` when a launch happened and a second has passed since the last
+/// write; then the region's live compute limits.
+fn tick(written: &mut u64) {
+    let Some(session) = crate::session::get() else {
+        return;
+    };
+    let now = super::now_ns();
+    if now.saturating_sub(*written) >= WRITE_PERIOD_NS && take_launches() {
+        crate::session::write_kernel_time(session.region());
+        *written = now;
+    }
+    super::runtime::follow_live_limits(session);
+}
+
+/// Whether a launch happened since the last call. `OFF` means one did (the process's first launch
+/// decided it, or a launch turned `IDLE` back): it becomes `IDLE`, so the next launch shows again.
+fn take_launches() -> bool {
+    let unlimited = MODE
+        .compare_exchange(OFF, IDLE, Ordering::Relaxed, Ordering::Relaxed)
+        .is_ok();
+    let limited = LAUNCHED.swap(false, Ordering::Relaxed);
+    unlimited || limited
+}

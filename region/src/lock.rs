@@ -1,0 +1,638 @@
+//! The region's lock: one that no byte of the (world-writable) file can turn into a crash, a read
+//! through a pointer, or a wait over [`LOCK_TIMEOUT`].
+//!
+//! It has two stages:
+//!
+//! 1. **Threads of one process** queue at a [`ThreadGate`]: a word taken with one compare-exchange
+//!    when free; waiters sleep on a std condition variable, and a release with waiters hands the
+//!    gate straight to one of them (woken in order), so a thread looping on the lock cannot
+//!    starve the others. Open-file-description locks do not exclude threads that share the
+//!    description, hence this stage. (Not `parking_lot`: its global table of waiters could be
+//!    left locked in a forked child by a thread the child does not have.)
+//! 2. **Processes** take a write lock on the byte at [`FILE_LOCK_OFFSET`] with `F_OFD_SETLK`, each
+//!    on an open file description of its own. The kernel holds that lock outside the file and
+//!    releases it when the description's last descriptor closes, so a holder killed with SIGKILL
+//!    never blocks anyone, in any pid namespace, and nothing written into the file can confuse it.
+//!
+//! `F_OFD_SETLKW` waits without a deadline (only a signal interrupts it, and a library must not
+//! install signal handlers), so a waiter retries `F_OFD_SETLK`, sleeping between tries on a futex
+//! word of the file, at most [`SLEEP_AT_MOST`] at a time:
+//!
+//! - Waiters sleep on [`LockWords::wake`] and count themselves in [`LockWords::sleepers`]; a
+//!   release that sees sleepers bumps `wake` and wakes one, the one that has slept longest (the
+//!   kernel queues futex sleepers in order); the others stay asleep.
+//! - A waiter woken from that sleep that still finds the lock taken takes the *favour*: a second
+//!   file lock, on the byte at [`FAVOUR_LOCK_OFFSET`], which one process holds at a time; it
+//!   writes its token into [`LockWords::favoured`] and sleeps on [`LockWords::favoured_wake`].
+//!   While a favour is held, no other process tries the lock, and a release wakes the favoured
+//!   process; when that one gets the lock it drops the favour and wakes the next sleeper, which
+//!   takes the favour while the lock is held. So the lock passes from process to process in the
+//!   order they came to sleep, however often one would take it again, much as a mutex that hands
+//!   itself over. The favour is checked with `F_OFD_GETLK`, not trusted from the word, so a
+//!   favoured process that dies (the kernel drops its file locks) or a token a writer made up
+//!   holds nobody back.
+//!
+//! The words of [`LockWords`] are only hints. A writer can make a sleeper sleep [`SLEEP_AT_MOST`]
+//! (a lower `sleepers`: no wake-up), cost releases a useless wake-up (a higher one: each useless
+//! wake-up takes one off), make waiters spin until the deadline (changing `wake` without end),
+//! cost one `F_OFD_GETLK` (a `favoured` token nobody holds), or make the next holder recompute the
+//! totals (a nonzero `holder`); every wait stays bounded by [`LOCK_TIMEOUT`]. Holding the file
+//! locks themselves takes opening the file, which any process that can write it can do: that
+//! makes everyone wait for the deadline, as holding any lock would.
+//!
+//! **Fork.** A child shares the parent's descriptions, and with them the parent's lock: it must
+//! never lock through them, and must not keep them open either (a parent killed while holding
+//! the lock would leave it held as long as the child lives). A `pthread_atfork` child handler
+//! closes every description this crate opened for locking (up to [`DESCRIPTION_SLOTS`] at once;
+//! others stay open in the child, unused) and bumps a counter; the child's first lock then opens
+//! a description and a gate of its own (the parent's gate may be held by a thread the child does
+//! not have). Descriptions are opened `O_CLOEXEC`, so `exec` closes them too.
+
+use std::fs::{File, OpenOptions};
+use std::hash::{BuildHasher, Hasher};
+use std::io;
+use std::os::fd::{IntoRawFd, RawFd};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use crate::LOCK_TIMEOUT;
+use crate::layout::{FAVOUR_LOCK_OFFSET, FILE_LOCK_OFFSET, LockWords};
+use crate::sys;
+
+/// The longest sleep between two tries of the file lock (a release wakes a sleeper at once; a
+/// holder's death, or a wake-up a writer's values made go astray, does not).
+const SLEEP_AT_MOST: Duration = Duration::from_millis(5);
+static TAKE_LOCK: sys::ByteLock = sys::ByteLock::write(FILE_LOCK_OFFSET);
+static RELEASE_LOCK: sys::ByteLock = sys::ByteLock::release(FILE_LOCK_OFFSET);
+static TAKE_FAVOUR: sys::ByteLock = sys::ByteLock::write(FAVOUR_LOCK_OFFSET);
+static RELEASE_FAVOUR: sys::ByteLock = sys::ByteLock::release(FAVOUR_LOCK_OFFSET);
+
+/// Lock descriptions the fork handler can find and close in a child.
+pub(crate) const DESCRIPTION_SLOTS: usize = 64;
+
+/// Why the lock was not taken.
+#[derive(Debug)]
+pub(crate) enum LockError {
+    /// Not within [`LOCK_TIMEOUT`].
+    Timeout,
+    /// `fcntl` failed (a filesystem without OFD locks, for example), or a forked child could not
+    /// open a description of its own.
+    Io(io::Error),
+}
+
+/// Forks seen by this process's line of ancestors: bumped in every child. A [`ProcessSide`] made
+/// under another value belongs to an ancestor.
+static FORKS: AtomicU64 = AtomicU64::new(0);
+/// Lock descriptions of this process, which the child handler closes. -1: free.
+static DESCRIPTIONS: [AtomicI32; DESCRIPTION_SLOTS] = [const { AtomicI32::new(-1) }; DESCRIPTION_SLOTS];
+
+/// `pthread_atfork` child handler: only atomics and `close` (async-signal-safe).
+extern "C" fn forked_child() {
+    for slot in &DESCRIPTIONS {
+        let fd = slot.swap(-1, Ordering::AcqRel);
+        if fd >= 0 {
+            // SAFETY: the parent registered this descriptor as its own lock description; the
+            // child's copy is closed here and never used again (its side is stale: FORKS moves).
+            unsafe { sys::close(fd) };
+        }
+    }
+    FORKS.fetch_add(1, Ordering::AcqRel);
+}
+
+/// The region's lock, as one [`crate::Region`] uses it.
+pub(crate) struct RegionLock {
+    /// This process's side; replaced (and the old one leaked) in a forked child.
+    side: AtomicPtr<ProcessSide>,
+    /// The region's descriptor (owned by the `Region`, open as long as this lock), from which a
+    /// child opens its own description through `/proc/self/fd`.
+    region_fd: RawFd,
+    /// Device and inode of the region file, so a description is only ever opened on it.
+    identity: (u64, u64),
+    path: PathBuf,
+}
+
+impl RegionLock {
+    /// The lock of the region file `file` (opened at `path`), with a description of its own.
+    pub(crate) fn new(file: &File, region_fd: RawFd, path: &Path) -> io::Result<RegionLock> {
+        static HANDLER: AtomicBool = AtomicBool::new(false);
+        if !HANDLER.swap(true, Ordering::AcqRel) {
+            sys::at_fork_in_child(forked_child);
+        }
+        let metadata = file.metadata()?;
+        let identity = (metadata.dev(), metadata.ino());
+        let side = ProcessSide::open(region_fd, identity, path)?;
+        Ok(RegionLock {
+            side: AtomicPtr::new(Box::into_raw(Box::new(side))),
+            region_fd,
+            identity,
+            path: path.to_owned(),
+        })
+    }
+
+    /// Takes the lock, waiting at most [`LOCK_TIMEOUT`] in all.
+    #[inline]
+    pub(crate) fn acquire<'a>(&'a self, words: &'a LockWords) -> Result<Held<'a>, LockError> {
+        let side = self.side()?;
+        let mut clock = Clock::default();
+        if !side.gate.enter(&mut clock) {
+            return Err(LockError::Timeout);
+        }
+        let locked = if words.favoured.load(Ordering::Relaxed) == 0 {
+            sys::ofd_lock(side.fd, &TAKE_LOCK).map_err(LockError::Io)
+        } else {
+            Ok(false)
+        };
+        let locked = match locked {
+            Ok(false) => wait_for_file(side, words, &mut clock),
+            other => other.map(|_| ()),
+        };
+        if let Err(error) = locked {
+            side.gate.leave();
+            return Err(error);
+        }
+        let previous = words.holder.swap(side.token, Ordering::AcqRel);
+        Ok(Held {
+            side,
+            words,
+            interrupted: previous != 0,
+        })
+    }
+
+    /// This process's side, made anew on the first use in a forked child.
+    #[inline]
+    fn side(&self) -> Result<&ProcessSide, LockError> {
+        // SAFETY: never null; a side is freed only when self drops (replaced ones are leaked).
+        let side = unsafe { &*self.side.load(Ordering::Acquire) };
+        if side.generation == FORKS.load(Ordering::Acquire) {
+            Ok(side)
+        } else {
+            self.renew(side)
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn renew(&self, stale: &ProcessSide) -> Result<&ProcessSide, LockError> {
+        let fresh = ProcessSide::open(self.region_fd, self.identity, &self.path).map_err(LockError::Io)?;
+        let fresh = Box::into_raw(Box::new(fresh));
+        let stale = std::ptr::from_ref(stale).cast_mut();
+        match self
+            .side
+            .compare_exchange(stale, fresh, Ordering::AcqRel, Ordering::Acquire)
+        {
+            Ok(_) => {
+                // SAFETY: the stale side stays allocated (leaked: a thread may still be reading
+                // its generation); only its descriptor is closed, once, by the thread that
+                // replaced it, and never used again (its generation is stale for good).
+                unsafe { &*stale }.close_inherited();
+                // SAFETY: from Box::into_raw just above; freed only when self drops.
+                Ok(unsafe { &*fresh })
+            }
+            Err(current) => {
+                // Another thread of the child was first: ours goes.
+                // SAFETY: from Box::into_raw above, never shared.
+                drop(unsafe { Box::from_raw(fresh) });
+                // SAFETY: never null; freed only when self drops.
+                Ok(unsafe { &*current })
+            }
+        }
+    }
+}
+
+impl Drop for RegionLock {
+    fn drop(&mut self) {
+        // SAFETY: the current side came from Box::into_raw and nothing borrows it any more
+        // (guards borrow the Region that owns self).
+        drop(unsafe { Box::from_raw(self.side.load(Ordering::Acquire)) });
+    }
+}
+
+/// Proof that this thread holds the region's lock; releases it on drop.
+pub(crate) struct Held<'a> {
+    side: &'a ProcessSide,
+    words: &'a LockWords,
+    /// The previous holder left [`LockWords::holder`] set: it died in the middle of an update
+    /// (or a writer set the word), so the totals may be half updated.
+    pub(crate) interrupted: bool,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.words.holder.store(0, Ordering::Release);
+        // Unlocking a lock this description holds cannot fail; if it somehow did, the description
+        // closes with the process and the kernel releases it then.
+        let _ = sys::ofd_lock(self.side.fd, &RELEASE_LOCK);
+        if self.words.favoured.load(Ordering::Acquire) != 0 || self.words.sleepers.load(Ordering::Acquire) != 0 {
+            wake_next(self.words);
+        }
+        self.side.gate.leave();
+    }
+}
+
+/// Wakes the next process: the favoured one if there is one, else the one that has slept longest.
+#[cold]
+#[inline(never)]
+fn wake_next(words: &LockWords) {
+    if words.favoured.load(Ordering::Acquire) != 0 {
+        words.favoured_wake.fetch_add(1, Ordering::AcqRel);
+        sys::futex_wake(&words.favoured_wake, 1);
+    } else {
+        wake_sleeper(words);
+    }
+}
+
+/// Wakes the process that has slept longest on `wake`.
+fn wake_sleeper(words: &LockWords) {
+    words.wake.fetch_add(1, Ordering::AcqRel);
+    if sys::futex_wake(&words.wake, 1) == 0 {
+        // Nobody slept: a sleeper died counted (or a writer raised the count). Take one off, so
+        // that a stale count costs a few useless wake-ups, not one per release for ever.
+        decrement(&words.sleepers);
+    }
+}
+
+/// Takes one off a count, never below 0.
+fn decrement(count: &std::sync::atomic::AtomicU32) {
+    let _ = count.fetch_update(Ordering::AcqRel, Ordering::Acquire, |value| value.checked_sub(1));
+}
+
+/// The slow path of the file stage: retries until the lock is free and no other process holds
+/// the favour, or the deadline passes.
+#[cold]
+#[inline(never)]
+fn wait_for_file(side: &ProcessSide, words: &LockWords, clock: &mut Clock) -> Result<(), LockError> {
+    let mut favour_held = false;
+    // Only a process that has slept in the queue takes the favour: they take it in the order
+    // the kernel woke them, the order they came.
+    let mut slept = false;
+    let result = loop {
+        let defer = if favour_held {
+            false
+        } else {
+            match favour_taken(side, words) {
+                Ok(taken) => taken,
+                Err(error) => break Err(LockError::Io(error)),
+            }
+        };
+        // Read before the try: a release after a failed try moves the word on, and the sleep
+        // below then returns at once.
+        let (word, counted) = if favour_held {
+            (&words.favoured_wake, false)
+        } else {
+            words.sleepers.fetch_add(1, Ordering::AcqRel);
+            (&words.wake, true)
+        };
+        let seen = word.load(Ordering::Acquire);
+        let uncount = || {
+            if counted {
+                decrement(&words.sleepers);
+            }
+        };
+        if !defer {
+            match sys::ofd_lock(side.fd, &TAKE_LOCK) {
+                Ok(true) => {
+                    uncount();
+                    break Ok(());
+                }
+                Ok(false) => {}
+                Err(error) => {
+                    uncount();
+                    break Err(LockError::Io(error));
+                }
+            }
+        }
+        let Some(left) = clock.left() else {
+            uncount();
+            break Err(LockError::Timeout);
+        };
+        if !favour_held && !defer && slept {
+            match sys::ofd_lock(side.fd, &TAKE_FAVOUR) {
+                Ok(true) => {
+                    favour_held = true;
+                    words.favoured.store(side.token, Ordering::Release);
+                    // Try again at once, now as the favoured process (sleeping on its own word).
+                    uncount();
+                    continue;
+                }
+                Ok(false) => {}
+                Err(error) => {
+                    uncount();
+                    break Err(LockError::Io(error));
+                }
+            }
+        }
+        sys::futex_wait(word, seen, SLEEP_AT_MOST.min(left));
+        slept = true;
+        uncount();
+    };
+    if favour_held {
+        let _ = words
+            .favoured
+            .compare_exchange(side.token, 0, Ordering::AcqRel, Ordering::Relaxed);
+        let _ = sys::ofd_lock(side.fd, &RELEASE_FAVOUR);
+        // Pass the favour on: the process that has slept longest wakes now, fails against our
+        // hold, and takes the favour, so that our release hands the lock straight to it.
+        if words.sleepers.load(Ordering::Acquire) != 0 {
+            wake_sleeper(words);
+        }
+    }
+    result
+}
+
+/// Whether another process holds the favour. Only asks the kernel when `favoured` says someone
+/// may; a token nobody holds the favour for (its process died, or a writer made it up) is cleared.
+fn favour_taken(side: &ProcessSide, words: &LockWords) -> io::Result<bool> {
+    let favoured = words.favoured.load(Ordering::Acquire);
+    if favoured == 0 {
+        return Ok(false);
+    }
+    let taken = sys::ofd_lock_held_elsewhere(side.fd, FAVOUR_LOCK_OFFSET)?;
+    if !taken {
+        let _ = words
+            .favoured
+            .compare_exchange(favoured, 0, Ordering::AcqRel, Ordering::Relaxed);
+    }
+    Ok(taken)
+}
+
+/// When an acquisition started waiting, read from the clock only once it has to wait.
+#[derive(Default)]
+struct Clock(Option<Instant>);
+
+impl Clock {
+    fn start(&mut self) -> Instant {
+        *self.0.get_or_insert_with(Instant::now)
+    }
+
+    /// Time left before the deadline; `None` once it has passed.
+    fn left(&mut self) -> Option<Duration> {
+        LOCK_TIMEOUT
+            .checked_sub(self.start().elapsed())
+            .filter(|left| !left.is_zero())
+    }
+}
+
+/// What one process needs to take the lock: its own description of the region file, its thread
+/// gate and its token.
+struct ProcessSide {
+    /// [`FORKS`] when it was made: stale in a forked child.
+    generation: u64,
+    /// An open file description of the region file, this process's own.
+    fd: RawFd,
+    /// Where `fd` is registered in [`DESCRIPTIONS`] (`None`: all slots were taken).
+    registered: Option<usize>,
+    /// Random and nonzero: this process in [`LockWords`], whatever its pid namespace.
+    token: u64,
+    gate: ThreadGate,
+}
+
+impl ProcessSide {
+    fn open(region_fd: RawFd, identity: (u64, u64), path: &Path) -> io::Result<ProcessSide> {
+        // Read first: a fork from here on leaves the child a side it sees as stale.
+        let generation = FORKS.load(Ordering::Acquire);
+        let fd = open_description(region_fd, identity, path)?.into_raw_fd();
+        let registered = DESCRIPTIONS.iter().position(|slot| {
+            slot.compare_exchange(-1, fd, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        });
+        Ok(ProcessSide {
+            generation,
+            fd,
+            registered,
+            token: random_token(),
+            gate: ThreadGate::default(),
+        })
+    }
+
+    /// In a child, closes the parent's description if the fork handler could not (it was not
+    /// registered).
+    fn close_inherited(&self) {
+        if self.registered.is_none() {
+            // SAFETY: the child's copy of a descriptor the handler did not close; this side is
+            // stale and never uses it again, and this is called once (by the thread that
+            // replaced the side).
+            unsafe { sys::close(self.fd) };
+        }
+    }
+}
+
+impl Drop for ProcessSide {
+    fn drop(&mut self) {
+        let ours = self.generation == FORKS.load(Ordering::Acquire);
+        let close = match self.registered {
+            Some(index) => {
+                ours && DESCRIPTIONS[index]
+                    .compare_exchange(self.fd, -1, Ordering::AcqRel, Ordering::Relaxed)
+                    .is_ok()
+            }
+            // Ours, or a copy inherited through fork that the handler did not close.
+            None => true,
+        };
+        if close {
+            // SAFETY: the descriptor was opened by this side (or inherited by this process) and
+            // is closed once, here; in a child, a registered one was closed by the handler.
+            unsafe { sys::close(self.fd) };
+        }
+    }
+}
+
+/// Opens a new description of the region file: through `/proc/self/fd` (the very file, even if
+/// the path now names another), else through the path; either must be the same inode.
+fn open_description(region_fd: RawFd, identity: (u64, u64), path: &Path) -> io::Result<File> {
+    let same = |file: &File| {
+        file.metadata()
+            .is_ok_and(|metadata| (metadata.dev(), metadata.ino()) == identity)
+    };
+    let proc_path = format!("/proc/self/fd/{region_fd}");
+    if let Ok(file) = OpenOptions::new().read(true).write(true).open(proc_path)
+        && same(&file)
+    {
+        return Ok(file);
+    }
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)?;
+    if same(&file) {
+        Ok(file)
+    } else {
+        Err(io::Error::other("another file is at the region's path now"))
+    }
+}
+
+/// A random nonzero token (std's per-process random hash keys, mixed with the time).
+fn random_token() -> u64 {
+    let mut hasher = std::hash::RandomState::new().build_hasher();
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |since| since.as_nanos()),
+    );
+    hasher.write_u32(std::process::id());
+    hasher.finish() | 1
+}
+
+/// The threads of one process, one at a time, in arrival order when they queue. Uncontended,
+/// one compare-exchange in and one out; contended, the waiters sleep on a condition variable and
+/// a thread leaving hands the gate to one of them.
+#[derive(Default)]
+struct ThreadGate {
+    /// [`GATE_FREE`], [`GATE_HELD`] or [`GATE_CONTENDED`] (held, and the way out goes through
+    /// `waiters`).
+    state: AtomicU32,
+    waiters: Mutex<Waiters>,
+    turn: Condvar,
+}
+
+const GATE_FREE: u32 = 0;
+const GATE_HELD: u32 = 1;
+const GATE_CONTENDED: u32 = 2;
+
+#[derive(Default)]
+struct Waiters {
+    /// Threads waiting in [`ThreadGate::enter`].
+    count: u32,
+    /// The last thread out left the gate held for a waiter: the first waiter to look takes it.
+    handed_over: bool,
+}
+
+impl ThreadGate {
+    /// Enters the gate; false if that did not happen within the deadline.
+    #[inline]
+    fn enter(&self, clock: &mut Clock) -> bool {
+        self.state
+            .compare_exchange(GATE_FREE, GATE_HELD, Ordering::Acquire, Ordering::Relaxed)
+            .is_ok()
+            || self.wait(clock)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn wait(&self, clock: &mut Clock) -> bool {
+        let mut waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
+        waiters.count += 1;
+        let entered = loop {
+            // A handover is taken even by a waiter whose deadline just passed: someone must.
+            if waiters.handed_over {
+                waiters.handed_over = false;
+                break true;
+            }
+            match self.state.load(Ordering::Acquire) {
+                GATE_FREE => {
+                    if self
+                        .state
+                        .compare_exchange(GATE_FREE, GATE_CONTENDED, Ordering::Acquire, Ordering::Relaxed)
+                        .is_ok()
+                    {
+                        break true;
+                    }
+                    continue;
+                }
+                // Make the holder's way out come here; if it left meanwhile, look again.
+                GATE_HELD
+                    if self
+                        .state
+                        .compare_exchange(GATE_HELD, GATE_CONTENDED, Ordering::Relaxed, Ordering::Relaxed)
+                        .is_err() =>
+                {
+                    continue;
+                }
+                _ => {}
+            }
+            let Some(left) = clock.left() else { break false };
+            waiters = self
+                .turn
+                .wait_timeout(waiters, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        };
+        waiters.count -= 1;
+        entered
+    }
+
+    /// Leaves the gate, handing it to a waiter if there is one.
+    #[inline]
+    fn leave(&self) {
+        if self
+            .state
+            .compare_exchange(GATE_HELD, GATE_FREE, Ordering::Release, Ordering::Relaxed)
+            .is_err()
+        {
+            self.hand_over();
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn hand_over(&self) {
+        let mut waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
+        if waiters.count > 0 {
+            // The gate stays held (contended) for the waiter that takes the handover.
+            waiters.handed_over = true;
+            drop(waiters);
+            self.turn.notify_one();
+        } else {
+            self.state.store(GATE_FREE, Ordering::Release);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::UnsafeCell;
+    use std::sync::Arc;
+
+    /// A counter only the gate's holder touches.
+    struct Guarded(UnsafeCell<u64>);
+
+    // SAFETY: only accessed by the thread inside the gate (what the test checks).
+    unsafe impl Sync for Guarded {}
+
+    #[test]
+    fn the_gate_lets_one_thread_in_at_a_time() {
+        let gate = Arc::new(ThreadGate::default());
+        let counter = Arc::new(Guarded(UnsafeCell::new(0)));
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let (gate, counter) = (Arc::clone(&gate), Arc::clone(&counter));
+                std::thread::spawn(move || {
+                    for _ in 0..20_000 {
+                        assert!(gate.enter(&mut Clock::default()));
+                        // SAFETY: inside the gate, no other thread touches it.
+                        unsafe { *counter.0.get() += 1 };
+                        gate.leave();
+                    }
+                })
+            })
+            .collect();
+        threads.into_iter().for_each(|thread| thread.join().unwrap());
+        // SAFETY: every thread has ended.
+        assert_eq!(unsafe { *counter.0.get() }, 160_000);
+        assert_eq!(gate.state.load(Ordering::Acquire), GATE_FREE);
+    }
+
+    #[test]
+    fn a_thread_waiting_behind_a_stuck_one_gives_up_after_the_timeout() {
+        let gate = Arc::new(ThreadGate::default());
+        assert!(gate.enter(&mut Clock::default()));
+        let waiter = {
+            let gate = Arc::clone(&gate);
+            std::thread::spawn(move || {
+                let started = Instant::now();
+                let entered = gate.enter(&mut Clock::default());
+                (entered, started.elapsed())
+            })
+        };
+        let (entered, waited) = waiter.join().unwrap();
+        assert!(!entered);
+        assert!(waited >= LOCK_TIMEOUT && waited < 2 * LOCK_TIMEOUT, "{waited:?}");
+        gate.leave();
+        assert!(gate.enter(&mut Clock::default()), "free again once the holder left");
+        gate.leave();
+    }
+}

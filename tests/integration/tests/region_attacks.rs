@@ -1,0 +1,341 @@
+//! Hostile writers of the shared region against applications on the fake driver (issue 16): what
+//! the pthread mutex of extension version 1 died of (a thread id that does not exist and
+//! robust-list pointers into nowhere in its 64 bytes), and random writes into the file while four
+//! processes allocate, free and launch.
+//!
+//! The random writer skips the live slots' `suspend` flags: a nonzero flag is `vgpu-smi
+//! suspend`'s hold, which keeps a process's launches waiting by design (docs/threat-model.md). A
+//! writer that lowers the running totals or the live slots' charges lifts the limit for the
+//! file's processes (the threat model's "lift the limits"); so the first attack writes anywhere
+//! else and asserts no crash and no call over 1.01 s, and the second also spares the accounting
+//! and asserts, in addition, that the ground truth never went over the limit.
+
+#[path = "../../fake-driver/src/truth.rs"]
+mod truth;
+
+use std::os::unix::fs::FileExt;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use vgpu_integration::{Fields, Run, ScratchDir, Session};
+use vgpu_region::{
+    EXTENSION_OFFSET, Extension, ProcSlot, REGION_FILE_SIZE, SLOT_EXTENSIONS_OFFSET, SLOT_LIVE, SharedRegion,
+    SlotExtension, read_snapshot,
+};
+
+const MIB: u64 = 1 << 20;
+/// The workers' limit: four of them want up to 4 x (256 MiB + a context), so they contend for it.
+const LIMIT: u64 = 512 * MIB;
+const CONTEXT: u64 = 2 * MIB;
+/// Where extension version 1 kept its pthread mutex (64 bytes), now the lock's hints.
+const LOCK_AREA: usize = EXTENSION_OFFSET + std::mem::offset_of!(Extension, lock);
+
+use vgpu_integration::compiled_program as program;
+
+/// The attacks measure the longest call: one at a time.
+fn heavy() -> MutexGuard<'static, ()> {
+    static HEAVY: Mutex<()> = Mutex::new(());
+    HEAVY.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// One test's region and ground truth.
+struct TestDir(ScratchDir);
+
+impl TestDir {
+    fn new(name: &str) -> TestDir {
+        TestDir(ScratchDir::new(&format!("attacks-{name}")))
+    }
+
+    fn region(&self) -> PathBuf {
+        self.0.join("region")
+    }
+
+    fn truth(&self) -> truth::Truth {
+        truth::Truth::open(&self.0.join("truth")).expect("open the ground truth")
+    }
+
+    /// A program under the hook with this test's files, a 512 MiB limit on a 4 GiB device.
+    fn run(&self, name: &str) -> Run {
+        let mut run = Run::new(&program(name)).hooked().env_remove("CUDA_VISIBLE_DEVICES");
+        for n in 0..16 {
+            run = run
+                .env_remove(&format!("CUDA_DEVICE_MEMORY_LIMIT_{n}"))
+                .env_remove(&format!("FAKE_CUDA_MEMORY_{n}"));
+        }
+        run.env("CUDA_DEVICE_MEMORY_SHARED_CACHE", self.region())
+            .env("FAKE_CUDA_TRUTH", self.0.join("truth"))
+            .env("FAKE_CUDA_MEMORY", "4g")
+            .env("FAKE_CUDA_CONTEXT_BYTES", CONTEXT.to_string())
+            .env("CUDA_DEVICE_MEMORY_LIMIT", LIMIT.to_string())
+    }
+}
+
+/// A small xorshift generator.
+struct Rng(u64);
+
+impl Rng {
+    fn from_clock() -> Rng {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(1, |since| since.as_nanos() as u64);
+        Rng(nanos | 1)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    fn below(&mut self, bound: u64) -> u64 {
+        self.next() % bound
+    }
+}
+
+/// A thread id no process has (above the kernel's largest pid_max).
+const NO_SUCH_THREAD: u32 = 0x3fff_fffe;
+
+/// Writes `bytes` into the region file at `offset`, as any process that can open it may.
+fn write_region(path: &Path, offset: usize, bytes: &[u8]) {
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .expect("open the region to write it");
+    file.write_all_at(bytes, offset as u64).expect("write the region");
+}
+
+fn status(answer: &str) -> i32 {
+    answer
+        .split_whitespace()
+        .nth(1)
+        .and_then(|field| field.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {answer:?}"))
+}
+
+#[test]
+fn garbage_where_the_old_mutex_lay_never_crashes_an_application_or_a_start() {
+    let dir = TestDir::new("old-mutex");
+    let mut running = dir.run("mem_ops").spawn(Duration::from_secs(60));
+    assert_eq!(running.ask("init"), "init 0");
+    assert_eq!(running.ask("ctx 0"), "ctx 0");
+    let first = running.ask(&format!("alloc {MIB}"));
+    assert_eq!(status(&first), 0, "{first}");
+
+    // One 4-byte write, a thread id into the old mutex's lock word: version 1's next
+    // pthread_mutex_timedlock aborted (glibc's assertion on ESRCH), in the running application
+    // at its next allocation.
+    write_region(&dir.region(), LOCK_AREA, &NO_SUCH_THREAD.to_le_bytes());
+    let started = Instant::now();
+    let second = running.ask(&format!("alloc {MIB}"));
+    assert_eq!(status(&second), 0, "{second}");
+    assert!(
+        started.elapsed() < Duration::from_millis(500),
+        "{:?}",
+        started.elapsed()
+    );
+    let pointer = second.split_whitespace().nth(2).unwrap_or_default().to_string();
+    assert_eq!(running.ask(&format!("free {pointer}")), "free 0");
+
+    // Random bytes there before each of 20 starts (version 1 crashed 679 of 680 starts when its
+    // robust-list pointers were written).
+    let mut rng = Rng::from_clock();
+    for start in 0..20 {
+        let garbage: Vec<u8> = (0..64).map(|_| rng.next() as u8).collect();
+        write_region(&dir.region(), LOCK_AREA, &garbage);
+        let mut joining = dir.run("mem_ops").spawn(Duration::from_secs(60));
+        assert_eq!(joining.ask("init"), "init 0", "start {start}");
+        assert_eq!(joining.ask("ctx 0"), "ctx 0", "start {start}");
+        assert_eq!(status(&joining.ask(&format!("alloc {MIB}"))), 0, "start {start}");
+        joining.send("quit");
+        let output = joining.finish();
+        assert!(
+            output.status.success(),
+            "start {start}: {} {}",
+            output.status,
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    running.send("quit");
+    let output = running.finish();
+    assert!(output.status.success(), "{output:?}");
+}
+
+/// What the random writer may not touch.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Spare {
+    /// Only the live slots' suspend flags (a hold by design).
+    SuspendFlags,
+    /// Those, and what the limit is computed from: the live slots (theirs in HAMi-core's part and
+    /// in the extension), `proc_num` and the running totals.
+    Accounting,
+}
+
+/// The byte ranges of `spare`, for the slots live when the attack starts.
+fn spared_ranges(region: &Path, spare: Spare) -> Vec<std::ops::Range<usize>> {
+    let image = std::fs::read(region).expect("read the region");
+    let snapshot = read_snapshot(&image).expect("a valid region before the attack");
+    let live: Vec<usize> = snapshot
+        .processes
+        .iter()
+        .filter(|process| process.status == SLOT_LIVE)
+        .map(|process| process.slot)
+        .collect();
+    let slot_extension = |slot: usize| EXTENSION_OFFSET + SLOT_EXTENSIONS_OFFSET + slot * size_of::<SlotExtension>();
+    let mut ranges = Vec::new();
+    for &slot in &live {
+        let suspend = slot_extension(slot) + std::mem::offset_of!(SlotExtension, suspend);
+        ranges.push(suspend..suspend + 4);
+        if spare == Spare::Accounting {
+            let start = std::mem::offset_of!(SharedRegion, procs) + slot * size_of::<ProcSlot>();
+            ranges.push(start..start + size_of::<ProcSlot>());
+            ranges.push(slot_extension(slot)..slot_extension(slot) + size_of::<SlotExtension>());
+        }
+    }
+    if spare == Spare::Accounting {
+        let proc_num = std::mem::offset_of!(SharedRegion, proc_num);
+        ranges.push(proc_num..proc_num + 4);
+        let totals = EXTENSION_OFFSET + std::mem::offset_of!(Extension, device_used);
+        ranges.push(totals..totals + 16 * 8);
+    }
+    ranges
+}
+
+/// What one attack gave.
+struct Outcome {
+    reports: Vec<Fields>,
+    writes: u64,
+    truth_peak: u64,
+}
+
+/// Four workers allocate, free and launch under the hook while this thread writes random bytes
+/// into the region for `seconds` (one write in eight into the old mutex's 64 bytes, the others
+/// anywhere in the file but `spare`). Asserts that every worker exits normally with no call over
+/// 1.01 s and no failure but the limit's; returns their reports.
+fn attack(label: &str, spare: Spare, seconds: u64) -> Outcome {
+    let dir = TestDir::new(label);
+    let mut workers: Vec<Session> = (1..=4)
+        .map(|seed| {
+            dir.run("mem_race")
+                .args([seed.to_string().as_str(), "0", "barrier", "launch"])
+                .spawn(Duration::from_secs(seconds + 60))
+        })
+        .collect();
+    for worker in &mut workers {
+        let ready = worker.read_line().unwrap_or_default();
+        assert!(ready.starts_with("ready "), "a worker did not start: {ready:?}");
+    }
+    let spared = spared_ranges(&dir.region(), spare);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(dir.region())
+        .expect("open the region");
+    let mut rng = Rng::from_clock();
+    for worker in &mut workers {
+        worker.send("go");
+    }
+    let started = Instant::now();
+    let mut writes = 0u64;
+    while started.elapsed() < Duration::from_secs(seconds) {
+        for _ in 0..32 {
+            let offset = if rng.below(8) == 0 {
+                LOCK_AREA + rng.below(64) as usize
+            } else {
+                rng.below(REGION_FILE_SIZE as u64) as usize
+            };
+            if spared.iter().any(|range| range.contains(&offset)) {
+                continue;
+            }
+            file.write_all_at(&[rng.next() as u8], offset as u64)
+                .expect("write the region");
+            writes += 1;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut reports = Vec::new();
+    for mut worker in workers {
+        worker.send("stop");
+        let done = worker.read_line().unwrap_or_default();
+        let output = worker.finish();
+        assert!(
+            output.status.success(),
+            "{label}: a worker ended with {} ({:?}): {}",
+            output.status,
+            output.status.signal(),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        assert!(done.starts_with("done "), "{label}: no report: {done:?}");
+        reports.push(Fields::parse(&done));
+    }
+    let truth_peak = dir.truth().device(0).peak();
+    for report in &reports {
+        assert_eq!(report.get("errors"), 0.0, "{label}: calls failed: {report:?}");
+        assert!(
+            report.get("max_wait_ns") < 1.01e9,
+            "{label}: a call took {} ms: {report:?}",
+            report.get("max_wait_ns") / 1e6
+        );
+        assert!(report.get("ops") > 50.0, "{label}: too little traffic: {report:?}");
+        assert!(report.get("launches") > 50.0, "{label}: too few launches: {report:?}");
+    }
+    let longest = reports
+        .iter()
+        .map(|report| report.get("max_wait_ns"))
+        .fold(0.0, f64::max);
+    eprintln!(
+        "{label}: {writes} random writes in {seconds} s; 4 workers: {} allocations, {} refused, {} frees, {} launches, \
+         longest call {:.1} ms; ground-truth peak {} MiB (limit {} MiB)",
+        reports.iter().map(|r| r.get("allocs")).sum::<f64>(),
+        reports.iter().map(|r| r.get("refused")).sum::<f64>(),
+        reports.iter().map(|r| r.get("frees")).sum::<f64>(),
+        reports.iter().map(|r| r.get("launches")).sum::<f64>(),
+        longest / 1e6,
+        truth_peak / MIB,
+        LIMIT / MIB,
+    );
+    Outcome {
+        reports,
+        writes,
+        truth_peak,
+    }
+}
+
+/// CI's length of each attack (the issue's 20 s: `random_writes_for_20_seconds`, ignored).
+const CI_SECONDS: u64 = 6;
+
+#[test]
+fn random_writes_anywhere_never_crash_or_stall_four_working_processes() {
+    let _heavy = heavy();
+    let outcome = attack("anywhere", Spare::SuspendFlags, CI_SECONDS);
+    assert!(outcome.writes > 10_000, "only {} writes", outcome.writes);
+    assert_eq!(outcome.reports.len(), 4);
+}
+
+#[test]
+fn random_writes_outside_the_accounting_never_let_memory_past_the_limit() {
+    let _heavy = heavy();
+    let outcome = attack("outside-accounting", Spare::Accounting, CI_SECONDS);
+    assert!(outcome.writes > 10_000, "only {} writes", outcome.writes);
+    assert!(
+        outcome.truth_peak <= LIMIT,
+        "the device really held {} MiB under a {} MiB limit",
+        outcome.truth_peak / MIB,
+        LIMIT / MIB
+    );
+    assert!(
+        outcome.reports.iter().map(|r| r.get("refused")).sum::<f64>() > 0.0,
+        "the limit was never reached, so it was not tested"
+    );
+}
+
+#[test]
+#[ignore = "the issue's 20 s attacks (about 45 s): cargo test -p vgpu-integration --test region_attacks -- --ignored --nocapture"]
+fn random_writes_for_20_seconds() {
+    let _heavy = heavy();
+    attack("anywhere-20s", Spare::SuspendFlags, 20);
+    let outcome = attack("outside-accounting-20s", Spare::Accounting, 20);
+    assert!(outcome.truth_peak <= LIMIT, "peak {} MiB", outcome.truth_peak / MIB);
+}
