@@ -868,7 +868,8 @@ fn readers_see_consistent_snapshots_while_eight_processes_allocate_and_free() {
         (reader.join().expect("the reader did not fail"), work)
     });
     assert!(reads > 100, "only {reads} reads");
-    assert!(pairs > 1000, "only {pairs} allocate+free pairs");
+    // A floor on the traffic, not a speed: 8 processes share CI's 2 cores with the reader.
+    assert!(pairs > 200, "only {pairs} allocate+free pairs");
     // 8 processes want 64 MiB each and the limit leaves room for 6: some are refused.
     assert!(refused > 0, "the limit was never reached");
     eprintln!("{reads} consistent reads during {pairs} allocate+free pairs ({refused} refused)");

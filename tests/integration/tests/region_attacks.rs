@@ -169,7 +169,8 @@ enum Spare {
     /// Only the live slots' suspend flags (a hold by design).
     SuspendFlags,
     /// Those, and what the limit is computed from: the live slots (theirs in HAMi-core's part and
-    /// in the extension), `proc_num` and the running totals.
+    /// in the extension), `proc_num`, the running totals, and the limits themselves (`limit`,
+    /// `sm_limit`: read live, so a writer may change them by design, docs/threat-model.md).
     Accounting,
 }
 
@@ -199,6 +200,12 @@ fn spared_ranges(region: &Path, spare: Spare) -> Vec<std::ops::Range<usize>> {
         ranges.push(proc_num..proc_num + 4);
         let totals = EXTENSION_OFFSET + std::mem::offset_of!(Extension, device_used);
         ranges.push(totals..totals + 16 * 8);
+        for limits in [
+            std::mem::offset_of!(SharedRegion, limit),
+            std::mem::offset_of!(SharedRegion, sm_limit),
+        ] {
+            ranges.push(limits..limits + 16 * 8);
+        }
     }
     ranges
 }
