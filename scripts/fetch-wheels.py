@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Fetches the pinned wheels the build needs from PyPI into .cuda-headers/ (ignored by git):
+"""Fetches the pinned files the build and the tests need into .cuda-headers/ (ignored by git):
 
 - the CUDA and NVML headers of every version in cuda-versions.txt, into
   .cuda-headers/<version>/include;
@@ -7,10 +7,15 @@
   headers (stddef.h, stdint.h, ...) in .cuda-headers/libclang/clang/18: the libclang wheel ships
   the library alone, and clang cannot parse the C library's headers without its own, so they are
   taken from the clang-tidy wheel of the same LLVM release. .cargo/config.toml points
-  LIBCLANG_PATH there, so the build never depends on a system libclang.
+  LIBCLANG_PATH there, so the build never depends on a system libclang;
+- the Vulkan loader and its headers, for the Vulkan layer's tests, into .cuda-headers/vulkan
+  (include/, lib/libvulkan.so.1): Debian 12's libvulkan1 and libvulkan-dev packages (loader
+  1.3.239) for the host's architecture, from the Debian archive in DEBIAN_MIRROR (default
+  deb.debian.org), unpacked here with no package manager and no root. The test programs link
+  against this copy and find it through their run path, whatever the system has.
 
 Only Python's standard library is used (a fresh Debian or Ubuntu has python3 without pip). Every
-wheel is pinned by file name and SHA-256, and fetched from the index in PIP_INDEX_URL (default
+file is pinned by name and SHA-256; wheels are fetched from the index in PIP_INDEX_URL (default
 PyPI's simple index), so a mirror works too. Nothing is fetched when the files are already there.
 
 Which wheels, and why the architecture of each:
@@ -24,10 +29,12 @@ Which wheels, and why the architecture of each:
 
 import hashlib
 import html.parser
+import io
 import os
 import platform
 import shutil
 import sys
+import tarfile
 import tempfile
 import urllib.parse
 import urllib.request
@@ -78,6 +85,20 @@ BUILTIN_IN_WHEEL = "clang_tidy/data/lib/clang/18/include/"
 RESOURCE_DIR = "clang/18"
 
 
+# Host machine -> (Debian architecture, multiarch folder, SHA-256 of libvulkan1, of libvulkan-dev).
+VULKAN_VERSION = "1.3.239.0-1"
+VULKAN_LIBRARY = "libvulkan.so.1.3.239"
+VULKAN_DEBS = {
+    "x86_64": ("amd64", "x86_64-linux-gnu",
+               "622f28b807ba55a1f5ad1622ff83aa2c5b11fedbec074850e04c10a8f28b43d3",
+               "1a3dcf32a47524edfe5eef97bfdb0766fe656f4ae6c5e999291c6a7eb2f07655"),
+    "aarch64": ("arm64", "aarch64-linux-gnu",
+                "3a21d49fef3a9799a21ffd5faa5bd7a1bd35604417cd9f5cf74155afd3b5282e",
+                "5b3ffb071485a1a732a5323673eb8e5694bb8f94d587f6292fb4c766a1ddba47"),
+}
+VULKAN_POOL = "pool/main/v/vulkan-loader"
+
+
 def fail(message):
     sys.exit(f"fetch-headers: {message}")
 
@@ -124,6 +145,72 @@ def download(project, file_name, sha256, folder):
     if digest != sha256:
         fail(f"{file_name}: SHA-256 {digest}, expected the pinned {sha256}")
     return target
+
+
+def fetch_url(url, target, sha256):
+    """Downloads one pinned file and checks its digest."""
+    try:
+        with urllib.request.urlopen(url, timeout=600) as response, open(target, "wb") as out:
+            shutil.copyfileobj(response, out, 1 << 20)
+    except OSError as error:
+        fail(f"cannot download {url}: {error}")
+    digest = hashlib.sha256(target.read_bytes()).hexdigest()
+    if digest != sha256:
+        fail(f"{target.name}: SHA-256 {digest}, expected the pinned {sha256}")
+    return target
+
+
+def deb_data(deb):
+    """The data archive of a Debian package (an `ar` archive holding data.tar.*), opened."""
+    blob = deb.read_bytes()
+    if not blob.startswith(b"!<arch>\n"):
+        fail(f"{deb.name} is not a Debian package")
+    offset = 8
+    while offset + 60 <= len(blob):
+        name = blob[offset:offset + 16].decode("ascii", "replace").strip().rstrip("/")
+        size = int(blob[offset + 48:offset + 58].decode("ascii").strip())
+        start = offset + 60
+        if name.startswith("data.tar"):
+            return tarfile.open(fileobj=io.BytesIO(blob[start:start + size]))
+        offset = start + size + (size & 1)
+    fail(f"{deb.name} has no data archive")
+
+
+def fetch_vulkan(dest, scratch):
+    machine = platform.machine()
+    if machine not in VULKAN_DEBS:
+        fail(f"no Vulkan loader package is pinned for {machine} (only {', '.join(VULKAN_DEBS)})")
+    arch, multiarch, loader_sha, dev_sha = VULKAN_DEBS[machine]
+    folder = dest / "vulkan"
+    stamp = folder / "fetched-from"
+    expected = f"vulkan-loader {VULKAN_VERSION} {arch}\n"
+    if stamp.is_file() and stamp.read_text() == expected and (folder / "lib" / "libvulkan.so.1").is_file():
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    (folder / "lib").mkdir(parents=True)
+    (folder / "include").mkdir()
+    mirror = os.environ.get("DEBIAN_MIRROR", "https://deb.debian.org/debian").rstrip("/")
+    for package, sha256 in (("libvulkan1", loader_sha), ("libvulkan-dev", dev_sha)):
+        file_name = f"{package}_{VULKAN_VERSION}_{arch}.deb"
+        deb = fetch_url(f"{mirror}/{VULKAN_POOL}/{file_name}", scratch / file_name, sha256)
+        with deb_data(deb) as data:
+            for member in data.getmembers():
+                name = member.name.removeprefix("./")
+                if not member.isfile():
+                    continue
+                if name == f"usr/lib/{multiarch}/{VULKAN_LIBRARY}":
+                    target = folder / "lib" / "libvulkan.so.1"
+                elif name.startswith("usr/include/"):
+                    target = folder / "include" / name.removeprefix("usr/include/")
+                else:
+                    continue
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(data.extractfile(member).read())
+    if not (folder / "lib" / "libvulkan.so.1").is_file() or not (folder / "include" / "vulkan" / "vulkan.h").is_file():
+        fail(f"the vulkan-loader {VULKAN_VERSION} packages lack the loader or vulkan/vulkan.h")
+    (folder / "lib" / "libvulkan.so").symlink_to("libvulkan.so.1")
+    stamp.write_text(expected)
+    print(f"fetch-headers: Vulkan loader {VULKAN_VERSION} ({arch}) in {folder}")
 
 
 def fetch_cuda(dest, version, wheels, scratch):
@@ -182,6 +269,7 @@ def main():
         for version, wheels in cuda_wheels().items():
             fetch_cuda(dest, version, wheels, Path(scratch))
         fetch_libclang(dest, Path(scratch))
+        fetch_vulkan(dest, Path(scratch))
 
 
 if __name__ == "__main__":

@@ -167,6 +167,31 @@ pub fn c_program_linked(name: &str, libraries: &[&str]) -> PathBuf {
     compile(name, false, libraries)
 }
 
+/// The Vulkan loader and its headers `scripts/fetch-headers.sh` unpacked (`include/`,
+/// `lib/libvulkan.so.1`), or those of `VGPU_VULKAN_DIR`.
+pub fn vulkan_dir() -> PathBuf {
+    std::env::var_os("VGPU_VULKAN_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join(".cuda-headers").join("vulkan"))
+}
+
+/// The compiler arguments of a program that uses the Vulkan loader: the fetched headers, and the
+/// fetched loader, found at run time through the program's run path (not the system's).
+pub fn vulkan_link_args() -> Vec<String> {
+    let dir = vulkan_dir();
+    assert!(
+        dir.join("lib").join("libvulkan.so.1").is_file(),
+        "no Vulkan loader in {}: run scripts/fetch-headers.sh (make headers)",
+        dir.display()
+    );
+    vec![
+        format!("-I{}", dir.join("include").display()),
+        format!("-L{}", dir.join("lib").display()),
+        format!("-Wl,-rpath,{}", dir.join("lib").display()),
+        "-lvulkan".to_string(),
+    ]
+}
+
 fn compile(name: &str, shared: bool, libraries: &[&str]) -> PathBuf {
     let source = workspace_root()
         .join("tests")

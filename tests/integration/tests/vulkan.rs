@@ -4,8 +4,9 @@
 //! `libvgpu.so`) in an implicit layer folder, and `HAMI_VULKAN_ENABLE=1`. Both fakes charge one
 //! ground-truth file, the oracle for "CUDA and Vulkan together never exceeded the limit".
 //!
-//! The loader (`libvulkan1`) and its headers (`libvulkan-dev`) must be installed: `.ci/run`
-//! installs them.
+//! The loader and its headers are Debian's `libvulkan1` and `libvulkan-dev`, unpacked into
+//! `.cuda-headers/vulkan` by `scripts/fetch-headers.sh` (no package manager, no root); the test
+//! program runs that loader through its run path.
 
 #[path = "../../fake-driver/src/truth.rs"]
 mod truth;
@@ -35,7 +36,12 @@ fn program() -> PathBuf {
     static BUILT: OnceLock<PathBuf> = OnceLock::new();
     static COMPILING: Mutex<()> = Mutex::new(());
     let _serial = COMPILING.lock().unwrap_or_else(PoisonError::into_inner);
-    BUILT.get_or_init(|| c_program_linked("vk_mem", &["-lvulkan"])).clone()
+    BUILT
+        .get_or_init(|| {
+            let arguments = vgpu_integration::vulkan_link_args();
+            c_program_linked("vk_mem", &arguments.iter().map(String::as_str).collect::<Vec<_>>())
+        })
+        .clone()
 }
 
 /// The shipped manifest, parsed.
