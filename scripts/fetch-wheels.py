@@ -176,12 +176,14 @@ def deb_data(deb):
     fail(f"{deb.name} has no data archive")
 
 
-def fetch_vulkan(dest, scratch):
-    machine = platform.machine()
+def fetch_vulkan(dest, scratch, machine=None):
+    """The host's loader into .cuda-headers/vulkan, or another machine's (`aarch64` for the
+    emulated suite, scripts/cross-test.sh) into .cuda-headers/vulkan-<machine>."""
+    folder = dest / ("vulkan" if machine is None else f"vulkan-{machine}")
+    machine = machine or platform.machine()
     if machine not in VULKAN_DEBS:
         fail(f"no Vulkan loader package is pinned for {machine} (only {', '.join(VULKAN_DEBS)})")
     arch, multiarch, loader_sha, dev_sha = VULKAN_DEBS[machine]
-    folder = dest / "vulkan"
     stamp = folder / "fetched-from"
     expected = f"vulkan-loader {VULKAN_VERSION} {arch}\n"
     if stamp.is_file() and stamp.read_text() == expected and (folder / "lib" / "libvulkan.so.1").is_file():
@@ -265,6 +267,13 @@ def fetch_libclang(dest, scratch):
 def main():
     dest = Path(__file__).resolve().parent.parent / ".cuda-headers"
     dest.mkdir(exist_ok=True)
+    # `vulkan <machine>`: only that machine's Vulkan loader (scripts/cross-test.sh).
+    if sys.argv[1:2] == ["vulkan"] and len(sys.argv) == 3:
+        with tempfile.TemporaryDirectory(dir=dest, prefix=".download-") as scratch:
+            fetch_vulkan(dest, Path(scratch), sys.argv[2])
+        return
+    if len(sys.argv) > 1:
+        fail(f"usage: {sys.argv[0]} [vulkan x86_64|aarch64]")
     with tempfile.TemporaryDirectory(dir=dest, prefix=".download-") as scratch:
         for version, wheels in cuda_wheels().items():
             fetch_cuda(dest, version, wheels, Path(scratch))

@@ -300,7 +300,7 @@ fn pid_namespaces_work() -> bool {
 fn spawn_in_pid_namespace(role: &str, region: &std::path::Path, hold_ms: u64) -> std::process::Child {
     std::process::Command::new("unshare")
         .args(["--pid", "--fork", "--kill-child"])
-        .arg(std::env::current_exe().unwrap())
+        .args(common::self_words())
         .args([
             "worker",
             "--exact",

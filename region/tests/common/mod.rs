@@ -99,9 +99,22 @@ pub struct Worker {
     pub stdout: BufReader<ChildStdout>,
 }
 
+/// The words that run this test binary again: `VGPU_TEST_RUNNER` first when it is set (an
+/// emulator for another architecture, `scripts/cross-test.sh`), then the binary.
+pub fn self_words() -> Vec<std::ffi::OsString> {
+    let runner = std::env::var("VGPU_TEST_RUNNER").unwrap_or_default();
+    runner
+        .split_whitespace()
+        .map(std::ffi::OsString::from)
+        .chain(std::iter::once(std::env::current_exe().unwrap().into_os_string()))
+        .collect()
+}
+
 impl Worker {
     pub fn spawn(role: &str, region: &Path, extra_env: &[(&str, String)]) -> Self {
-        let mut command = Command::new(std::env::current_exe().unwrap());
+        let words = self_words();
+        let mut command = Command::new(&words[0]);
+        command.args(&words[1..]);
         command
             .args([
                 "worker",

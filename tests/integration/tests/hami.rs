@@ -581,11 +581,12 @@ fn garbage_limits_in_the_region_never_crash_nor_lift_a_limit_silently() {
     );
 }
 
-/// Runs `vgpu-smi` (built with the workspace) with these arguments.
+/// Runs `vgpu-smi` (built with the workspace) with these arguments (through the test runner, an
+/// emulator for another architecture).
 fn vgpu_smi(arguments: &[&str]) -> std::process::Output {
     let path = vgpu_integration::profile_dir().join("vgpu-smi");
     assert!(path.is_file(), "{} is missing: cargo build --workspace", path.display());
-    std::process::Command::new(path)
+    vgpu_integration::command(&path)
         .args(arguments)
         .env_remove("CUDA_DEVICE_MEMORY_SHARED_CACHE")
         .output()
