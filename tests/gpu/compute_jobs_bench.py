@@ -74,11 +74,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PARTS = {
     "1": ("smallops paused gemm", True, False),
     "2": ("graph train triton", False, True),
+    # The two-GPU case alone (tests/gpu/two_gpus.sh, issue 15).
+    "two": ("", False, True),
     "all": ("smallops paused gemm graph train triton", True, True),
 }
 PART = os.environ.get("COMPUTE_PART", "")
 if PART not in ("", *PARTS):
-    raise SystemExit(f"COMPUTE_PART={PART}: expected 1, 2 or all")
+    raise SystemExit(f"COMPUTE_PART={PART}: expected 1, 2, two or all")
 PART_JOBS, PART_MULTI, PART_TWO_GPUS = PARTS[PART or "all"]
 JOBS = os.environ.get("COMPUTE_JOBS", PART_JOBS).split()
 SETTINGS = os.environ.get("COMPUTE_LIMITS", "10 25 50 75 90 unset").split()
@@ -642,7 +644,7 @@ def main():
         parts = ", ".join(
             f"COMPUTE_PART={p} about {planned_s(jobs.split(), multi_cases, two_cases and count >= 2) / 60:.1f} min"
             for p, (jobs, multi_cases, two_cases) in PARTS.items()
-            if p != "all"
+            if p in ("1", "2")
         )
         if not PART and "COMPUTE_JOBS" not in os.environ:
             print(

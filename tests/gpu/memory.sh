@@ -15,7 +15,6 @@ region() { echo "$work/region-$1.cache"; }
 gpus=$(nvidia-smi -L | wc -l)
 log "# memory GPU suite, $(date -u +%F), $gpus x $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
 gcc -O1 -o $work/drvlimit tests/gpu/drvlimit.c -I$cuda_inc -L$stubs -lcuda || exit 1
-gcc -O1 -o $work/mem_devices tests/gpu/mem_devices.c -I$cuda_inc -L$stubs -lcuda || exit 1
 gcc -O1 -o $work/init_time tests/programs/init_time.c -I$cuda_inc -L$stubs -lcuda || exit 1
 nvcc -O2 -arch=sm_90 -o $work/hookbench tests/gpu/hookbench.cu || exit 1
 
@@ -54,22 +53,7 @@ unset CUDA_DEVICE_MEMORY_SHARED_CACHE CUDA_DEVICE_MEMORY_LIMIT
 log; log "## JAX, CUDA_DEVICE_MEMORY_LIMIT=4g"
 CUDA_DEVICE_MEMORY_SHARED_CACHE=$(region jax) CUDA_DEVICE_MEMORY_LIMIT=4g LD_PRELOAD=$hook run python3 tests/gpu/jax_memory.py
 
-if [ "$gpus" -ge 2 ]; then
-  uuid0=$(nvidia-smi --query-gpu=uuid --format=csv,noheader -i 0); uuid1=$(nvidia-smi --query-gpu=uuid --format=csv,noheader -i 1)
-  for visible in "" "1,0" "$uuid1,$uuid0"; do
-    log; log "## two GPUs, CUDA_DEVICE_MEMORY_LIMIT_0=2g CUDA_DEVICE_MEMORY_LIMIT_1=3g CUDA_VISIBLE_DEVICES=${visible:-unset}"
-    r=$(region multi-${#visible}); rm -f $r
-    ( [ -n "$visible" ] && export CUDA_VISIBLE_DEVICES=$visible
-      CUDA_DEVICE_MEMORY_SHARED_CACHE=$r CUDA_DEVICE_MEMORY_LIMIT_0=2g CUDA_DEVICE_MEMORY_LIMIT_1=3g LD_PRELOAD=$hook \
-        $work/mem_devices 4 > $work/multi.txt 2>&1 ) &
-    prog=$!
-    for i in $(seq 100); do grep -q holding $work/multi.txt 2>/dev/null && break; sleep 0.2; done
-    run cat $work/multi.txt
-    run python3 tests/gpu/region_dump.py $r
-    wait $prog
-  done
-  log "(physical GPU 0 is $uuid0, GPU 1 is $uuid1)"
-fi
+# Two GPUs (per-device limits, CUDA_VISIBLE_DEVICES reordered): tests/gpu/two_gpus.sh.
 
 log; log "## overhead with a limit set (CUDA_DEVICE_MEMORY_LIMIT=100g, so every allocation is charged), 7 interleaved pairs, pinned to CPU 2"
 for i in 1 2 3 4 5 6 7; do
