@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Release archives, one per architecture, in dist/:
-#   vgpu-<version>-<arch>-linux.tar.gz         libvgpu.so, vgpu-smi, LICENSE, README.md, SHA256SUMS
+#   vgpu-<version>-<arch>-linux.tar.gz         libvgpu.so, vgpu-smi, hami.json (the Vulkan layer's
+#                                              manifest), LICENSE, README.md, SHA256SUMS
 #   vgpu-<version>-<arch>-linux.tar.gz.sha256  the archive's own SHA-256 (sha256sum -c)
 # The other architecture than the host's is cross-built: scripts/release-build.sh says what that
 # needs. Archives are reproducible: fixed order, owner and times (the last commit's, or
@@ -18,8 +19,8 @@ for arch in x86_64 aarch64; do
   stage=$(mktemp -d)
   mkdir "$stage/$name"
   install -m 0755 "$built/libvgpu.so" "$built/vgpu-smi" "$stage/$name/"
-  install -m 0644 LICENSE README.md "$stage/$name/"
-  (cd "$stage/$name" && sha256sum libvgpu.so vgpu-smi LICENSE README.md >SHA256SUMS)
+  install -m 0644 vulkan-layer/hami.json LICENSE README.md "$stage/$name/"
+  (cd "$stage/$name" && sha256sum libvgpu.so vgpu-smi hami.json LICENSE README.md >SHA256SUMS)
   touch -d "@$epoch" "$stage/$name" "$stage/$name"/*
   tar -C "$stage" --sort=name --owner=0 --group=0 --numeric-owner --mtime="@$epoch" -cf - "$name" \
     | gzip -n -9 >"dist/$name.tar.gz"
