@@ -32,6 +32,10 @@ else
 fi
 cc -O1 -o "$work/demo" tests/programs/demo.c -I"$include" -L"$link_dir" -lcuda
 run() { LD_LIBRARY_PATH="$driver_dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" "$@"; }
+# A region of the demo's own (unless one is given): the machine's default one may be in use by other
+# processes with other limits, or left by another version.
+export CUDA_DEVICE_MEMORY_SHARED_CACHE="${CUDA_DEVICE_MEMORY_SHARED_CACHE:-$work/region.cache}"
+rm -f "$work/region.cache"
 echo
 echo "== without libvgpu.so"
 run "$work/demo"
