@@ -132,19 +132,12 @@ def download(project, file_name, sha256, folder):
         with urllib.request.urlopen(page_url, timeout=120) as page:
             parser = Links()
             parser.feed(page.read().decode("utf-8", "replace"))
-        href = parser.links.get(file_name)
-        if href is None:
-            fail(f"{file_name} is not listed at {page_url}")
-        target = folder / file_name
-        with urllib.request.urlopen(urllib.parse.urljoin(page_url, href), timeout=600) as response, \
-                open(target, "wb") as out:
-            shutil.copyfileobj(response, out, 1 << 20)
     except OSError as error:
-        fail(f"cannot download {file_name} from {page_url}: {error}")
-    digest = hashlib.sha256(target.read_bytes()).hexdigest()
-    if digest != sha256:
-        fail(f"{file_name}: SHA-256 {digest}, expected the pinned {sha256}")
-    return target
+        fail(f"cannot read {page_url}: {error}")
+    href = parser.links.get(file_name)
+    if href is None:
+        fail(f"{file_name} is not listed at {page_url}")
+    return fetch_url(urllib.parse.urljoin(page_url, href), folder / file_name, sha256)
 
 
 def fetch_url(url, target, sha256):
