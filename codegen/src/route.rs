@@ -218,6 +218,14 @@ mod tests {
         Table::parse(text).map_err(|e| e.0).expect("table")
     }
 
+    /// The error `join` gives for CUDA 13.0 headers (empty when it succeeds).
+    fn join_error(header: &Header, table: &Table, handlers: &Handlers) -> String {
+        join(header, table, handlers, Library::Cuda, 13000)
+            .err()
+            .map(|e| e.0)
+            .unwrap_or_default()
+    }
+
     #[test]
     fn arguments_bind_by_name_in_the_handlers_order() {
         let table = table(
@@ -254,31 +262,17 @@ mod tests {
     fn a_renamed_or_unknown_parameter_fails() {
         let table = table("[[entry]]\nclass = \"overridden\"\nhandler = \"a::b\"\nfunctions = [\"cuMemAlloc_v2\"]\n");
         let handlers = handlers("pub fn b(call: C, dptr: *mut u64, size: usize) {}");
-        let error = join(
-            &header(&[("cuMemAlloc_v2", &["dptr", "bytesize"])]),
-            &table,
-            &handlers,
-            Library::Cuda,
-            13000,
-        )
-        .err()
-        .map(|e| e.0)
-        .unwrap_or_default();
+        let error = join_error(&header(&[("cuMemAlloc_v2", &["dptr", "bytesize"])]), &table, &handlers);
         assert!(
             error
                 .contains("a::b's parameter `size` is no parameter of cuMemAlloc_v2 in cuda.h (it has: dptr, bytesize"),
             "{error}"
         );
-        let missing = join(
+        let missing = join_error(
             &header(&[("cuMemAlloc_v2", &["dptr", "bytesize"])]),
             &table,
             &Handlers::default(),
-            Library::Cuda,
-            13000,
-        )
-        .err()
-        .map(|e| e.0)
-        .unwrap_or_default();
+        );
         assert!(
             missing.contains("handler a::b is no public function of the hook"),
             "{missing}"
@@ -309,7 +303,7 @@ mod tests {
     fn an_unclassified_variant_of_a_claimed_family_fails_naming_it() {
         let table =
             table("[[entry]]\nclass = \"passthrough\"\nwhy = \"x\"\nfunctions = [\"cuMemAlloc\", \"cuMemAlloc_v2\"]\n");
-        let error = join(
+        let error = join_error(
             &header(&[
                 ("cuMemAlloc", &[]),
                 ("cuMemAlloc_v2", &[]),
@@ -318,12 +312,7 @@ mod tests {
             ]),
             &table,
             &Handlers::default(),
-            Library::Cuda,
-            13000,
-        )
-        .err()
-        .map(|e| e.0)
-        .unwrap_or_default();
+        );
         assert_eq!(
             error,
             "cuda.h declares cuMemAlloc_v9, a variant of the family cuMemAlloc that cuda-api.toml entry #1 (passthrough cuMemAlloc) claims, but no cuda-api.toml entry classifies it"
