@@ -261,22 +261,40 @@ fn runner_preloads() -> Vec<PathBuf> {
         .clone()
 }
 
-/// The region a run uses unless its test names one: a file of this test process's own, so that a
-/// region left in `/tmp/cudevshr.cache` by another build or an older version (which the hook
-/// rebuilds, with a warning on stderr) cannot change what a test sees.
-fn default_region() -> &'static Path {
-    static REGION: OnceLock<PathBuf> = OnceLock::new();
-    REGION.get_or_init(|| {
-        let dir = std::env::temp_dir().join(format!("vgpu-tests-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("create the test region folder");
-        dir.join("cudevshr.cache")
-    })
+/// The region a run uses unless its test names one: a file of that run's own, removed when the
+/// run ends. Neither a region left in `/tmp/cudevshr.cache` by another build or version (which the
+/// hook rebuilds, with a warning) nor a concurrent test's limits (which a joining process reports
+/// with a warning) can change what a test sees.
+struct OwnRegion(PathBuf);
+
+impl OwnRegion {
+    fn new() -> OwnRegion {
+        static DIR: OnceLock<PathBuf> = OnceLock::new();
+        static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let dir = DIR.get_or_init(|| {
+            let dir = std::env::temp_dir().join(format!("vgpu-tests-{}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("create the test region folder");
+            dir
+        });
+        let run = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        OwnRegion(dir.join(format!("region-{run}.cache")))
+    }
 }
+
+impl Drop for OwnRegion {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+const REGION_VAR: &str = "CUDA_DEVICE_MEMORY_SHARED_CACHE";
 
 /// A program run: the preloads, extra environment, and input.
 pub struct Run {
     command: Command,
     stdin: Option<Vec<u8>>,
+    /// The run's own region file, unless the test named one.
+    own_region: Option<OwnRegion>,
 }
 
 impl Run {
@@ -292,8 +310,14 @@ impl Run {
         ] {
             command.env_remove(variable);
         }
-        command.env("CUDA_DEVICE_MEMORY_SHARED_CACHE", default_region());
-        Run { command, stdin: None }.preload(&[])
+        let own_region = OwnRegion::new();
+        command.env(REGION_VAR, &own_region.0);
+        Run {
+            command,
+            stdin: None,
+            own_region: Some(own_region),
+        }
+        .preload(&[])
     }
 
     /// Preloads these libraries, in this order (then those of [`runner_preloads`], if any).
@@ -320,6 +344,9 @@ impl Run {
     }
 
     pub fn env(mut self, key: &str, value: impl AsRef<std::ffi::OsStr>) -> Run {
+        if key == REGION_VAR {
+            self.own_region = None;
+        }
         self.command.env(key, value);
         self
     }
@@ -331,6 +358,9 @@ impl Run {
 
     /// Removes a variable from the program's environment.
     pub fn env_remove(mut self, key: &str) -> Run {
+        if key == REGION_VAR {
+            self.own_region = None;
+        }
         self.command.env_remove(key);
         self
     }
@@ -381,6 +411,8 @@ impl Run {
 /// stderr is collected in the background. A watchdog kills it with SIGKILL if it is still running
 /// after the time given to `spawn`, so a hung program fails its test instead of hanging it.
 pub struct Session {
+    /// The run's own region file (removed when the session is dropped).
+    _own_region: Option<OwnRegion>,
     child: std::process::Child,
     stdin: Option<std::process::ChildStdin>,
     stdout: std::io::BufReader<std::process::ChildStdout>,
@@ -417,6 +449,7 @@ impl Run {
             }
         });
         Session {
+            _own_region: self.own_region.take(),
             child,
             stdin,
             stdout,
