@@ -300,15 +300,7 @@ fn pid_namespaces_work() -> bool {
 fn spawn_in_pid_namespace(role: &str, region: &std::path::Path, hold_ms: u64) -> std::process::Child {
     std::process::Command::new("unshare")
         .args(["--pid", "--fork", "--kill-child"])
-        .args(common::self_words())
-        .args([
-            "worker",
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-            "-q",
-        ])
+        .args(common::worker_words())
         .env(ROLE_VAR, role)
         .env(PATH_VAR, region)
         .env("HOLD_MS", hold_ms.to_string())

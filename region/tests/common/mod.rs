@@ -99,31 +99,33 @@ pub struct Worker {
     pub stdout: BufReader<ChildStdout>,
 }
 
-/// The words that run this test binary again: `VGPU_TEST_RUNNER` first when it is set (an
-/// emulator for another architecture, `scripts/cross-test.sh`), then the binary.
-pub fn self_words() -> Vec<std::ffi::OsString> {
+/// The words that run this test binary again as a worker (only the ignored `worker` test):
+/// `VGPU_TEST_RUNNER` first when it is set (an emulator for another architecture,
+/// `scripts/cross-test.sh`), then the binary and the test harness's arguments.
+pub fn worker_words() -> Vec<std::ffi::OsString> {
     let runner = std::env::var("VGPU_TEST_RUNNER").unwrap_or_default();
+    let harness = [
+        "worker",
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+        "-q",
+    ];
     runner
         .split_whitespace()
         .map(std::ffi::OsString::from)
         .chain(std::iter::once(std::env::current_exe().unwrap().into_os_string()))
+        .chain(harness.into_iter().map(std::ffi::OsString::from))
         .collect()
 }
 
 impl Worker {
     pub fn spawn(role: &str, region: &Path, extra_env: &[(&str, String)]) -> Self {
-        let words = self_words();
+        let words = worker_words();
         let mut command = Command::new(&words[0]);
-        command.args(&words[1..]);
         command
-            .args([
-                "worker",
-                "--exact",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-                "-q",
-            ])
+            .args(&words[1..])
             .env(ROLE_VAR, role)
             .env(PATH_VAR, region)
             .stdin(Stdio::piped())
