@@ -29,6 +29,11 @@ pub const YOUNG_SAMPLES: u32 = 4;
 pub const SETTLED_SAMPLES: u32 = 3;
 /// A key that keeps launching is measured again after this long.
 pub const KEY_RESAMPLE_NS: u64 = 50_000_000;
+/// A settled key is measured at most once in this many of its launches, on average. A sample adds
+/// two event records (about half a launch's host time), so without this a job of many slowly
+/// repeated kernels (a training step: hundreds of kernels, each a few times per 50 ms) would
+/// have a third of its launches measured and its host-bound steps slowed by it.
+pub const MIN_SAMPLE_STRIDE: u64 = 16;
 /// Beyond the young ones, at most one sample per this interval, process-wide (keeps the added
 /// event records, a few microseconds each, below ~0.5% of a launching thread's time).
 pub const GLOBAL_SAMPLE_INTERVAL_NS: u64 = 1_000_000;
@@ -172,11 +177,11 @@ impl Estimates {
             false
         };
         if sample {
-            // About KEY_RESAMPLE_NS worth of launches at the rate since the last sample, spread
-            // uniformly over half to one and a half times that.
+            // About KEY_RESAMPLE_NS worth of launches at the rate since the last sample (at least
+            // MIN_SAMPLE_STRIDE), spread uniformly over half to one and a half times that.
             let elapsed = now.saturating_sub(entry.last_sample_ns).max(1);
             let per_interval = u128::from(entry.since_sample) * u128::from(KEY_RESAMPLE_NS) / u128::from(elapsed);
-            let stride = per_interval.min(u128::from(u32::MAX / 2)) as u64;
+            let stride = per_interval.clamp(u128::from(MIN_SAMPLE_STRIDE), u128::from(u32::MAX / 2)) as u64;
             entry.countdown = (stride / 2 + spread % (stride + 1)) as u32;
             entry.issued = entry.issued.saturating_add(1);
             entry.last_sample_ns = now;
@@ -369,6 +374,33 @@ mod tests {
             "{samples} samples in one second"
         );
         assert_eq!(estimates.estimate(7), 5_000);
+    }
+
+    #[test]
+    fn slowly_repeated_keys_are_not_measured_at_every_few_launches() {
+        // Eight kernels launched in turn every 1.7 ms (each key every 13.6 ms, a launch-bound
+        // loop) for 10 s: 50 ms of a key is under four of its launches.
+        let mut estimates = Estimates::default();
+        let (mut now, mut launches, mut samples) = (0, 0u64, 0u64);
+        while now < 10_000_000_000 {
+            for key in 1..=8 {
+                now += 1_700_000;
+                launches += 1;
+                let plan = estimates.plan(key, now);
+                if plan.sample {
+                    samples += 1;
+                    estimates.measured(key, plan.charge, 500_000);
+                }
+            }
+        }
+        let settled = samples - 8 * u64::from(YOUNG_SAMPLES);
+        assert!(
+            (launches / (2 * MIN_SAMPLE_STRIDE)..=launches / (MIN_SAMPLE_STRIDE / 2)).contains(&settled),
+            "{settled} samples of {launches} launches after the young ones"
+        );
+        for key in 1..=8 {
+            assert_eq!(estimates.estimate(key), 500_000);
+        }
     }
 
     #[test]
