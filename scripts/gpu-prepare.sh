@@ -8,6 +8,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 scripts/fetch-headers.sh >/dev/null
 cargo build --quiet --release -p vgpu-hook -p vgpu-codegen -p vgpu-monitor
+# vgpu-codegen run by hand loads the fetched libclang, as cargo would set it (.cargo/config.toml).
+export LIBCLANG_PATH="$root/.cuda-headers/libclang"
 mkdir -p .device
 cp target/release/libvgpu.so .device/libvgpu.so
 strip --strip-debug .device/libvgpu.so
@@ -22,7 +24,7 @@ ls -la .device
 # The Vulkan suite (tests/gpu/vulkan.sh) unpacks the loader and its headers there (the GPU machine
 # has neither, and no network), and the libraries NVIDIA's Vulkan driver (libGLX_nvidia.so.0) needs
 # where the machine lacks them.
-vulkan_debs="libvulkan1 libvulkan-dev libglvnd0 libx11-6 libxext6 libxcb1 libxau6 libxdmcp6 libbsd0 libmd0"
+vulkan_debs="libvulkan1 libvulkan-dev libglvnd0 libegl1 libgl1 libglx0 libopengl0 libgles2 libx11-6 libxext6 libxcb1 libxau6 libxdmcp6 libbsd0 libmd0"
 mkdir -p .device/vulkan
 rm -f .device/vulkan/*.deb
 (cd .device/vulkan && { apt-get download $vulkan_debs >/dev/null 2>&1 \

@@ -167,15 +167,17 @@ def gpu_count():
 
 
 class Sampler:
-    """NVML's GPU utilisation of every GPU every 100 ms while runs go on (nvidia-smi, into a file:
-    a pipe could fill up), each sample timestamped by nvidia-smi."""
+    """NVML's GPU utilisation, SM clock (MHz) and power (W) of every GPU every 100 ms while runs go
+    on (nvidia-smi, into a file: a pipe could fill up), each sample timestamped by nvidia-smi."""
+
+    FIELDS = ("utilization.gpu", "clocks.sm", "power.draw")
 
     def __init__(self):
         self.samples = {}
         self.path = os.path.join(WORK, "utilisation.csv")
         self.proc = None
         if SMI:
-            query = "--query-gpu=timestamp,index,uuid,utilization.gpu"
+            query = "--query-gpu=timestamp,index,uuid," + ",".join(self.FIELDS)
             with open(self.path, "w") as out:
                 self.proc = subprocess.Popen(
                     [SMI, query, "--format=csv,noheader,nounits", "-lms", "100"], stdout=out, stderr=subprocess.DEVNULL
@@ -189,19 +191,20 @@ class Sampler:
         with open(self.path) as f:
             for line in f:
                 fields = [field.strip() for field in line.split(",")]
-                if len(fields) != 4:
+                if len(fields) != 3 + len(self.FIELDS):
                     continue
                 try:
                     at = datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-                    value = float(fields[3])
+                    values = [float(field) for field in fields[3:]]
                 except ValueError:
                     continue
                 for key in fields[1:3]:
-                    self.samples.setdefault(key, []).append((at, value))
+                    self.samples.setdefault(key, []).append((at, values))
 
-    def mean(self, gpu, start, end):
-        """Mean utilisation of `gpu` between two Unix times; None without samples."""
-        values = [value for at, value in self.samples.get(gpu, []) if start <= at <= end]
+    def mean(self, gpu, start, end, field="utilization.gpu"):
+        """Mean of one field of `gpu` between two Unix times; None without samples."""
+        column = self.FIELDS.index(field)
+        values = [value[column] for at, value in self.samples.get(gpu, []) if start <= at <= end]
         return sum(values) / len(values) if values else None
 
 
@@ -449,9 +452,15 @@ def gemm_reference():
 
 
 def alignment(runs):
-    """How far apart the runs' first launches were."""
+    """How far apart the runs' first launches were, and the GPU's mean SM clock and power over
+    seconds 2.. of the first run (the boost factor follows them)."""
     starts = [run.end - run.result["seconds"] for run in runs]
-    return f"first launches {max(starts) - min(starts):.2f} s apart"
+    first = runs[0]
+    window = (starts[0] + 1.0, first.end)
+    clock = first.sampler.mean(gpu_of(0), *window, field="clocks.sm") if first.sampler else None
+    power = first.sampler.mean(gpu_of(0), *window, field="power.draw") if first.sampler else None
+    gpu = "" if clock is None or power is None else f"; SM clock {clock:.0f} MHz, power {power:.0f} W"
+    return f"first launches {max(starts) - min(starts):.2f} s apart{gpu}"
 
 
 def multi(natural, reference):

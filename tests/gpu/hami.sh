@@ -36,12 +36,12 @@ last_kernel_time() { python3 -c 'import struct,sys; print(struct.unpack_from("<q
 
 log; log "## a process that exits normally (4 GiB held, limit 8g)"
 # A keeper holds the region in use (otherwise the next process re-creates it): 100 MiB.
-CUDA_DEVICE_MEMORY_LIMIT=8g LD_PRELOAD=$hook python3 tests/gpu/hold_memory.py 100 120 > $work/keeper.txt 2>&1 &
+CUDA_DEVICE_MEMORY_LIMIT=8g LD_PRELOAD=$hook python3 tests/gpu/hold_memory.py 100 600 > $work/keeper.txt 2>&1 &
 keeper=$!
 for i in $(seq 100); do grep -q holding $work/keeper.txt 2>/dev/null && break; sleep 0.2; done
 CUDA_DEVICE_MEMORY_LIMIT=8g LD_PRELOAD=$hook python3 tests/gpu/hold_memory.py 4096 3 > $work/exiting.txt 2>&1 &
 exiting=$!
-sleep 2
+for i in $(seq 100); do grep -q holding $work/exiting.txt 2>/dev/null && break; sleep 0.2; done
 during="$(hami_sum) | vgpu-smi used_MiB processes: $(smi_used)"
 log "while both run: $during"
 wait $exiting
@@ -49,6 +49,9 @@ after="$(hami_sum) | vgpu-smi used_MiB processes: $(smi_used)"
 log "after it exited: $after"
 $smi | tee -a "$report"
 keeper_only=$(hami_sum | awk '{print $4}')
+# Without this, a sum read before the exiting process allocated would pass the next check too.
+[ "$(echo "$during" | awk '{print $2}')" = 2 ] && [ "$(echo "$during" | awk '{print $4}')" -ge 4096 ]
+check $? "while both ran, HAMi's sum counted both (2 slots, over 4096 MiB: $during)"
 [ "$(hami_sum | awk '{print $2}')" = 1 ] && [ "$keeper_only" -lt 2048 ]; check $? "the exited process's slot and 4 GiB are gone (HAMi's sum: $keeper_only MiB, the keeper's context and 100 MiB)"
 
 log; log "## a killed process (2 GiB): listed dead, not counted by vgpu-smi, reaped by the next start"
@@ -111,4 +114,5 @@ CUDA_DEVICE_MEMORY_LIMIT=8g LD_PRELOAD=$hook python3 tests/gpu/hold_memory.py 16
 log "a new process allocating 16 MiB: $(cat $work/refused.txt | tail -1)"
 grep -q oom $work/refused.txt; check $? "lowered below the usage: the next allocation is refused"
 log "usage after: $(hami_sum)"
-kill $keeper 2>/dev/null; wait $keeper 2>/dev/null
+kill $keeper 2>/dev/null; sleep 1; kill -9 $keeper 2>/dev/null; wait $keeper 2>/dev/null
+log "done $(date -u +%T)"

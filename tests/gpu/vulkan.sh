@@ -24,6 +24,19 @@ mkdir -p "$work/root"
 for deb in "$root"/.device/vulkan/*.deb; do [ -f "$deb" ] && unpack "$deb" "$work/root"; done
 vk_inc="$work/root/usr/include"; vk_lib=$(dirname "$(find "$work/root" -name 'libvulkan.so.1' | head -1)" 2>/dev/null)
 system_loader=$(ldconfig -p | awk '/libvulkan\.so\.1 /{print $NF; exit}')
+# NVIDIA's driver (libGLX_nvidia.so.0) found no device with the loader and glvnd only on
+# LD_LIBRARY_PATH (the loader: "Could not get 'vkCreateInstance' via 'vk_icdGetInstanceProcAddr'"),
+# and found the GPU once the loader and glvnd's libraries were installed in / (2026-12-01). On a
+# machine without a loader, as root, the brought loader and glvnd packages are installed there
+# (only those: others could replace the machine's own libraries).
+if [ -z "$system_loader" ] && [ "$(id -u)" = 0 ]; then
+  for deb in "$root"/.device/vulkan/*.deb; do
+    case "$(basename "$deb")" in libvulkan1_*|libglvnd0_*|libegl1_*|libgl1_*|libglx0_*|libopengl0_*|libgles2_*) unpack "$deb" / ;; esac
+  done
+  ldconfig
+  system_loader=$(ldconfig -p | awk '/libvulkan\.so\.1 /{print $NF; exit}')
+  log "installed the brought runtime packages in / (root, no system loader)"
+fi
 if [ -n "$system_loader" ]; then
   log "loader: the system's ($system_loader)"; loader_path=""
 elif [ -n "$vk_lib" ] && [ -f "$vk_lib/libvulkan.so.1" ]; then
@@ -35,19 +48,21 @@ fi
 [ -f "$vk_inc/vulkan/vulkan.h" ] || { log "Vulkan headers: NONE (libvulkan-dev missing from .device/vulkan)"; exit 1; }
 [ -e "$vk_lib/libvulkan.so" ] || ln -sf libvulkan.so.1 "$vk_lib/libvulkan.so" 2>/dev/null
 
-# --- NVIDIA's Vulkan driver: its ICD manifest, or one written for libGLX_nvidia.so.0
-icd="${VK_ICD_FILENAMES:-}"   # a driver manifest given by the caller wins
-[ -n "$icd" ] || for f in /usr/share/vulkan/icd.d/nvidia_icd*.json /etc/vulkan/icd.d/nvidia_icd*.json; do [ -f "$f" ] && { icd=$f; break; }; done
+# --- NVIDIA's Vulkan driver: the manifests to try, in order (the first through which the loader
+# finds a device is used): the caller's, the container toolkit's mount (/usr/local/nvidia/share, on
+# the lent machines), the system's, and one written for libGLX_nvidia.so.0.
 glx=$(ldconfig -p | awk '/libGLX_nvidia\.so\.0 /{print $NF; exit}')
 spirv=$(ldconfig -p | awk '/libnvidia-glvkspirv\.so/{print $NF; exit}')
-log "NVIDIA ICD manifest: ${icd:-none}; libGLX_nvidia.so.0: ${glx:-none}; libnvidia-glvkspirv: ${spirv:-none}"
-if [ -z "$icd" ]; then
-  [ -n "$glx" ] || { log "no NVIDIA Vulkan driver (libGLX_nvidia.so.0) on this machine: nothing to test"; exit 1; }
-  icd="$work/nvidia_icd.json"
-  printf '{"file_format_version": "1.0.0", "ICD": {"library_path": "%s", "api_version": "1.3.0"}}\n' "$glx" > "$icd"
-  log "wrote $icd for $glx"
+manifests=()
+[ -n "${VK_ICD_FILENAMES:-}" ] && manifests+=("$VK_ICD_FILENAMES")
+for f in /usr/local/nvidia/share/vulkan/icd.d/nvidia_icd*.json /usr/share/vulkan/icd.d/nvidia_icd*.json \
+  /etc/vulkan/icd.d/nvidia_icd*.json; do [ -f "$f" ] && manifests+=("$f"); done
+if [ -n "$glx" ]; then
+  printf '{"file_format_version": "1.0.0", "ICD": {"library_path": "%s", "api_version": "1.3.0"}}\n' "$glx" > "$work/nvidia_icd.json"
+  manifests+=("$work/nvidia_icd.json")
 fi
-export VK_ICD_FILENAMES="$icd" VK_DRIVER_FILES="$icd"
+log "NVIDIA ICD manifests: ${manifests[*]:-none}; libGLX_nvidia.so.0: ${glx:-none}; libnvidia-glvkspirv: ${spirv:-none}"
+[ ${#manifests[@]} -gt 0 ] || { log "no NVIDIA Vulkan driver (libGLX_nvidia.so.0) on this machine: nothing to test"; exit 1; }
 # libGLX_nvidia.so.0 needs glvnd's libGLdispatch and X11's client libraries, which a machine without
 # a desktop may lack: the brought ones (gpu-prepare.sh) fill in what ldd does not find.
 if [ -n "$glx" ] && ldd "$glx" | grep -q "not found"; then
@@ -72,14 +87,28 @@ answer() { sed -n "$1p"; }           # the n-th answer line
 field() { awk -v n="$1" '{print $n}'; } # the n-th field of a line
 results=()
 check() { # name expected got
-  local verdict=FAIL; [ "$2" = "$3" ] && verdict=pass
+  local verdict=FAIL; [ -n "$3" ] && [ "$2" = "$3" ] && verdict=pass
   results+=("| $1 | $2 | $3 | $verdict |"); log "$verdict: $1: expected $2, got $3"
 }
 region() { echo "$work/region-$1.cache"; }
+check_range() { # name lowest highest got
+  local verdict=FAIL; [ -n "$4" ] && [ "$4" -ge "$2" ] && [ "$4" -le "$3" ] && verdict=pass
+  results+=("| $1 | $2..$3 | $4 | $verdict |"); log "$verdict: $1: expected $2..$3, got $4"
+}
 
 # The Vulkan physical device that is CUDA device 0.
 uuid0=$(nvidia-smi --query-gpu=uuid --format=csv,noheader -i 0 | sed 's/^GPU-//; s/-//g')
-count=$(vk "instance 1" | answer 1 | field 3)
+count=0
+for icd in "${manifests[@]}"; do
+  export VK_ICD_FILENAMES="$icd" VK_DRIVER_FILES="$icd"
+  count=$(vk "instance 1" | answer 1 | field 3)
+  log "through $icd: ${count:-no answer} Vulkan devices"
+  [ "${count:-0}" -gt 0 ] 2>/dev/null && break
+done
+if ! [ "${count:-0}" -gt 0 ] 2>/dev/null; then
+  log "no Vulkan physical device through any manifest: nothing to test. The loader says (last manifest):"
+  printf 'instance 1\nquit\n' | VK_LOADER_DEBUG=error,warn,driver "$work/vk_mem" 2>&1 | tail -25 | tee -a "$report"; exit 1
+fi
 phys=0
 for i in $(seq 0 $((${count:-1} - 1))); do
   [ "$(vk "instance 1" "uuid $i" | answer 2 | field 2)" = "$uuid0" ] && { phys=$i; break; }
@@ -99,7 +128,9 @@ check "600 MiB more refused (VK_ERROR_OUT_OF_DEVICE_MEMORY)" -2 "$(echo "$a" | a
 check "2 GiB host-visible not charged" 0 "$(echo "$a" | answer 7 | field 2)"
 check "400 MiB more fits" 0 "$(echo "$a" | answer 8 | field 2)"
 left=$(echo "$a" | answer 9 | awk '{print $4 - $5}')
-check "budget - usage = what the limit leaves (112 MiB)" $((112 * MIB)) "$left"
+# The driver's usage includes what it allocated for itself (192 KiB on the H200, not charged), and
+# the budget is capped at the heap (the limit), so the room it shows may be that much smaller.
+check_range "budget - usage = what the limit leaves (112 MiB, less the driver's own)" $((111 * MIB)) $((112 * MIB)) "$left"
 python3 tests/gpu/region_dump.py "$CUDA_DEVICE_MEMORY_SHARED_CACHE" | tee -a "$report"
 
 log; log "## 2. without HAMI_VULKAN_ENABLE the layer is not loaded"
