@@ -36,6 +36,7 @@ fn main() {
         ("nvml_types.rs", generated.nvml_types.as_str()),
         ("hooks.rs", generated.hooks_input.as_str()),
         ("coverage.txt", generated.coverage.as_str()),
+        ("undeclared.rs", generated.undeclared.as_str()),
     ];
     for (name, text) in files {
         if let Err(e) = std::fs::write(out_dir.join(name), text) {

@@ -54,6 +54,19 @@ pub fn hooks_input(routed: &[Routed]) -> String {
     out
 }
 
+/// The hook's list of the private entry points `cuda-api.toml` names (`[[undeclared]]`).
+pub fn undeclared(names: &[&str]) -> String {
+    let mut out = String::from(
+        "/// The driver's and NVML's private entry points named in cuda-api.toml (`[[undeclared]]`), sorted.\n\
+         pub const UNDECLARED: &[&str] = &[\n",
+    );
+    for name in names {
+        let _ = writeln!(out, "    {name:?},");
+    }
+    out.push_str("];\n");
+    out
+}
+
 /// A sorted, human-readable listing of every function with its class and handler.
 pub fn coverage(routed: &[Routed], cuda_version: u32) -> String {
     let mut out = format!("# vgpu API coverage, CUDA {} headers\n", format_version(cuda_version));

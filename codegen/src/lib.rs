@@ -72,6 +72,9 @@ pub struct Generated {
     pub hooks_input: String,
     /// Sorted listing: name, class, handler.
     pub coverage: String,
+    /// `pub const UNDECLARED: &[&str]`: the private entry points `cuda-api.toml` names
+    /// (`[[undeclared]]`), sorted.
+    pub undeclared: String,
     /// Every routed function, CUDA first, then NVML.
     pub routed: Vec<route::Routed>,
     /// Which variant of each base name each CUDA version gets from `cuGetProcAddress`.
@@ -116,6 +119,7 @@ pub fn generate_from(headers: &Headers, table_path: &Path, handlers_src: &Path) 
         cuda_version: cuda.version,
         hooks_input: emit::hooks_input(&routed),
         coverage: emit::coverage(&routed, cuda.version),
+        undeclared: emit::undeclared(&table.undeclared_names()),
         cuda_types: cuda.types.clone(),
         nvml_types: nvml.types.clone(),
         routed,

@@ -85,11 +85,26 @@ impl Entry {
     }
 }
 
+/// One `[[undeclared]]` group: the driver's or NVML's private entry points, which no header
+/// declares, so the hook has no wrapper for them. An application handed one (by `dlsym` or
+/// `cuGetProcAddress`) calls the driver directly, as it would without the hook; naming them here
+/// says that is known and harmless, so the hook notes it at debug level instead of warning that
+/// the library is older than the driver.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Undeclared {
+    pub functions: Vec<String>,
+    /// Why calling them unhooked is harmless, for the reader.
+    pub why: String,
+}
+
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Table {
     #[serde(rename = "entry")]
     pub entries: Vec<Entry>,
+    #[serde(rename = "undeclared", default)]
+    pub undeclared: Vec<Undeclared>,
 }
 
 impl Table {
@@ -137,12 +152,45 @@ impl Table {
                 }
             }
         }
+        for (index, group) in table.undeclared.iter().enumerate() {
+            let label = format!("cuda-api.toml undeclared #{}", index + 1);
+            if group.functions.is_empty() || group.why.trim().is_empty() {
+                return Err(Error(format!("{label}: list functions and say `why`")));
+            }
+            for name in &group.functions {
+                if !(name.starts_with("cu") || name.starts_with("nvml")) {
+                    return Err(Error(format!(
+                        "{label}: {name} is not a driver or NVML name (cu*, nvml*)"
+                    )));
+                }
+                if !seen.insert(name.clone()) {
+                    return Err(Error(format!("{label}: {name} is listed more than once")));
+                }
+            }
+        }
         Ok(table)
+    }
+
+    /// The undeclared names, sorted.
+    pub fn undeclared_names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self
+            .undeclared
+            .iter()
+            .flat_map(|group| group.functions.iter().map(String::as_str))
+            .collect();
+        names.sort_unstable();
+        names
     }
 
     /// Every function the table names must be among the functions the headers declare, unless
     /// the entry says the header version lies outside the versions it applies to.
     pub fn check_all_declared(&self, found: &HashSet<&str>, version: u32) -> Result<()> {
+        if let Some(name) = self.undeclared_names().into_iter().find(|name| found.contains(name)) {
+            return Err(Error(format!(
+                "cuda-api.toml: {name} is listed as undeclared, but the CUDA {} headers declare it: classify it in an [[entry]] (or leave it to passthrough)",
+                format_version(version)
+            )));
+        }
         for (index, entry) in self.entries.iter().enumerate() {
             for name in &entry.functions {
                 if !found.contains(name.as_str()) && entry.applies_to(version) {
@@ -192,6 +240,33 @@ mod tests {
         assert_eq!(
             err.as_deref(),
             Some("cuda-api.toml entry #1 (memory-accounted cuMemAlloc_v2): class memory-accounted needs a handler")
+        );
+    }
+
+    #[test]
+    fn undeclared_names_must_be_driver_names_that_no_header_declares() {
+        let entry = "[[entry]]\nclass = \"passthrough\"\nfunctions = [\"cuInit\"]\nwhy = \"w\"\n";
+        let group = |names: &str| format!("{entry}[[undeclared]]\nfunctions = [{names}]\nwhy = \"private\"\n");
+        let table = Table::parse(&group("\"nvmlZ\", \"nvmlA\"")).expect("valid");
+        assert_eq!(table.undeclared_names(), ["nvmlA", "nvmlZ"]);
+        let err = |text: &str| Table::parse(text).err().map(|e| e.0).unwrap_or_default();
+        assert!(err(&group("\"ncclCommInitRank\"")).contains("not a driver or NVML name"));
+        assert!(err(&group("\"cuInit\"")).contains("listed more than once"));
+        assert!(
+            err(&format!(
+                "{entry}[[undeclared]]\nfunctions = [\"nvmlA\"]\nwhy = \" \"\n"
+            ))
+            .contains("say `why`")
+        );
+        let declared: HashSet<&str> = ["cuInit", "nvmlA"].into_iter().collect();
+        let message = table
+            .check_all_declared(&declared, 13050)
+            .err()
+            .map(|e| e.0)
+            .unwrap_or_default();
+        assert!(
+            message.contains("nvmlA is listed as undeclared, but the CUDA 13.5 headers declare it"),
+            "{message}"
         );
     }
 

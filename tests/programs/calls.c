@@ -69,6 +69,14 @@ int main(int argc, char **argv) {
             if (fn && dladdr((void *)fn, &info) && info.dli_fname)
                 file = strrchr(info.dli_fname, '/') ? strrchr(info.dli_fname, '/') + 1 : info.dli_fname;
             printf("newer %d %s\n", fn ? (int)fn() : -1, file);
+        } else if (strcmp(what, "private-nvml") == 0) {
+            // NVML's private export table, found with dlsym as nvidia-smi finds it: the library's own.
+            void *lib = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+            nvmlReturn_t (*fn)(const void **, const void *) =
+                (nvmlReturn_t (*)(const void **, const void *))dlsym(lib, "nvmlInternalGetExportTable");
+            const void *table = NULL;
+            unsigned char id[16] = {0};
+            printf("private-nvml %d\n", fn ? (int)fn(&table, id) : -1);
         } else if (strcmp(what, "missing-nvml") == 0) {
             void *lib = dlopen("libnvidia-ml.so.1", RTLD_NOW);
             nvlink_fn fn = (nvlink_fn)dlsym(lib, "nvmlDeviceGetNvLinkRemotePciInfo_v2");

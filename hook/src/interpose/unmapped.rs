@@ -2,7 +2,8 @@
 //! the library was built from answers `cuGetProcAddress` and `dlsym` with functions (a new `_v3`,
 //! a new copy) that map to none of our wrappers: the application then calls the driver directly,
 //! unaccounted and unlimited. The library cannot hook what it does not know, but it says so, once
-//! per function, at warning level.
+//! per function, at warning level. The private entry points `cuda-api.toml` names as undeclared
+//! (no header has them, and calling them unhooked is harmless) are noted at debug level instead.
 
 use parking_lot::Mutex;
 use std::collections::BTreeSet;
@@ -14,13 +15,24 @@ fn header_version() -> String {
     format!("{}.{}", version / 1000, (version % 1000) / 10)
 }
 
-/// Warns, once per function, that `via` answered with the driver's `name`, which this library
-/// does not export. Allocates: called on the `dlsym` path only for driver names (`cu*`, `nvml*`),
-/// which no allocator looks up while it initialises.
+// The generated `UNDECLARED` list (hook/build.rs from cuda-api.toml).
+include!(concat!(env!("OUT_DIR"), "/undeclared.rs"));
+
+/// Says, once per function, that `via` answered with the driver's `name`, which this library
+/// does not export: at warning level, or at debug level for a private entry point the table names.
+/// Allocates: called on the `dlsym` path only for driver names (`cu*`, `nvml*`), which no
+/// allocator looks up while it initialises.
 pub fn report(via: &str, name: &str) {
     static WARNED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
     let first = WARNED.lock().insert(name.to_string());
-    if first {
+    if first && UNDECLARED.binary_search(&name).is_ok() {
+        crate::log::ensure();
+        tracing::debug!(
+            target: crate::log::ONCE_PER_SUBJECT,
+            "{via} answered with the driver's private {name}, which no header declares (cuda-api.toml: undeclared): \
+             passed to the application unhooked"
+        );
+    } else if first {
         crate::log::ensure();
         tracing::warn!(
             target: crate::log::ONCE_PER_SUBJECT,

@@ -102,6 +102,16 @@ fn capacity(truth: &Truth, index: usize) -> u64 {
     }
 }
 
+/// Stands for NVML's private `nvmlInternalGetExportTable` (no header declares it; nvidia-smi asks
+/// for it): answers that the table asked for does not exist.
+#[unsafe(no_mangle)]
+pub extern "C" fn nvmlInternalGetExportTable(
+    _table: *mut *const std::ffi::c_void,
+    _id: *const std::ffi::c_void,
+) -> nvmlReturn_t {
+    NVML_ERROR_NOT_SUPPORTED
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlInit_v2() -> nvmlReturn_t {
     nv(init)

@@ -337,6 +337,41 @@ fn a_newer_drivers_function_is_reported_once_per_function() {
     );
 }
 
+/// A private entry point that cuda-api.toml names as undeclared (NVML's export table, which
+/// nvidia-smi asks for at every start) reaches the application unhooked without the warning that
+/// the library is older than the driver, which every nvidia-smi in a container would print; at
+/// debug level it is noted once.
+#[test]
+fn a_private_entry_point_in_the_table_is_not_warned_about() {
+    let program = c_program("calls", false);
+    let output = Run::new(&program)
+        .hooked()
+        .args(["private-nvml", "private-nvml"])
+        .output();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    // The fake's own function answered (NVML_ERROR_NOT_SUPPORTED), twice.
+    assert_eq!(stdout, "private-nvml 3\nprivate-nvml 3\n");
+    assert_eq!(
+        stderr_lines(&output),
+        Vec::<String>::new(),
+        "nothing at the default level"
+    );
+    let output = Run::new(&program)
+        .hooked()
+        .env("LIBCUDA_LOG_LEVEL", "4")
+        .args(["private-nvml", "private-nvml"])
+        .output();
+    let noted: Vec<String> = stderr_lines(&output)
+        .into_iter()
+        .filter(|line| line.contains("nvmlInternalGetExportTable"))
+        .collect();
+    assert_eq!(noted.len(), 1, "{:?}", stderr_lines(&output));
+    assert!(
+        noted[0].contains(" DEBUG ") && noted[0].contains("undeclared"),
+        "{}",
+        noted[0]
+    );
+}
 #[test]
 fn injected_panic_becomes_an_error_code() {
     let program = c_program("calls", false);
