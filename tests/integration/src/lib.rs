@@ -16,7 +16,10 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::OnceLock;
+use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
+
+#[path = "../../fake-driver/src/truth.rs"]
+pub mod truth;
 
 /// The workspace root.
 pub fn workspace_root() -> PathBuf {
@@ -365,6 +368,19 @@ impl Run {
         self
     }
 
+    /// Clears what the caller's environment could change about the fake's devices and the
+    /// per-device memory limits: `CUDA_VISIBLE_DEVICES`, `CUDA_DEVICE_MEMORY_LIMIT_<n>` and
+    /// `FAKE_CUDA_MEMORY_<n>`.
+    pub fn without_device_overrides(mut self) -> Run {
+        self = self.env_remove("CUDA_VISIBLE_DEVICES");
+        for n in 0..16 {
+            self = self
+                .env_remove(&format!("CUDA_DEVICE_MEMORY_LIMIT_{n}"))
+                .env_remove(&format!("FAKE_CUDA_MEMORY_{n}"));
+        }
+        self
+    }
+
     pub fn stdin(mut self, input: impl Into<Vec<u8>>) -> Run {
         self.stdin = Some(input.into());
         self
@@ -567,6 +583,28 @@ impl ScratchDir {
     pub fn join(&self, name: impl AsRef<Path>) -> PathBuf {
         self.0.join(name)
     }
+
+    /// The region file of the test's runs (`CUDA_DEVICE_MEMORY_SHARED_CACHE`).
+    pub fn region(&self) -> PathBuf {
+        self.join("region")
+    }
+
+    /// The fake driver's ground truth of the test's runs (`FAKE_CUDA_TRUTH`).
+    pub fn truth_path(&self) -> PathBuf {
+        self.join("truth")
+    }
+
+    /// The ground truth, once a run has created it.
+    pub fn truth(&self) -> truth::Truth {
+        truth::Truth::open(&self.truth_path()).expect("open the ground truth")
+    }
+}
+
+/// For the tests of one binary that measure waits, times or shares: one at a time, so that they
+/// do not share the CPUs with each other.
+pub fn one_at_a_time() -> MutexGuard<'static, ()> {
+    static TURN: Mutex<()> = Mutex::new(());
+    TURN.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Drop for ScratchDir {

@@ -9,16 +9,11 @@
 //! window in the middle of the run (after a warm-up, so the first measurements have arrived), as
 //! the truth's busy time gained over the window divided by its wall time.
 
-#[path = "../../fake-driver/src/truth.rs"]
-mod truth;
-
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
-use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use vgpu_integration::{Fields, Run, ScratchDir, Session, c_program};
+use vgpu_integration::{Fields, Run, ScratchDir, Session, compiled_program, truth};
 use vgpu_region::{COMPUTE_OFFSET, EXTENSION_OFFSET, InitParams, Region, SLOT_LIVE, read_snapshot};
 
 /// Simulated duration of the test kernel.
@@ -32,40 +27,18 @@ const WINDOW: Duration = Duration::from_millis(2000);
 const RUN_SECONDS: &str = "3.2";
 
 fn program() -> PathBuf {
-    static BUILT: Mutex<BTreeMap<String, PathBuf>> = Mutex::new(BTreeMap::new());
-    let mut built = BUILT.lock().unwrap_or_else(PoisonError::into_inner);
-    built
-        .entry("compute_loop".to_string())
-        .or_insert_with(|| c_program("compute_loop", false))
-        .clone()
-}
-
-/// A fresh folder for one test's region and truth, removed afterwards unless the test failed.
-struct TestDir(ScratchDir);
-
-impl TestDir {
-    fn new(name: &str) -> TestDir {
-        TestDir(ScratchDir::new(&format!("compute-{name}")))
-    }
-
-    fn region(&self) -> PathBuf {
-        self.0.join("region")
-    }
-
-    fn truth(&self) -> truth::Truth {
-        truth::Truth::open(&self.0.join("truth")).expect("open the ground truth")
-    }
+    compiled_program("compute_loop")
 }
 
 /// The compute_loop program with the hook, this test's files, and `env` on top of an environment
 /// cleared of every limit and policy variable.
-fn compute_loop(dir: &TestDir, env: &[(&str, &str)], args: &[&str]) -> Run {
+fn compute_loop(dir: &ScratchDir, env: &[(&str, &str)], args: &[&str]) -> Run {
     let mut run = Run::new(&program())
         .hooked()
         .env_remove("CUDA_VISIBLE_DEVICES")
         .env_remove("GPU_CORE_UTILIZATION_POLICY")
         .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.region())
-        .env("FAKE_CUDA_TRUTH", dir.0.join("truth"));
+        .env("FAKE_CUDA_TRUTH", dir.join("truth"));
     for n in 0..16 {
         run = run.env_remove(&format!("CUDA_DEVICE_SM_LIMIT_{n}"));
     }
@@ -119,7 +92,7 @@ fn busy_share(truth: &truth::Truth) -> f64 {
 }
 
 /// Runs programs side by side and measures the device's busy share in the middle of their runs.
-fn measure(dir: &TestDir, runs: Vec<Run>) -> (f64, Vec<Fields>) {
+fn measure(dir: &ScratchDir, runs: Vec<Run>) -> (f64, Vec<Fields>) {
     let sessions: Vec<Session> = runs.into_iter().map(start).collect();
     let truth = dir.truth();
     std::thread::sleep(WARM_UP);
@@ -136,7 +109,7 @@ fn assert_share(what: &str, share: f64, expected: f64) {
 }
 
 /// One little-endian u64 of the region's compute state for region device 0.
-fn compute_field(dir: &TestDir, word: usize) -> u64 {
+fn compute_field(dir: &ScratchDir, word: usize) -> u64 {
     let bytes = std::fs::read(dir.region()).expect("read the region");
     let at = EXTENSION_OFFSET + COMPUTE_OFFSET + 8 * word;
     u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"))
@@ -152,7 +125,7 @@ const UUID0: &str = "GPU-00000000-0000-0000-0000-000000000000";
 /// it as it is instead of reinitialising it.
 /// Opens (or creates, with the compute limit the processes' variables give: the region's limits
 /// are the container's) the test's region, keeping it in use.
-fn hold_region(dir: &TestDir, sm_limit: u64) -> Region {
+fn hold_region(dir: &ScratchDir, sm_limit: u64) -> Region {
     let init = InitParams {
         device_uuids: vec![UUID0.to_string()],
         sm_limits: [sm_limit; vgpu_region::MAX_DEVICES],
@@ -162,7 +135,7 @@ fn hold_region(dir: &TestDir, sm_limit: u64) -> Region {
 }
 
 fn limited_run(limit: u32, path: &str) {
-    let dir = TestDir::new(&format!("limit-{limit}-{path}"));
+    let dir = ScratchDir::new(&format!("compute-limit-{limit}-{path}"));
     let limit_text = limit.to_string();
     let run = compute_loop(
         &dir,
@@ -185,7 +158,7 @@ fn limit_20_holds() {
 
 #[test]
 fn limit_50_holds_and_is_published() {
-    let dir = TestDir::new("limit-50-published");
+    let dir = ScratchDir::new("compute-limit-50-published");
     let run = compute_loop(
         &dir,
         &[("CUDA_DEVICE_SM_LIMIT", "50")],
@@ -233,16 +206,16 @@ fn limit_80_holds() {
 /// limit the context and module are the driver's to give.
 #[test]
 fn launches_under_a_limit_fail_closed_when_the_region_is_unusable() {
-    let dir = TestDir::new("fail-closed");
-    let program = c_program("monitor_launch", false);
+    let dir = ScratchDir::new("compute-fail-closed");
+    let program = compiled_program("monitor_launch");
     let output = Run::new(&program)
         .hooked()
         .env_remove("CUDA_VISIBLE_DEVICES")
         .env_remove("GPU_CORE_UTILIZATION_POLICY")
         .env_remove("CUDA_DEVICE_MEMORY_LIMIT")
         .env("CUDA_DEVICE_SM_LIMIT", "50")
-        .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.0.join("missing").join("region"))
-        .env("FAKE_CUDA_TRUTH", dir.0.join("truth"))
+        .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.join("missing").join("region"))
+        .env("FAKE_CUDA_TRUTH", dir.join("truth"))
         .stdin("init\nctx 0\nload\nlaunch 20\nquit\n")
         .output();
     let answers: Vec<String> = String::from_utf8_lossy(&output.stdout)
@@ -267,7 +240,7 @@ fn launches_under_a_limit_fail_closed_when_the_region_is_unusable() {
 #[test]
 fn unlimited_launches_never_wait() {
     for limit in [None, Some("100"), Some("0")] {
-        let dir = TestDir::new("unlimited");
+        let dir = ScratchDir::new("compute-unlimited");
         let env: Vec<(&str, &str)> = limit.map(|l| ("CUDA_DEVICE_SM_LIMIT", l)).into_iter().collect();
         let run = compute_loop(&dir, &env, &["kernel", KERNEL, "1.5", "stream"]);
         let session = start(run);
@@ -310,7 +283,7 @@ fn graph_launches_are_limited() {
 
 #[test]
 fn per_thread_stream_launches_are_limited() {
-    let dir = TestDir::new("ptsz");
+    let dir = ScratchDir::new("compute-ptsz");
     let run = compute_loop(&dir, &[("CUDA_DEVICE_SM_LIMIT", "40")], &["ptsz", KERNEL, RUN_SECONDS]);
     let (share, _) = measure(&dir, vec![run]);
     assert_share("cuLaunchKernel_ptsz at limit 40", share, 40.0);
@@ -318,7 +291,7 @@ fn per_thread_stream_launches_are_limited() {
 
 #[test]
 fn legacy_launches_are_limited() {
-    let dir = TestDir::new("legacy");
+    let dir = ScratchDir::new("compute-legacy");
     let run = compute_loop(
         &dir,
         &[("CUDA_DEVICE_SM_LIMIT", "40")],
@@ -330,7 +303,7 @@ fn legacy_launches_are_limited() {
 
 #[test]
 fn two_processes_share_one_budget() {
-    let dir = TestDir::new("two");
+    let dir = ScratchDir::new("compute-two");
     let runs = (0..2)
         .map(|_| {
             compute_loop(
@@ -353,7 +326,7 @@ fn two_processes_share_one_budget() {
 fn a_fork_in_the_middle_of_limited_launches_is_safe() {
     // The child (which cannot use the parent's contexts) exits normally; the parent's limiter,
     // its background thread included, goes on holding the share.
-    let dir = TestDir::new("fork");
+    let dir = ScratchDir::new("compute-fork");
     let run = compute_loop(
         &dir,
         &[("CUDA_DEVICE_SM_LIMIT", "40")],
@@ -371,7 +344,7 @@ fn a_fork_in_the_middle_of_limited_launches_is_safe() {
 
 #[test]
 fn recent_kernel_minus_one_blocks_launches_until_raised() {
-    let dir = TestDir::new("recent-kernel");
+    let dir = ScratchDir::new("compute-recent-kernel");
     let run = compute_loop(
         &dir,
         &[("CUDA_DEVICE_SM_LIMIT", "50")],
@@ -413,7 +386,7 @@ fn recent_kernel_minus_one_blocks_launches_until_raised() {
 fn a_job_below_its_limit_runs_at_its_natural_rate() {
     // One 2 ms kernel, then 18 ms of host work: a natural share of about 10%.
     let rate = |limit: Option<&str>| {
-        let dir = TestDir::new("low-demand");
+        let dir = ScratchDir::new("compute-low-demand");
         let env: Vec<(&str, &str)> = limit.map(|l| ("CUDA_DEVICE_SM_LIMIT", l)).into_iter().collect();
         let run = compute_loop(&dir, &env, &["kernel", KERNEL, "2.5", "sleep_us", "18000"]);
         let done = finish(start(run));
@@ -434,7 +407,7 @@ fn a_job_below_its_limit_runs_at_its_natural_rate() {
 
 #[test]
 fn policy_disable_never_limits() {
-    let dir = TestDir::new("disable");
+    let dir = ScratchDir::new("compute-disable");
     let run = compute_loop(
         &dir,
         &[
@@ -451,7 +424,7 @@ fn policy_disable_never_limits() {
 #[test]
 fn switch_off_lifts_the_limit_unless_forced() {
     for (policy, expected) in [(None, None), (Some("force"), Some(20.0))] {
-        let dir = TestDir::new("switch");
+        let dir = ScratchDir::new("compute-switch");
         let region = hold_region(&dir, 20);
         region.hami().utilization_switch.store(0, Ordering::Relaxed);
         let mut env = vec![("CUDA_DEVICE_SM_LIMIT", "20")];
@@ -472,7 +445,7 @@ fn switch_off_lifts_the_limit_unless_forced() {
 fn switching_the_limit_off_releases_a_waiting_launch() {
     // At 1% a 2 ms kernel admits one launch per 200 ms, so the program is waiting most of the
     // time; turning the switch off must let it run at full speed at once.
-    let dir = TestDir::new("release");
+    let dir = ScratchDir::new("compute-release");
     let region = hold_region(&dir, 1);
     let run = compute_loop(
         &dir,
@@ -491,7 +464,7 @@ fn switching_the_limit_off_releases_a_waiting_launch() {
 
 /// Starts the loop at limit 50 for 7.5 s with the fake's NVML utilisation pinned (or, with
 /// `None`, taken from the truth), logging at debug level.
-fn cross_checked_run(dir: &TestDir, nvml_utilisation: Option<&str>) -> Session {
+fn cross_checked_run(dir: &ScratchDir, nvml_utilisation: Option<&str>) -> Session {
     let mut env = vec![("CUDA_DEVICE_SM_LIMIT", "50"), ("LIBCUDA_LOG_LEVEL", "4")];
     if let Some(percent) = nvml_utilisation {
         env.push(("FAKE_NVML_UTILIZATION", percent));
@@ -520,7 +493,7 @@ fn measured_in_warning(log: &str) -> Option<u32> {
 fn nvml_cross_checks_the_sensor_where_it_works() {
     const OVER_COUNT: &str = "the sensor may over-count";
     const BLIND: &str = "NVML cannot cross-check";
-    let dirs = ["nvml-agrees", "nvml-disagrees", "nvml-blind"].map(TestDir::new);
+    let dirs = ["nvml-agrees", "nvml-disagrees", "nvml-blind"].map(|name| ScratchDir::new(&format!("compute-{name}")));
     // NVML sees the GPU (the truth's utilisation, about 50%); NVML claims 20% of the whole GPU
     // while the container measures 50%; NVML blind (0% while kernels run, as on the H200 VM).
     let sessions = [
@@ -565,7 +538,7 @@ fn boost_compensation_follows_the_power_readings() {
         "boost-shared",
         "boost-switches",
     ];
-    let dirs = names.map(TestDir::new);
+    let dirs = names.map(|name| ScratchDir::new(&format!("compute-{name}")));
     let power = [("CUDA_DEVICE_SM_LIMIT", "50"), ("FAKE_NVML_BUSY_WATTS", "900")];
     let with = |extra: &[(&'static str, &'static str)]| {
         let mut env = power.to_vec();
@@ -589,7 +562,7 @@ fn boost_compensation_follows_the_power_readings() {
     // The first reading only starts the share's window; then the factor moves halfway to its
     // target at each reading, once a second.
     std::thread::sleep(Duration::from_millis(5500));
-    let truths = dirs.each_ref().map(TestDir::truth);
+    let truths = dirs.each_ref().map(ScratchDir::truth);
     let at = Instant::now();
     let before = truths.each_ref().map(|truth| truth.device(0).busy_ns());
     std::thread::sleep(WINDOW);
@@ -634,7 +607,7 @@ fn boost_compensation_follows_the_power_readings() {
 /// 44%, a factor of 1.14), not each charged at its own factor.
 #[test]
 fn two_processes_share_the_boost_compensation() {
-    let dir = TestDir::new("two-boost");
+    let dir = ScratchDir::new("compute-two-boost");
     let env = [("CUDA_DEVICE_SM_LIMIT", "50"), ("FAKE_NVML_BUSY_WATTS", "900")];
     let sessions: Vec<Session> = (0..2)
         .map(|_| start(compute_loop(&dir, &env, &["kernel", KERNEL, "9", "stream"])))

@@ -16,14 +16,10 @@
 //! Jobs are `tests/programs/compute_jobs.c`; its counts are checked against the fake's ground truth
 //! (each launched kernel adds its duration there).
 
-#[path = "../../fake-driver/src/truth.rs"]
-mod truth;
-
 use std::path::PathBuf;
-use std::sync::{Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
-use vgpu_integration::{Fields, Run, ScratchDir, Session, c_program};
+use vgpu_integration::{Fields, Run, ScratchDir, Session, compiled_program, one_at_a_time};
 
 /// Host time of each first launch (a function's lazy load, a graph's upload), in microseconds.
 const LAZY_LOAD_US: &str = "20000";
@@ -31,34 +27,20 @@ const LAZY_LOAD_US: &str = "20000";
 const NOT_SLOWED: f64 = 0.95;
 
 fn program() -> PathBuf {
-    static BUILT: OnceLock<PathBuf> = OnceLock::new();
-    BUILT.get_or_init(|| c_program("compute_jobs", false)).clone()
-}
-
-/// A fresh folder for one job's region and ground truth.
-struct JobDir(ScratchDir);
-
-impl JobDir {
-    fn new(name: &str) -> JobDir {
-        JobDir(ScratchDir::new(&format!("compute-jobs-{name}")))
-    }
-
-    fn truth(&self) -> truth::Truth {
-        truth::Truth::open(&self.0.join("truth")).expect("open the ground truth")
-    }
+    compiled_program("compute_jobs")
 }
 
 /// The job with the hook and lazy loading, this job's files, and `env` on top of an environment
 /// cleared of every limit, policy and fake-device variable.
-fn job(dir: &JobDir, env: &[(&str, &str)], args: &str) -> Run {
+fn job(dir: &ScratchDir, env: &[(&str, &str)], args: &str) -> Run {
     let mut run = Run::new(&program())
         .hooked()
         .env_remove("CUDA_VISIBLE_DEVICES")
         .env_remove("GPU_CORE_UTILIZATION_POLICY")
         .env_remove("FAKE_CUDA_DEVICES")
         .env("FAKE_CUDA_MODULE_LOAD_US", LAZY_LOAD_US)
-        .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.0.join("region"))
-        .env("FAKE_CUDA_TRUTH", dir.0.join("truth"));
+        .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.join("region"))
+        .env("FAKE_CUDA_TRUTH", dir.join("truth"));
     for n in 0..16 {
         run = run.env_remove(&format!("CUDA_DEVICE_SM_LIMIT_{n}"));
     }
@@ -126,14 +108,13 @@ fn finish(mut session: Session) -> Report {
 /// other tests' jobs, running in parallel, would take turns with them unevenly (a 250 ms window of
 /// one job 20% short of the other's).
 fn run_together<const N: usize>(runs: [Run; N]) -> [Report; N] {
-    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(PoisonError::into_inner);
+    let _turn = one_at_a_time();
     let sessions = runs.map(|run| run.spawn(Duration::from_secs(60)));
     sessions.map(finish)
 }
 
 /// The ground truth saw exactly the kernels the job counted: `launches` of `us` each.
-fn assert_truth_counts(dir: &JobDir, device: usize, launches: f64, us: f64) {
+fn assert_truth_counts(dir: &ScratchDir, device: usize, launches: f64, us: f64) {
     let busy = dir.truth().device(device).busy_ns() as f64;
     assert_eq!(
         busy,
@@ -147,11 +128,11 @@ fn assert_truth_counts(dir: &JobDir, device: usize, launches: f64, us: f64) {
 /// the load's time inside the launch call, and no other launch does; without it none does.
 #[test]
 fn the_fake_driver_loads_each_function_and_graph_on_its_first_launch() {
-    let unhooked = |dir: &JobDir, lazy: bool, args: &str| {
+    let unhooked = |dir: &ScratchDir, lazy: bool, args: &str| {
         let run = Run::new(&program())
             .env_remove("CUDA_VISIBLE_DEVICES")
             .env_remove("FAKE_CUDA_DEVICES")
-            .env("FAKE_CUDA_TRUTH", dir.0.join("truth"))
+            .env("FAKE_CUDA_TRUTH", dir.join("truth"))
             .args(args.split_whitespace());
         if lazy {
             run.env("FAKE_CUDA_MODULE_LOAD_US", LAZY_LOAD_US)
@@ -159,7 +140,8 @@ fn the_fake_driver_loads_each_function_and_graph_on_its_first_launch() {
             run.env_remove("FAKE_CUDA_MODULE_LOAD_US")
         }
     };
-    let dirs = ["lazy-loop", "lazy-graph", "eager-loop", "lazy-devices"].map(JobDir::new);
+    let dirs = ["lazy-loop", "lazy-graph", "eager-loop", "lazy-devices"]
+        .map(|name| ScratchDir::new(&format!("compute-jobs-{name}")));
     let loop_args = "loop seconds=0.5 kernels=8 us=20 per_iteration=8 sync=1 window_ms=250";
     let [lazy_loop, lazy_graph, eager_loop, lazy_devices] = run_together([
         unhooked(&dirs[0], true, loop_args),
@@ -197,7 +179,10 @@ fn the_fake_driver_loads_each_function_and_graph_on_its_first_launch() {
 /// launch: per second, the limited one does at least [`NOT_SLOWED`] of the unlimited one's
 /// iterations. `us` is its kernels' duration.
 fn below_limit_not_slowed(name: &str, limit: u32, args: &str, us: f64) {
-    let (reference_dir, limited_dir) = (JobDir::new(&format!("{name}-free")), JobDir::new(name));
+    let (reference_dir, limited_dir) = (
+        ScratchDir::new(&format!("compute-jobs-{name}-free")),
+        ScratchDir::new(&format!("compute-jobs-{name}")),
+    );
     let limit_text = limit.to_string();
     let [reference, limited] = run_together([
         job(&reference_dir, &[], args),
@@ -293,7 +278,7 @@ const DEVICE_US: f64 = 1000.0;
 /// every 4); returns each device's (busy share in percent from its thread's first launch, the
 /// thread's completion time in seconds).
 fn two_devices(name: &str, env: &[(&str, &str)], launches: [u32; 2]) -> [(f64, f64); 2] {
-    let dir = JobDir::new(name);
+    let dir = ScratchDir::new(&format!("compute-jobs-{name}"));
     let mut env = env.to_vec();
     env.extend([("FAKE_CUDA_DEVICES", "2"), ("GPU_CORE_UTILIZATION_POLICY", "FORCE")]);
     let args = format!("devices launches={},{} us={DEVICE_US} sync=4", launches[0], launches[1]);
@@ -353,7 +338,7 @@ fn two_devices_in_one_process_each_hold_their_own_limit() {
 /// and over the 3 s from the first replay.
 fn graph_replay_holds(limit: u32) {
     const US: f64 = 50.0;
-    let dir = JobDir::new(&format!("graph-{limit}"));
+    let dir = ScratchDir::new(&format!("compute-jobs-graph-{limit}"));
     let limit_text = limit.to_string();
     let args = "graph seconds=3 kernels=8 us=50 sync=10 window_ms=250";
     let [report] = run_together([job(&dir, &[("CUDA_DEVICE_SM_LIMIT", &limit_text)], args)]);

@@ -7,13 +7,10 @@
 //! Every test uses its own folder for the region (`CUDA_DEVICE_MEMORY_SHARED_CACHE`) and the
 //! fake's ground truth (`FAKE_CUDA_TRUTH`).
 
-#[path = "../../fake-driver/src/truth.rs"]
-mod truth;
-
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use vgpu_integration::{Run, ScratchDir, Session};
+use vgpu_integration::{Run, ScratchDir, Session, truth};
 use vgpu_region::{SLOT_LIVE, Snapshot, read_snapshot};
 
 const MIB: u64 = 1 << 20;
@@ -509,7 +506,7 @@ fn compute_loop(dir: &TestDir, seconds: &str, variables: &[(&str, &str)]) -> Ses
 fn a_compute_limit_raised_live_limits_an_unlimited_process_within_a_second() {
     let dir = TestDir::new("live-compute");
     let session = compute_loop(&dir, "6.5", &[]);
-    let truth = truth::Truth::open(&dir.0.join("truth")).expect("open the ground truth");
+    let truth = dir.0.truth();
     let region = join(&dir);
     std::thread::sleep(Duration::from_millis(500));
     // The whole device, far from 20% (the bar is low: this host-paced loop runs under the load
@@ -545,7 +542,7 @@ fn garbage_limits_in_the_region_never_crash_nor_lift_a_limit_silently() {
     // A compute limit that is no percentage is ignored: the limit in force stays, said once.
     let dir = TestDir::new("garbage-compute");
     let session = compute_loop(&dir, "4", &[("CUDA_DEVICE_SM_LIMIT", "30")]);
-    let truth = truth::Truth::open(&dir.0.join("truth")).expect("open the ground truth");
+    let truth = dir.0.truth();
     let region = join(&dir);
     std::thread::sleep(Duration::from_millis(300));
     set_sm_limit(&region, 250);

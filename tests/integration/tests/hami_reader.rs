@@ -9,14 +9,10 @@
 //! offsets its `spec_test.go` pins on linux/amd64); `cmd/vGPUmonitor/metrics.go` says which
 //! accessors the exported metrics use, `cmd/vGPUmonitor/feedback.go` which fields it writes.
 
-#[path = "../../fake-driver/src/truth.rs"]
-mod truth;
-
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use vgpu_integration::{Run, ScratchDir, Session, c_program};
+use vgpu_integration::{Run, ScratchDir, Session, compiled_program, truth};
 
 /// HAMi's view of a region file, byte offsets from its Go struct (linux/amd64).
 mod hami {
@@ -197,12 +193,7 @@ const GIB: u64 = 1 << 30;
 const CONTEXT: u64 = 48 * MIB;
 
 fn program() -> PathBuf {
-    static BUILT: Mutex<Option<PathBuf>> = Mutex::new(None);
-    BUILT
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .get_or_insert_with(|| c_program("monitor_launch", false))
-        .clone()
+    compiled_program("monitor_launch")
 }
 
 /// Reads the region file the way HAMi's monitor does (the whole file), and decodes it with its

@@ -9,17 +9,15 @@
 //! `vgpu_region::read_snapshot` (no lock taken) or, where reaping is needed, joined with
 //! `Region::open`.
 
-#[path = "../../fake-driver/src/truth.rs"]
-mod truth;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use vgpu_codegen::table::{Class, Table};
-use vgpu_integration::{Run, ScratchDir, Session, cuda_version, fault_injection_hook_library, workspace_root};
+use vgpu_integration::{
+    Run, ScratchDir, Session, cuda_version, fault_injection_hook_library, one_at_a_time, truth, workspace_root,
+};
 use vgpu_region::{
     EXTENSION_OFFSET, InitParams, MemoryUsage, OpenKind, REGION_FILE_SIZE, Region, SLOT_LIVE, Snapshot, read_snapshot,
 };
@@ -39,44 +37,11 @@ const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;
 
 use vgpu_integration::compiled_program as program;
 
-/// The race and the kill storm measure waits: they must not share the CPUs with each other.
-fn heavy() -> MutexGuard<'static, ()> {
-    static HEAVY: Mutex<()> = Mutex::new(());
-    HEAVY.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// A fresh folder for one test's region and truth files, removed afterwards unless the test
-/// failed (then it is kept for inspection).
-struct TestDir(ScratchDir);
-
-impl TestDir {
-    fn new(name: &str) -> TestDir {
-        TestDir(ScratchDir::new(&format!("memory-{name}")))
-    }
-
-    fn region(&self) -> PathBuf {
-        self.0.join("region")
-    }
-
-    fn truth_path(&self) -> PathBuf {
-        self.0.join("truth")
-    }
-
-    fn truth(&self) -> truth::Truth {
-        truth::Truth::open(&self.truth_path()).expect("open the ground truth")
-    }
-}
-
 /// The environment every run of a test shares: its region and truth files, the context size, and
 /// nothing inherited that could change the devices or limits.
-fn setup(mut run: Run, dir: &TestDir) -> Run {
-    run = run.env_remove("CUDA_VISIBLE_DEVICES");
-    for n in 0..16 {
-        run = run
-            .env_remove(&format!("CUDA_DEVICE_MEMORY_LIMIT_{n}"))
-            .env_remove(&format!("FAKE_CUDA_MEMORY_{n}"));
-    }
-    run.env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.region())
+fn setup(run: Run, dir: &ScratchDir) -> Run {
+    run.without_device_overrides()
+        .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.region())
         .env("FAKE_CUDA_TRUTH", dir.truth_path())
         .env("FAKE_CUDA_CONTEXT_BYTES", CONTEXT.to_string())
 }
@@ -514,7 +479,7 @@ fn parse_step(line: &str) -> Option<StepLine> {
     })
 }
 
-fn paths_env(run: Run, dir: &TestDir) -> Run {
+fn paths_env(run: Run, dir: &ScratchDir) -> Run {
     setup(run, dir).env("FAKE_CUDA_MEMORY", TABLE_PHYSICAL.to_string())
 }
 
@@ -522,7 +487,7 @@ fn paths_env(run: Run, dir: &TestDir) -> Run {
 /// the statuses against a run of the same case without the hook.
 fn run_case(case: &Case) -> Result<(), String> {
     let program = program("mem_paths");
-    let native_dir = TestDir::new("paths-native");
+    let native_dir = ScratchDir::new("memory-paths-native");
     let native = paths_env(Run::new(&program), &native_dir).args([case.name]).output();
     let native: Vec<StepLine> = String::from_utf8_lossy(&native.stdout)
         .lines()
@@ -535,7 +500,7 @@ fn run_case(case: &Case) -> Result<(), String> {
             case.steps.len()
         ));
     }
-    let dir = TestDir::new("paths");
+    let dir = ScratchDir::new("memory-paths");
     let mut session = paths_env(Run::new(&program).hooked(), &dir)
         .env("CUDA_DEVICE_MEMORY_LIMIT", TABLE_LIMIT.to_string())
         .args([case.name])
@@ -660,7 +625,7 @@ fn driver_calls(truth: &truth::Truth, physical: usize) -> u64 {
 
 #[test]
 fn limit_refuses_one_byte_over_per_device_with_remapped_devices() {
-    let dir = TestDir::new("boundary");
+    let dir = ScratchDir::new("memory-boundary");
     let program = program("mem_ops");
     // CUDA ordinal 0 is physical GPU 2, ordinal 1 is physical GPU 0; GPU 1 is not visible.
     let limits = [(0, 2, 512 * MIB), (1, 0, 768 * MIB)];
@@ -802,7 +767,7 @@ fn limit_refuses_one_byte_over_per_device_with_remapped_devices() {
 const RACE_LIMIT: u64 = 512 * MIB;
 const RACE_CONTEXT: u64 = 2 * MIB;
 
-fn race_env(run: Run, dir: &TestDir) -> Run {
+fn race_env(run: Run, dir: &ScratchDir) -> Run {
     setup(run, dir)
         .env("FAKE_CUDA_MEMORY", "64g")
         .env("FAKE_CUDA_CONTEXT_BYTES", RACE_CONTEXT.to_string())
@@ -820,7 +785,7 @@ fn race_report(line: &str) -> BTreeMap<String, u64> {
 }
 
 /// Joins the region the children created and returns it with device 0's index.
-fn join_region(dir: &TestDir) -> (Region, usize) {
+fn join_region(dir: &ScratchDir) -> (Region, usize) {
     let region = Region::open(&dir.region(), &InitParams::default()).expect("join the region");
     assert!(
         matches!(region.open_kind(), OpenKind::Joined),
@@ -833,8 +798,8 @@ fn join_region(dir: &TestDir) -> (Region, usize) {
 
 #[test]
 fn racing_processes_never_exceed_the_limit_together() {
-    let _heavy = heavy();
-    let dir = TestDir::new("race");
+    let _heavy = one_at_a_time();
+    let dir = ScratchDir::new("memory-race");
     let program = program("mem_race");
     let mut children: Vec<Session> = (0..16)
         .map(|seed| {
@@ -928,8 +893,8 @@ impl Rng {
 
 #[test]
 fn kill_storm_never_blocks_survivors_and_leaves_no_charge() {
-    let _heavy = heavy();
-    let dir = TestDir::new("storm");
+    let _heavy = one_at_a_time();
+    let dir = ScratchDir::new("memory-storm");
     let program = program("mem_race");
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -1054,7 +1019,7 @@ fn kill_storm_never_blocks_survivors_and_leaves_no_charge() {
 
 #[test]
 fn a_killed_processes_memory_is_reclaimed_by_the_next_start_or_allocation() {
-    let dir = TestDir::new("reclaim");
+    let dir = ScratchDir::new("memory-reclaim");
     let program = program("mem_ops");
     let start = || {
         let mut session = setup(Run::new(&program).hooked(), &dir)
@@ -1104,7 +1069,7 @@ fn a_killed_processes_memory_is_reclaimed_by_the_next_start_or_allocation() {
 
 #[test]
 fn blocks_a_pool_keeps_after_a_free_count_against_the_limit() {
-    let dir = TestDir::new("pool-keeps");
+    let dir = ScratchDir::new("memory-pool-keeps");
     let mut session = setup(Run::new(&program("mem_ops")).hooked(), &dir)
         .env("FAKE_CUDA_MEMORY", "4g")
         .env("CUDA_DEVICE_MEMORY_LIMIT", "512m")
@@ -1133,7 +1098,7 @@ fn blocks_a_pool_keeps_after_a_free_count_against_the_limit() {
 
 #[test]
 fn a_context_reset_releases_the_allocations_it_freed() {
-    let dir = TestDir::new("ctx-reset");
+    let dir = ScratchDir::new("memory-ctx-reset");
     let mut session = setup(Run::new(&program("mem_ops")).hooked(), &dir)
         .env("FAKE_CUDA_MEMORY", "4g")
         .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
@@ -1158,7 +1123,7 @@ fn a_context_reset_releases_the_allocations_it_freed() {
 
 #[test]
 fn no_umask_change_no_signal_handlers_and_a_shared_region_file() {
-    let dir = TestDir::new("manners");
+    let dir = ScratchDir::new("memory-manners");
     let mut session = setup(Run::new(&program("mem_ops")).hooked(), &dir)
         .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
         .spawn(Duration::from_secs(30));
@@ -1209,7 +1174,7 @@ fn bad_region_files_nobody_uses_are_rebuilt_with_a_warning() {
     ];
     let program = program("mem_ops");
     for (what, bytes) in files {
-        let dir = TestDir::new("rebuild");
+        let dir = ScratchDir::new("memory-rebuild");
         std::fs::write(dir.region(), &bytes).expect("write the bad file");
         let mut session = setup(Run::new(&program).hooked(), &dir)
             .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
@@ -1242,7 +1207,7 @@ fn bad_region_files_nobody_uses_are_rebuilt_with_a_warning() {
 #[test]
 fn bad_region_file_in_use_is_refused_and_left_alone() {
     use std::os::fd::AsRawFd;
-    let dir = TestDir::new("in-use");
+    let dir = ScratchDir::new("memory-in-use");
     let bytes = garbage(REGION_FILE_SIZE);
     std::fs::write(dir.region(), &bytes).expect("write the bad file");
     // A live user of the file, as every process with the region open is: a shared flock.
@@ -1273,10 +1238,10 @@ fn bad_region_file_in_use_is_refused_and_left_alone() {
 
 #[test]
 fn region_path_in_a_bad_directory_fails_cuinit_with_one_error_line() {
-    let dir = TestDir::new("bad-dir");
+    let dir = ScratchDir::new("memory-bad-dir");
     let mut paths = vec![
         PathBuf::from("/dev/null/vgpu-region"),
-        dir.0.join("missing").join("region"),
+        dir.join("missing").join("region"),
     ];
     // Not writable: a read-only folder, or for root (who may write anywhere) sysfs.
     // SAFETY: geteuid has no preconditions.
@@ -1286,7 +1251,7 @@ fn region_path_in_a_bad_directory_fails_cuinit_with_one_error_line() {
         }
     } else {
         use std::os::unix::fs::PermissionsExt;
-        let read_only = dir.0.join("read-only");
+        let read_only = dir.join("read-only");
         std::fs::create_dir(&read_only).expect("create a folder");
         std::fs::set_permissions(&read_only, std::fs::Permissions::from_mode(0o555)).expect("chmod");
         paths.push(read_only.join("region"));
@@ -1321,15 +1286,15 @@ fn region_path_in_a_bad_directory_fails_cuinit_with_one_error_line() {
 /// CUDA_ERROR_NOT_INITIALIZED, and the fake's ground truth never holds a byte.
 #[test]
 fn an_unusable_region_fails_closed_when_the_program_ignores_cuinit() {
-    let dir = TestDir::new("fail-closed");
-    let fifo = dir.0.join("fifo");
+    let dir = ScratchDir::new("memory-fail-closed");
+    let fifo = dir.join("fifo");
     let c_fifo = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).expect("a path");
     // SAFETY: a valid NUL-terminated path.
     assert_eq!(unsafe { libc::mkfifo(c_fifo.as_ptr(), 0o666) }, 0, "mkfifo");
-    let mut paths = vec![dir.0.join("missing").join("region"), fifo, PathBuf::from("/dev/null")];
+    let mut paths = vec![dir.join("missing").join("region"), fifo, PathBuf::from("/dev/null")];
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } == 0 {
-        let foreign = dir.0.join("foreign");
+        let foreign = dir.join("foreign");
         std::fs::write(&foreign, b"another user's file").expect("write");
         std::os::unix::fs::chown(&foreign, Some(65534), None).expect("chown");
         paths.push(foreign);
@@ -1375,7 +1340,7 @@ fn an_unusable_region_fails_closed_when_the_program_ignores_cuinit() {
 
 #[test]
 fn malformed_per_device_limit_fails_cuinit() {
-    let dir = TestDir::new("bad-limit");
+    let dir = ScratchDir::new("memory-bad-limit");
     let output = setup(Run::new(&program("mem_ops")).hooked(), &dir)
         .env("CUDA_DEVICE_MEMORY_LIMIT_1", "12q")
         .stdin("init\nquit\n")
@@ -1398,7 +1363,7 @@ fn malformed_per_device_limit_fails_cuinit() {
 
 #[test]
 fn nvml_and_total_mem_show_the_virtual_device() {
-    let dir = TestDir::new("nvml");
+    let dir = ScratchDir::new("memory-nvml");
     let program = program("mem_ops");
     let physical = 8 * GIB;
     let start = |limit_0: &str| {
@@ -1481,7 +1446,7 @@ fn nvml_and_total_mem_show_the_virtual_device() {
 
 #[test]
 fn reported_total_is_the_smaller_of_limit_and_physical_and_free_follows_the_device() {
-    let dir = TestDir::new("physical");
+    let dir = ScratchDir::new("memory-physical");
     let program = program("mem_ops");
     let physical = 2 * GIB;
     let start = |hooked: bool| {
@@ -1512,7 +1477,7 @@ fn reported_total_is_the_smaller_of_limit_and_physical_and_free_follows_the_devi
     drop(a);
 
     // A limit above the physical size: the physical size.
-    let dir = TestDir::new("physical-small");
+    let dir = ScratchDir::new("memory-physical-small");
     let mut b = setup(Run::new(&program).hooked(), &dir)
         .env("FAKE_CUDA_MEMORY", "4g")
         .env("CUDA_DEVICE_MEMORY_LIMIT", "32g")
@@ -1528,9 +1493,9 @@ fn mem_get_info_with_one_null_output_still_shows_the_virtual_device() {
     // The driver fills whichever output is given (OptiX passes NULL for free); the hook must not
     // fall back to the physical view then.
     let program = program("mem_ops");
-    let dir = TestDir::new("info-null");
+    let dir = ScratchDir::new("memory-info-null");
     let physical = 8 * GIB;
-    let native_dir = TestDir::new("info-null-native");
+    let native_dir = ScratchDir::new("memory-info-null-native");
     let native = setup(Run::new(&program), &native_dir)
         .env("FAKE_CUDA_MEMORY", physical.to_string())
         .stdin("init\nctx 0\ninfop 0\ninfo1p 0\nquit\n")
@@ -1563,7 +1528,7 @@ fn mem_get_info_with_one_null_output_still_shows_the_virtual_device() {
     drop(a);
 
     // A limit above the physical size: free alone is still the device's free memory.
-    let dir = TestDir::new("info-null-small");
+    let dir = ScratchDir::new("memory-info-null-small");
     let mut b = setup(Run::new(&program).hooked(), &dir)
         .env("FAKE_CUDA_MEMORY", "4g")
         .env("CUDA_DEVICE_MEMORY_LIMIT", "32g")
@@ -1582,7 +1547,7 @@ fn hostile_mipmap_level_counts_are_answered_at_once_and_charge_nothing() {
     // 1024 x 1024 has 11 levels (1 + floor(log2 1024)); the driver refuses more. The hook used to
     // walk every requested level before asking, 2^32 - 1 of them.
     let program = program("mem_ops");
-    let dir = TestDir::new("mipmap-levels");
+    let dir = ScratchDir::new("memory-mipmap-levels");
     let mut session = setup(Run::new(&program).hooked(), &dir)
         .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
         .spawn(Duration::from_secs(60));
@@ -1636,7 +1601,7 @@ fn hostile_sizes_get_the_drivers_answer_and_change_nothing() {
         "free 0".to_string(),
         "free 12345".to_string(),
     ];
-    let native_dir = TestDir::new("hostile-native");
+    let native_dir = ScratchDir::new("memory-hostile-native");
     let native = setup(Run::new(&program), &native_dir)
         .stdin(format!("init\nctx 0\n{}\nquit\n", commands.join("\n")))
         .output();
@@ -1647,7 +1612,7 @@ fn hostile_sizes_get_the_drivers_answer_and_change_nothing() {
         .collect();
     assert_eq!(native.len(), commands.len(), "{native:?}");
     for limit in [Some("1g"), None] {
-        let dir = TestDir::new("hostile");
+        let dir = ScratchDir::new("memory-hostile");
         let run = setup(Run::new(&program).hooked(), &dir);
         let run = match limit {
             Some(limit) => run.env("CUDA_DEVICE_MEMORY_LIMIT", limit),
@@ -1693,8 +1658,8 @@ fn hostile_sizes_get_the_drivers_answer_and_change_nothing() {
 /// build fails every region update as a lock timeout while the fault file exists.
 #[test]
 fn updates_made_while_the_lock_times_out_are_applied_once_it_works() {
-    let dir = TestDir::new("lock-timeout");
-    let fault = dir.0.join("lock-timeout");
+    let dir = ScratchDir::new("memory-lock-timeout");
+    let fault = dir.join("lock-timeout");
     let hook = fault_injection_hook_library();
     let mut session = setup(Run::new(&program("mem_ops")).preload(&[hook.as_path()]), &dir)
         .env("FAKE_CUDA_MEMORY", "4g")
@@ -1734,8 +1699,8 @@ fn updates_made_while_the_lock_times_out_are_applied_once_it_works() {
 /// once the lock works: before, its bytes stayed charged for the rest of the process's life.
 #[test]
 fn a_release_queued_by_a_process_that_calls_no_more_is_applied_in_the_background() {
-    let dir = TestDir::new("queued-idle");
-    let fault = dir.0.join("lock-timeout");
+    let dir = ScratchDir::new("memory-queued-idle");
+    let fault = dir.join("lock-timeout");
     let hook = fault_injection_hook_library();
     let mut session = setup(Run::new(&program("mem_ops")).preload(&[hook.as_path()]), &dir)
         .env("FAKE_CUDA_MEMORY", "4g")
@@ -1779,8 +1744,8 @@ fn a_release_queued_by_a_process_that_calls_no_more_is_applied_in_the_background
 #[test]
 fn forking_a_threaded_process_never_blocks_the_child() {
     const FORKS: u32 = 40;
-    let _heavy = heavy();
-    let dir = TestDir::new("fork-threads");
+    let _heavy = one_at_a_time();
+    let dir = ScratchDir::new("memory-fork-threads");
     let mut session = setup(Run::new(&program("fork_threads")).hooked(), &dir)
         .env("CUDA_DEVICE_MEMORY_LIMIT", "4g")
         .args(["16", FORKS.to_string().as_str(), "5000"])
@@ -1828,8 +1793,8 @@ fn forking_a_threaded_process_never_blocks_the_child() {
 #[test]
 fn context_charges_are_exact_while_other_processes_churn() {
     const CHURN_CONTEXT: u64 = 64 * MIB;
-    let _heavy = heavy();
-    let dir = TestDir::new("context-churn");
+    let _heavy = one_at_a_time();
+    let dir = ScratchDir::new("memory-context-churn");
     let env = |run: Run| {
         setup(run, &dir)
             .env("FAKE_CUDA_MEMORY", "64g")
@@ -1882,8 +1847,8 @@ fn context_charges_are_exact_while_other_processes_churn() {
 /// context measurement on the device waited twice its 50 ms for a quiet moment that never came.
 #[test]
 fn a_process_killed_inside_an_allocation_does_not_slow_later_context_measurements() {
-    let _heavy = heavy();
-    let dir = TestDir::new("killed-mid-alloc");
+    let _heavy = one_at_a_time();
+    let dir = ScratchDir::new("memory-killed-mid-alloc");
     let env = |run: Run| {
         setup(run, &dir)
             .env("FAKE_CUDA_MEMORY", "8g")

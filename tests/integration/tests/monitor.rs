@@ -13,10 +13,9 @@ use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::Output;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use vgpu_integration::{Run, ScratchDir, Session, c_program, command, profile_dir};
+use vgpu_integration::{Run, ScratchDir, Session, command, compiled_program, one_at_a_time, profile_dir};
 use vgpu_region::{InitParams, Region};
 
 const MIB: u64 = 1 << 20;
@@ -29,18 +28,7 @@ const NVML_SUCCESS: &str = "0";
 const REPORT_TIME_MS: &str = "1767225600000";
 
 fn program() -> PathBuf {
-    static BUILT: Mutex<Option<PathBuf>> = Mutex::new(None);
-    BUILT
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .get_or_insert_with(|| c_program("monitor_launch", false))
-        .clone()
-}
-
-/// The load test and the benchmark measure time: they run alone.
-fn heavy() -> MutexGuard<'static, ()> {
-    static HEAVY: Mutex<()> = Mutex::new(());
-    HEAVY.lock().unwrap_or_else(PoisonError::into_inner)
+    compiled_program("monitor_launch")
 }
 
 fn vgpu_smi() -> PathBuf {
@@ -849,7 +837,7 @@ fn churn(sessions: &mut [Session], milliseconds: u64) -> (u64, u64) {
 
 #[test]
 fn readers_see_consistent_snapshots_while_eight_processes_allocate_and_free() {
-    let _alone = heavy();
+    let _alone = one_at_a_time();
     let dir = TestDir::new("tight-read");
     let region = dir.region("container");
     let mut sessions = churners(&dir, &region);
@@ -941,7 +929,7 @@ fn benchmark_configuration(label: &str, dir: &TestDir, region: &Path, reader_cpu
 #[test]
 #[ignore = "benchmark; prints the writers' slowdown"]
 fn writer_slowdown_benchmark() {
-    let _alone = heavy();
+    let _alone = one_at_a_time();
     let cpus = std::thread::available_parallelism().map_or(1, |count| count.get());
     eprintln!("machine: {cpus} CPUs");
     let dir = TestDir::new("benchmark");

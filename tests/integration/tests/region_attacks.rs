@@ -10,16 +10,12 @@
 //! else and asserts no crash and no call over 1.01 s, and the second also spares the accounting
 //! and asserts, in addition, that the ground truth never went over the limit.
 
-#[path = "../../fake-driver/src/truth.rs"]
-mod truth;
-
 use std::os::unix::fs::FileExt;
 use std::os::unix::process::ExitStatusExt;
-use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use vgpu_integration::{Fields, Run, ScratchDir, Session};
+use vgpu_integration::{Fields, Run, ScratchDir, Session, one_at_a_time};
 use vgpu_region::{
     EXTENSION_OFFSET, Extension, ProcSlot, REGION_FILE_SIZE, SLOT_EXTENSIONS_OFFSET, SLOT_LIVE, SharedRegion,
     SlotExtension, read_snapshot,
@@ -34,42 +30,16 @@ const LOCK_AREA: usize = EXTENSION_OFFSET + std::mem::offset_of!(Extension, lock
 
 use vgpu_integration::compiled_program as program;
 
-/// The attacks measure the longest call: one at a time.
-fn heavy() -> MutexGuard<'static, ()> {
-    static HEAVY: Mutex<()> = Mutex::new(());
-    HEAVY.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// One test's region and ground truth.
-struct TestDir(ScratchDir);
-
-impl TestDir {
-    fn new(name: &str) -> TestDir {
-        TestDir(ScratchDir::new(&format!("attacks-{name}")))
-    }
-
-    fn region(&self) -> PathBuf {
-        self.0.join("region")
-    }
-
-    fn truth(&self) -> truth::Truth {
-        truth::Truth::open(&self.0.join("truth")).expect("open the ground truth")
-    }
-
-    /// A program under the hook with this test's files, a 512 MiB limit on a 4 GiB device.
-    fn run(&self, name: &str) -> Run {
-        let mut run = Run::new(&program(name)).hooked().env_remove("CUDA_VISIBLE_DEVICES");
-        for n in 0..16 {
-            run = run
-                .env_remove(&format!("CUDA_DEVICE_MEMORY_LIMIT_{n}"))
-                .env_remove(&format!("FAKE_CUDA_MEMORY_{n}"));
-        }
-        run.env("CUDA_DEVICE_MEMORY_SHARED_CACHE", self.region())
-            .env("FAKE_CUDA_TRUTH", self.0.join("truth"))
-            .env("FAKE_CUDA_MEMORY", "4g")
-            .env("FAKE_CUDA_CONTEXT_BYTES", CONTEXT.to_string())
-            .env("CUDA_DEVICE_MEMORY_LIMIT", LIMIT.to_string())
-    }
+/// A program under the hook with this test's files, a 512 MiB limit on a 4 GiB device.
+fn attack_run(dir: &ScratchDir, name: &str) -> Run {
+    Run::new(&program(name))
+        .hooked()
+        .without_device_overrides()
+        .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.region())
+        .env("FAKE_CUDA_TRUTH", dir.truth_path())
+        .env("FAKE_CUDA_MEMORY", "4g")
+        .env("FAKE_CUDA_CONTEXT_BYTES", CONTEXT.to_string())
+        .env("CUDA_DEVICE_MEMORY_LIMIT", LIMIT.to_string())
 }
 
 /// A small xorshift generator.
@@ -117,8 +87,8 @@ fn status(answer: &str) -> i32 {
 
 #[test]
 fn garbage_where_the_old_mutex_lay_never_crashes_an_application_or_a_start() {
-    let dir = TestDir::new("old-mutex");
-    let mut running = dir.run("mem_ops").spawn(Duration::from_secs(60));
+    let dir = ScratchDir::new("attacks-old-mutex");
+    let mut running = attack_run(&dir, "mem_ops").spawn(Duration::from_secs(60));
     assert_eq!(running.ask("init"), "init 0");
     assert_eq!(running.ask("ctx 0"), "ctx 0");
     let first = running.ask(&format!("alloc {MIB}"));
@@ -145,7 +115,7 @@ fn garbage_where_the_old_mutex_lay_never_crashes_an_application_or_a_start() {
     for start in 0..20 {
         let garbage: Vec<u8> = (0..64).map(|_| rng.next() as u8).collect();
         write_region(&dir.region(), LOCK_AREA, &garbage);
-        let mut joining = dir.run("mem_ops").spawn(Duration::from_secs(60));
+        let mut joining = attack_run(&dir, "mem_ops").spawn(Duration::from_secs(60));
         assert_eq!(joining.ask("init"), "init 0", "start {start}");
         assert_eq!(joining.ask("ctx 0"), "ctx 0", "start {start}");
         assert_eq!(status(&joining.ask(&format!("alloc {MIB}"))), 0, "start {start}");
@@ -222,10 +192,10 @@ struct Outcome {
 /// anywhere in the file but `spare`). Asserts that every worker exits normally with no call over
 /// 1.01 s and no failure but the limit's; returns their reports.
 fn attack(label: &str, spare: Spare, seconds: u64) -> Outcome {
-    let dir = TestDir::new(label);
+    let dir = ScratchDir::new(&format!("attacks-{label}"));
     let mut workers: Vec<Session> = (1..=4)
         .map(|seed| {
-            dir.run("mem_race")
+            attack_run(&dir, "mem_race")
                 .args([seed.to_string().as_str(), "0", "barrier", "launch"])
                 .spawn(Duration::from_secs(seconds + 60))
         })
@@ -315,7 +285,7 @@ const CI_SECONDS: u64 = 6;
 
 #[test]
 fn random_writes_anywhere_never_crash_or_stall_four_working_processes() {
-    let _heavy = heavy();
+    let _heavy = one_at_a_time();
     let outcome = attack("anywhere", Spare::SuspendFlags, CI_SECONDS);
     assert!(outcome.writes > 10_000, "only {} writes", outcome.writes);
     assert_eq!(outcome.reports.len(), 4);
@@ -323,7 +293,7 @@ fn random_writes_anywhere_never_crash_or_stall_four_working_processes() {
 
 #[test]
 fn random_writes_outside_the_accounting_never_let_memory_past_the_limit() {
-    let _heavy = heavy();
+    let _heavy = one_at_a_time();
     let outcome = attack("outside-accounting", Spare::Accounting, CI_SECONDS);
     assert!(outcome.writes > 10_000, "only {} writes", outcome.writes);
     assert!(
@@ -341,7 +311,7 @@ fn random_writes_outside_the_accounting_never_let_memory_past_the_limit() {
 #[test]
 #[ignore = "the issue's 20 s attacks (about 45 s): cargo test -p vgpu-integration --test region_attacks -- --ignored --nocapture"]
 fn random_writes_for_20_seconds() {
-    let _heavy = heavy();
+    let _heavy = one_at_a_time();
     attack("anywhere-20s", Spare::SuspendFlags, 20);
     let outcome = attack("outside-accounting-20s", Spare::Accounting, 20);
     assert!(outcome.truth_peak <= LIMIT, "peak {} MiB", outcome.truth_peak / MIB);

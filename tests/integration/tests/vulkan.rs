@@ -8,13 +8,12 @@
 //! `.cuda-headers/vulkan` by `scripts/fetch-headers.sh` (no package manager, no root); the test
 //! program runs that loader through its run path.
 
-#[path = "../../fake-driver/src/truth.rs"]
-mod truth;
-
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock, PoisonError};
 
-use vgpu_integration::{Run, ScratchDir, Session, c_program_linked, fake_icd_library, hook_library, workspace_root};
+use vgpu_integration::{
+    Run, ScratchDir, Session, c_program_linked, fake_icd_library, hook_library, truth, workspace_root,
+};
 use vgpu_region::{MemoryUsage, SLOT_LIVE, Snapshot, read_snapshot};
 
 const MIB: u64 = 1 << 20;
