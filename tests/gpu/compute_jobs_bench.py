@@ -67,6 +67,8 @@ import sys
 import threading
 import time
 
+import limiter_log  # beside this script (sys.path[0])
+
 HOOK, WORK = sys.argv[1], sys.argv[2]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -123,6 +125,10 @@ CLEAN_ENV = {
     if not k.startswith(("CUDA_DEVICE_SM_LIMIT", "CUDA_DEVICE_MEMORY", "GPU_CORE_UTILIZATION", "LD_PRELOAD"))
 }
 CLEAN_ENV["PYTHONUNBUFFERED"] = "1"
+
+# With LIBCUDA_LOG_LEVEL=4 every limited point is followed by limiter_log.py's summary of its
+# measurements (which keys are charged less or more than they measure).
+DEBUG_LOG = os.environ.get("LIBCUDA_LOG_LEVEL") == "4"
 
 MISSES = []  # what missed its target, for the summary
 FAILURES = []  # runs that crashed or gave no result
@@ -430,6 +436,9 @@ def measure_job(job):
         nvml = run.utilisation()
         nvml_text = f" | NVML {nvml:.0f}" if nvml is not None else ""
         print(f"{job} {setting}: {comparison.text()}{nvml_text} | {verdict(comparison.passed)}", flush=True)
+        if DEBUG_LOG:
+            for line in limiter_log.summary(limiter_log.parse([run.stderr_path])):
+                print(f"    {line}")
         if not comparison.passed:
             MISSES.append(f"{job} {setting} ({comparison.why()})")
         rows.append((job, setting, natural, comparison, None, nvml))

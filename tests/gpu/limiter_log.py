@@ -1,0 +1,75 @@
+"""Summarises the compute limiter's debug lines (LIBCUDA_LOG_LEVEL=4) of one run: per launch key,
+how its measurements compare with what its launches were charged, so that a job running over or
+under its limit shows which kernels it is charged wrongly for.
+
+    python3 tests/gpu/limiter_log.py <stderr file> [...]
+
+A line per measurement reads "device index D key K measured M ns, charged C ns, correction X ns":
+M is the raw event-bracket time, C the key's estimate when the launch was planned (before the
+boost factor). Once a key is settled the estimator counts a measurement for at most 5/4 of its
+estimate (a longer one is taken for another context's time slice); the "over 5/4" column counts
+those, and "cut" is the time they lost, as a share of the key's measured time. The first
+measurements of a key are charged the 1 ms prior; they are left out of the charged/measured ratio.
+"""
+import re
+import sys
+from collections import defaultdict
+
+LINE = re.compile(r"device index (\d+) key ([0-9a-f]+) measured (\d+) ns, charged (\d+) ns, correction (-?\d+) ns")
+PRIOR_NS = 1_000_000
+SETTLED_CAP = 1.25
+
+
+def parse(paths):
+    """Measurements per key, in order: [(measured, charged)]."""
+    keys = defaultdict(list)
+    for path in paths:
+        with open(path, errors="replace") as f:
+            for line in f:
+                match = LINE.search(line)
+                if match:
+                    keys[match.group(2)].append((int(match.group(3)), int(match.group(4))))
+    return keys
+
+
+def summary(keys, top=12):
+    """Text lines: the whole run, then the keys with the most measured time."""
+    rows = []
+    total_measured = total_charged = total_cut = 0
+    for key, samples in keys.items():
+        steady = [(m, c) for m, c in samples if c != PRIOR_NS]
+        measured = sum(m for m, _ in steady)
+        charged = sum(c for _, c in steady)
+        over = [(m, c) for m, c in steady if m > c * SETTLED_CAP]
+        cut = sum(m - c * SETTLED_CAP for m, c in over)
+        total_measured += measured
+        total_charged += charged
+        total_cut += cut
+        rows.append((measured, key, len(samples), len(steady), charged, len(over), cut))
+    lines = []
+    if not rows:
+        return ["no limiter measurements (was LIBCUDA_LOG_LEVEL=4 set, and the job limited?)"]
+    ratio = total_charged / total_measured if total_measured else float("nan")
+    lines.append(
+        f"{len(rows)} keys, {sum(r[2] for r in rows)} measurements; charged/measured {ratio:.3f} "
+        f"(after the prior); time over 5/4 of the estimate {total_cut / max(total_measured, 1) * 100:.1f}% of the measured"
+    )
+    lines.append(f"{'key':>16} {'samples':>7} {'mean us':>9} {'charged/meas':>12} {'over 5/4':>8} {'cut %':>6}")
+    for measured, key, count, steady, charged, over, cut in sorted(rows, reverse=True)[:top]:
+        mean = measured / steady / 1000 if steady else 0.0
+        ratio = charged / measured if measured else float("nan")
+        lines.append(
+            f"{key:>16} {count:>7} {mean:>9.1f} {ratio:>12.3f} {over:>8} {cut / max(measured, 1) * 100:>6.1f}"
+        )
+    return lines
+
+
+def main():
+    if len(sys.argv) < 2:
+        raise SystemExit("usage: limiter_log.py <stderr file> [...]")
+    for line in summary(parse(sys.argv[1:])):
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
