@@ -1,10 +1,11 @@
 // Jobs for the compute limiter's start-up tests, each timed from its first launch (no warm-up).
 //
-//     compute_jobs loop seconds=<s> kernels=<k> us=<d> per_iteration=<n> sync=<m> pause_us=<p> window_ms=<w>
+//     compute_jobs loop seconds=<s> kernels=<k> us=<d> per_iteration=<n> sync=<m> pause_us=<p> window_ms=<w> [alt_us=<a>]
 //     compute_jobs graph seconds=<s> kernels=<k> us=<d> sync=<m> window_ms=<w>
 //     compute_jobs devices launches=<n>[,<n1>...] us=<d> sync=<m>
 //
-// Kernels are the fake driver's `busy_<d>us_<i>`, i = 0..k-1: k functions of d microseconds each,
+// Kernels are the fake driver's `busy_<d>us_<i>`, i = 0..k-1: k functions of d microseconds each
+// (with alt_us, `busy_<d>us_alt_<a>us_<i>`: d and a microseconds by turns, launch by launch),
 // each with its own name, so each has its own first launch (with FAKE_CUDA_MODULE_LOAD_US, CUDA's
 // lazy loading, the one that loads it).
 //
@@ -109,6 +110,7 @@ static int windows_job(int argc, char **argv, int graph_mode) {
     double seconds = arg(argc, argv, "seconds", 3);
     int kernels = (int)arg(argc, argv, "kernels", 8);
     int us = (int)arg(argc, argv, "us", 20);
+    int alt_us = (int)arg(argc, argv, "alt_us", 0);
     int per_iteration = (int)arg(argc, argv, "per_iteration", 1);
     int sync = (int)arg(argc, argv, "sync", 1);
     long pause = (long)arg(argc, argv, "pause_us", 0);
@@ -133,7 +135,10 @@ static int windows_job(int argc, char **argv, int graph_mode) {
     CHECK(cuModuleLoadData(&module, "fake"));
     for (int i = 0; i < kernels; i++) {
         char name[64];
-        snprintf(name, sizeof name, "busy_%dus_%d", us, i);
+        if (alt_us > 0)
+            snprintf(name, sizeof name, "busy_%dus_alt_%dus_%d", us, alt_us, i);
+        else
+            snprintf(name, sizeof name, "busy_%dus_%d", us, i);
         CHECK(cuModuleGetFunction(&functions[i], module, name));
     }
     if (graph_mode) {

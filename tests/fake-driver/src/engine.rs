@@ -93,9 +93,9 @@ impl State {
         self.current()?;
         let duration = self
             .functions
-            .get(&(f as usize))
+            .get_mut(&(f as usize))
             .ok_or(CUDA_ERROR_INVALID_HANDLE)?
-            .duration_ns;
+            .next_duration();
         let target = self.stream_target(stream)?;
         match target.capturing {
             Some(stream) => self.capture_kernel(stream, duration),

@@ -1,6 +1,8 @@
 //! Modules, libraries and functions. Any image or file name is accepted (nothing is read) and
 //! any function name exists. A function whose name contains `busy_<N>us` (`busy_500us`, also
 //! inside a mangled name) keeps the engine busy N microseconds per launch; any other takes 1 us.
+//! `busy_<N>us_alt_<M>us` runs N and M microseconds by turns, launch by launch: one function and
+//! grid whose time depends on its data, as a real kernel's can.
 //! Modules charge no device memory. Loading is lazy, as CUDA's default (`CUDA_MODULE_LOADING=LAZY`):
 //! the first launch of each function takes `FAKE_CUDA_MODULE_LOAD_US` of host time inside the
 //! launch call ([`crate::engine`]).
@@ -21,25 +23,51 @@ pub struct Module {
 
 pub struct Function {
     pub duration_ns: u64,
+    /// `busy_<N>us_alt_<M>us`: M us, run by every other launch.
+    pub alternate_ns: Option<u64>,
+    /// Launches so far (which of the two durations comes next).
+    pub launches: u64,
     /// When its lazy load ends (ns, `CLOCK_MONOTONIC`); `None` until its first launch.
     pub loaded_at: Option<u64>,
 }
 
 /// The simulated duration of a kernel, from its name.
 pub fn duration_of(name: &str) -> u64 {
+    micros_after(name, "busy_").unwrap_or(DEFAULT_DURATION_NS)
+}
+
+/// The other duration of a `busy_<N>us_alt_<M>us` kernel.
+pub fn alternate_of(name: &str) -> Option<u64> {
+    micros_after(name, "_alt_")
+}
+
+/// `<digits>us` right after the first `marker` followed by them, in nanoseconds.
+fn micros_after(name: &str, marker: &str) -> Option<u64> {
     let mut rest = name;
-    while let Some(at) = rest.find("busy_") {
-        let after = &rest[at + 5..];
+    while let Some(at) = rest.find(marker) {
+        let after = &rest[at + marker.len()..];
         let digits = after.len() - after.trim_start_matches(|c: char| c.is_ascii_digit()).len();
         if digits > 0
             && after[digits..].starts_with("us")
             && let Ok(us) = after[..digits].parse::<u64>()
         {
-            return us.saturating_mul(1_000);
+            return Some(us.saturating_mul(1_000));
         }
         rest = after;
     }
-    DEFAULT_DURATION_NS
+    None
+}
+
+impl Function {
+    /// The duration of the next launch.
+    pub fn next_duration(&mut self) -> u64 {
+        let odd = self.launches % 2 == 1;
+        self.launches = self.launches.wrapping_add(1);
+        match self.alternate_ns {
+            Some(alternate) if odd => alternate,
+            _ => self.duration_ns,
+        }
+    }
 }
 
 impl State {
@@ -80,6 +108,8 @@ impl State {
             handle,
             Function {
                 duration_ns: duration_of(name),
+                alternate_ns: alternate_of(name),
+                launches: 0,
                 loaded_at: None,
             },
         );
@@ -225,5 +255,20 @@ mod tests {
         assert_eq!(duration_of("busy_12ms"), DEFAULT_DURATION_NS);
         assert_eq!(duration_of("vector_add"), DEFAULT_DURATION_NS);
         assert_eq!(duration_of("busy_99999999999999999999us"), DEFAULT_DURATION_NS);
+        assert_eq!(alternate_of("busy_500us"), None);
+        assert_eq!(duration_of("busy_100us_alt_300us_2"), 100_000);
+        assert_eq!(alternate_of("busy_100us_alt_300us_2"), Some(300_000));
+    }
+
+    #[test]
+    fn an_alternating_kernel_runs_its_two_durations_by_turns() {
+        let mut function = Function {
+            duration_ns: 100,
+            alternate_ns: Some(300),
+            launches: 0,
+            loaded_at: None,
+        };
+        let durations: Vec<u64> = (0..4).map(|_| function.next_duration()).collect();
+        assert_eq!(durations, [100, 300, 100, 300]);
     }
 }

@@ -375,3 +375,40 @@ fn graph_replay_holds_limit_50() {
 fn graph_replay_holds_limit_25() {
     graph_replay_holds(25);
 }
+
+/// A kernel whose time depends on its data: the fake's `busy_100us_alt_300us` runs 100 and 300 us
+/// by turns (one function and grid, so one launch key), launched back to back in iterations of 8
+/// with a synchronisation, at limit 50 for 3 s. Its busy share is the limit in every second from
+/// the 2nd, and over the 3 s: the key is charged its mean time (200 us), not pulled towards the
+/// shorter one.
+#[test]
+fn a_kernel_whose_time_varies_launch_by_launch_is_charged_its_mean() {
+    const MEAN_US: f64 = 200.0;
+    let dir = ScratchDir::new("compute-jobs-varying");
+    let args = "loop seconds=3 kernels=1 us=100 alt_us=300 per_iteration=8 sync=1 window_ms=250";
+    let [report] = run_together([job(&dir, &[("CUDA_DEVICE_SM_LIMIT", "50")], args)]);
+    let launches = report.done().get("launches");
+    let busy = dir.truth().device(0).busy_ns() as f64;
+    assert!(
+        (busy - launches * MEAN_US * 1000.0).abs() <= 300_000.0,
+        "the ground truth's busy time {busy} ns is not {launches} launches of 100 and 300 us by turns"
+    );
+    let shares: Vec<f64> = report
+        .per_second("launches")
+        .iter()
+        .map(|launches| launches * MEAN_US / 1e4)
+        .collect();
+    let mean = busy / (report.done().get("seconds") * 1e9) * 100.0;
+    eprintln!("varying kernel at limit 50: busy share per second {shares:.1?}, {mean:.1}% over the run");
+    assert_eq!(shares.len(), 3, "three whole seconds");
+    for (second, share) in shares.iter().enumerate().skip(1) {
+        assert!(
+            (share - 50.0).abs() <= 3.0,
+            "second {second}: busy {share:.1}% at limit 50 (per second {shares:.1?})"
+        );
+    }
+    assert!(
+        (mean - 50.0).abs() <= 3.0,
+        "{mean:.1}% over 3 s at limit 50 (per second {shares:.1?})"
+    );
+}
