@@ -185,6 +185,8 @@ struct Outcome {
     reports: Vec<Fields>,
     writes: u64,
     truth_peak: u64,
+    /// The workers' distinct stderr lines with their counts (at most 20), for a failure's message.
+    stderr: String,
 }
 
 /// Four workers allocate, free and launch under the hook while this thread writes random bytes
@@ -233,6 +235,7 @@ fn attack(label: &str, spare: Spare, seconds: u64) -> Outcome {
         std::thread::sleep(Duration::from_millis(1));
     }
     let mut reports = Vec::new();
+    let mut stderr_lines: std::collections::BTreeMap<String, usize> = std::collections::BTreeMap::new();
     for mut worker in workers {
         worker.send("stop");
         let done = worker.read_line().unwrap_or_default();
@@ -246,6 +249,11 @@ fn attack(label: &str, spare: Spare, seconds: u64) -> Outcome {
         );
         assert!(done.starts_with("done "), "{label}: no report: {done:?}");
         reports.push(Fields::parse(&done));
+        for line in String::from_utf8_lossy(&output.stderr).lines() {
+            // Without the pid, the same line of two workers counts as one.
+            let line = line.split_once("] ").map_or(line, |(_, rest)| rest);
+            *stderr_lines.entry(line.to_string()).or_default() += 1;
+        }
     }
     let truth_peak = dir.truth().device(0).peak();
     for report in &reports {
@@ -273,10 +281,17 @@ fn attack(label: &str, spare: Spare, seconds: u64) -> Outcome {
         truth_peak / MIB,
         LIMIT / MIB,
     );
+    let stderr = stderr_lines
+        .iter()
+        .take(20)
+        .map(|(line, count)| format!("{count} x {line}"))
+        .collect::<Vec<_>>()
+        .join("\n");
     Outcome {
         reports,
         writes,
         truth_peak,
+        stderr,
     }
 }
 
@@ -298,9 +313,10 @@ fn random_writes_outside_the_accounting_never_let_memory_past_the_limit() {
     assert!(outcome.writes > 10_000, "only {} writes", outcome.writes);
     assert!(
         outcome.truth_peak <= LIMIT,
-        "the device really held {} MiB under a {} MiB limit",
+        "the device really held {} MiB under a {} MiB limit; the workers said:\n{}",
         outcome.truth_peak / MIB,
-        LIMIT / MIB
+        LIMIT / MIB,
+        outcome.stderr
     );
     assert!(
         outcome.reports.iter().map(|r| r.get("refused")).sum::<f64>() > 0.0,
@@ -314,5 +330,10 @@ fn random_writes_for_20_seconds() {
     let _heavy = one_at_a_time();
     attack("anywhere-20s", Spare::SuspendFlags, 20);
     let outcome = attack("outside-accounting-20s", Spare::Accounting, 20);
-    assert!(outcome.truth_peak <= LIMIT, "peak {} MiB", outcome.truth_peak / MIB);
+    assert!(
+        outcome.truth_peak <= LIMIT,
+        "peak {} MiB; the workers said:\n{}",
+        outcome.truth_peak / MIB,
+        outcome.stderr
+    );
 }
