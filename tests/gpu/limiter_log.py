@@ -16,6 +16,7 @@ import sys
 from collections import defaultdict
 
 LINE = re.compile(r"device index (\d+) key ([0-9a-f]+) measured (\d+) ns, charged (\d+) ns, correction (-?\d+) ns")
+# As in hook/src/throttle/estimates.rs: PRIOR_NS, and the cap on a settled key's measurements.
 PRIOR_NS = 1_000_000
 SETTLED_CAP = 1.25
 

@@ -24,16 +24,17 @@ include!(concat!(env!("OUT_DIR"), "/undeclared.rs"));
 /// allocator looks up while it initialises.
 pub fn report(via: &str, name: &str) {
     static WARNED: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
-    let first = WARNED.lock().insert(name.to_string());
-    if first && UNDECLARED.binary_search(&name).is_ok() {
-        crate::log::ensure();
+    if !WARNED.lock().insert(name.to_string()) {
+        return;
+    }
+    crate::log::ensure();
+    if UNDECLARED.binary_search(&name).is_ok() {
         tracing::debug!(
             target: crate::log::ONCE_PER_SUBJECT,
             "{via} answered with the driver's private {name}, which no header declares (cuda-api.toml: undeclared): \
              passed to the application unhooked"
         );
-    } else if first {
-        crate::log::ensure();
+    } else {
         tracing::warn!(
             target: crate::log::ONCE_PER_SUBJECT,
             "{via} answered with the driver's {name}, which libvgpu.so does not export: the library (CUDA {} headers) \

@@ -30,9 +30,9 @@ pub const SETTLED_SAMPLES: u32 = 3;
 /// A key that keeps launching is measured again after this long.
 pub const KEY_RESAMPLE_NS: u64 = 50_000_000;
 /// A settled key is measured at most once in this many of its launches, on average. A sample adds
-/// two event records (about half a launch's host time), so without this a job of many slowly
-/// repeated kernels (a training step: hundreds of kernels, each a few times per 50 ms) would
-/// have a third of its launches measured and its host-bound steps slowed by it.
+/// two event records to its launch: without this floor, kernels each repeated only a few times
+/// per 50 ms had every 3rd or 4th launch measured (the fake's launch-bound loop of 8 kernels:
+/// 519 measurements in 1705 launches, docs/bench/2026-12-01-sampling-stride.txt).
 pub const MIN_SAMPLE_STRIDE: u64 = 16;
 /// Beyond the young ones, at most one sample per this interval, process-wide (keeps the added
 /// event records, a few microseconds each, below ~0.5% of a launching thread's time).

@@ -301,7 +301,8 @@ pub struct Run {
 }
 
 impl Run {
-    /// Runs `program` against the fake driver, without the hook.
+    /// Runs `program` against the fake driver, without the hook, with nothing inherited from the
+    /// test's environment that could change the devices, the limits or the log.
     pub fn new(program: &Path) -> Run {
         let mut command = command(program);
         command.env("LD_LIBRARY_PATH", fake_driver_dir());
@@ -309,9 +310,16 @@ impl Run {
             "LD_PRELOAD",
             "CUDA_DEVICE_MEMORY_LIMIT",
             "CUDA_DEVICE_SM_LIMIT",
+            "CUDA_VISIBLE_DEVICES",
+            "GPU_CORE_UTILIZATION_POLICY",
             "LIBCUDA_LOG_LEVEL",
         ] {
             command.env_remove(variable);
+        }
+        for n in 0..16 {
+            for variable in ["CUDA_DEVICE_MEMORY_LIMIT", "CUDA_DEVICE_SM_LIMIT", "FAKE_CUDA_MEMORY"] {
+                command.env_remove(format!("{variable}_{n}"));
+            }
         }
         let own_region = OwnRegion::new();
         command.env(REGION_VAR, &own_region.0);
@@ -365,19 +373,6 @@ impl Run {
             self.own_region = None;
         }
         self.command.env_remove(key);
-        self
-    }
-
-    /// Clears what the caller's environment could change about the fake's devices and the
-    /// per-device memory limits: `CUDA_VISIBLE_DEVICES`, `CUDA_DEVICE_MEMORY_LIMIT_<n>` and
-    /// `FAKE_CUDA_MEMORY_<n>`.
-    pub fn without_device_overrides(mut self) -> Run {
-        self = self.env_remove("CUDA_VISIBLE_DEVICES");
-        for n in 0..16 {
-            self = self
-                .env_remove(&format!("CUDA_DEVICE_MEMORY_LIMIT_{n}"))
-                .env_remove(&format!("FAKE_CUDA_MEMORY_{n}"));
-        }
         self
     }
 

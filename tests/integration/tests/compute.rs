@@ -35,13 +35,8 @@ fn program() -> PathBuf {
 fn compute_loop(dir: &ScratchDir, env: &[(&str, &str)], args: &[&str]) -> Run {
     let mut run = Run::new(&program())
         .hooked()
-        .env_remove("CUDA_VISIBLE_DEVICES")
-        .env_remove("GPU_CORE_UTILIZATION_POLICY")
         .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.region())
-        .env("FAKE_CUDA_TRUTH", dir.join("truth"));
-    for n in 0..16 {
-        run = run.env_remove(&format!("CUDA_DEVICE_SM_LIMIT_{n}"));
-    }
+        .env("FAKE_CUDA_TRUTH", dir.truth_path());
     for (key, value) in env {
         run = run.env(key, value);
     }
@@ -210,12 +205,9 @@ fn launches_under_a_limit_fail_closed_when_the_region_is_unusable() {
     let program = compiled_program("monitor_launch");
     let output = Run::new(&program)
         .hooked()
-        .env_remove("CUDA_VISIBLE_DEVICES")
-        .env_remove("GPU_CORE_UTILIZATION_POLICY")
-        .env_remove("CUDA_DEVICE_MEMORY_LIMIT")
         .env("CUDA_DEVICE_SM_LIMIT", "50")
         .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.join("missing").join("region"))
-        .env("FAKE_CUDA_TRUTH", dir.join("truth"))
+        .env("FAKE_CUDA_TRUTH", dir.truth_path())
         .stdin("init\nctx 0\nload\nlaunch 20\nquit\n")
         .output();
     let answers: Vec<String> = String::from_utf8_lossy(&output.stdout)

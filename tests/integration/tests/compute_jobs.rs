@@ -35,15 +35,10 @@ fn program() -> PathBuf {
 fn job(dir: &ScratchDir, env: &[(&str, &str)], args: &str) -> Run {
     let mut run = Run::new(&program())
         .hooked()
-        .env_remove("CUDA_VISIBLE_DEVICES")
-        .env_remove("GPU_CORE_UTILIZATION_POLICY")
         .env_remove("FAKE_CUDA_DEVICES")
         .env("FAKE_CUDA_MODULE_LOAD_US", LAZY_LOAD_US)
-        .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.join("region"))
-        .env("FAKE_CUDA_TRUTH", dir.join("truth"));
-    for n in 0..16 {
-        run = run.env_remove(&format!("CUDA_DEVICE_SM_LIMIT_{n}"));
-    }
+        .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.region())
+        .env("FAKE_CUDA_TRUTH", dir.truth_path());
     for (key, value) in env {
         run = run.env(key, value);
     }
@@ -130,9 +125,8 @@ fn assert_truth_counts(dir: &ScratchDir, device: usize, launches: f64, us: f64) 
 fn the_fake_driver_loads_each_function_and_graph_on_its_first_launch() {
     let unhooked = |dir: &ScratchDir, lazy: bool, args: &str| {
         let run = Run::new(&program())
-            .env_remove("CUDA_VISIBLE_DEVICES")
             .env_remove("FAKE_CUDA_DEVICES")
-            .env("FAKE_CUDA_TRUTH", dir.join("truth"))
+            .env("FAKE_CUDA_TRUTH", dir.truth_path())
             .args(args.split_whitespace());
         if lazy {
             run.env("FAKE_CUDA_MODULE_LOAD_US", LAZY_LOAD_US)

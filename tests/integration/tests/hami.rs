@@ -46,16 +46,8 @@ fn snapshot(path: &Path) -> Snapshot {
 fn run(dir: &TestDir, program_name: &str, variables: &[(&str, &str)]) -> Run {
     let mut run = Run::new(&program(program_name))
         .hooked()
-        .env_remove("CUDA_VISIBLE_DEVICES")
-        .env_remove("GPU_CORE_UTILIZATION_POLICY");
-    for n in 0..16 {
-        run = run
-            .env_remove(&format!("CUDA_DEVICE_MEMORY_LIMIT_{n}"))
-            .env_remove(&format!("CUDA_DEVICE_SM_LIMIT_{n}"));
-    }
-    run = run
         .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.region())
-        .env("FAKE_CUDA_TRUTH", dir.0.join("truth"))
+        .env("FAKE_CUDA_TRUTH", dir.0.truth_path())
         .env("FAKE_CUDA_MEMORY", "16g")
         .env("FAKE_CUDA_CONTEXT_BYTES", CONTEXT.to_string());
     for (key, value) in variables {

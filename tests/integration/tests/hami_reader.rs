@@ -210,17 +210,10 @@ fn read(path: &Path) -> hami::Spec {
 /// A container process: the hook against the fake (two 16 GiB devices), the test's region,
 /// limits of 2 GiB and 40% on every device, priority 3.
 fn start(dir: &ScratchDir) -> Session {
-    let mut run = Run::new(&program())
+    Run::new(&program())
         .hooked()
-        .env_remove("CUDA_VISIBLE_DEVICES")
-        .env_remove("GPU_CORE_UTILIZATION_POLICY");
-    for n in 0..16 {
-        run = run
-            .env_remove(&format!("CUDA_DEVICE_MEMORY_LIMIT_{n}"))
-            .env_remove(&format!("CUDA_DEVICE_SM_LIMIT_{n}"));
-    }
-    run.env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.join("vgpu.cache"))
-        .env("FAKE_CUDA_TRUTH", dir.join("truth"))
+        .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.join("vgpu.cache"))
+        .env("FAKE_CUDA_TRUTH", dir.truth_path())
         .env("FAKE_CUDA_DEVICES", "2")
         .env("FAKE_CUDA_MEMORY", "16g")
         .env("FAKE_CUDA_CONTEXT_BYTES", CONTEXT.to_string())
@@ -285,7 +278,7 @@ fn check_device(spec: &hami::Spec, index: usize, contexts: u64, buffers: u64, tr
 fn hamis_reader_sees_the_container_while_it_runs_and_nothing_after_it_exits() {
     let dir = ScratchDir::new("hami-reader");
     let region = dir.join("vgpu.cache");
-    let truth_path = dir.join("truth");
+    let truth_path = dir.truth_path();
     let started = unix_now();
     let mut first = holding(&dir, 256 * MIB, 64 * MIB);
     let mut second = holding(&dir, 100 * MIB, 0);

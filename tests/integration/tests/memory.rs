@@ -40,8 +40,7 @@ use vgpu_integration::compiled_program as program;
 /// The environment every run of a test shares: its region and truth files, the context size, and
 /// nothing inherited that could change the devices or limits.
 fn setup(run: Run, dir: &ScratchDir) -> Run {
-    run.without_device_overrides()
-        .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.region())
+    run.env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.region())
         .env("FAKE_CUDA_TRUTH", dir.truth_path())
         .env("FAKE_CUDA_CONTEXT_BYTES", CONTEXT.to_string())
 }

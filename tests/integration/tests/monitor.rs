@@ -65,15 +65,10 @@ impl TestDir {
 /// Starts the test program with the hook against the fake driver, on region `region`, with these
 /// extra variables.
 fn start(dir: &TestDir, region: &Path, variables: &[(&str, &str)]) -> Session {
-    let mut run = Run::new(&program()).hooked().env_remove("CUDA_VISIBLE_DEVICES");
-    for n in 0..16 {
-        run = run
-            .env_remove(&format!("CUDA_DEVICE_MEMORY_LIMIT_{n}"))
-            .env_remove(&format!("CUDA_DEVICE_SM_LIMIT_{n}"));
-    }
-    run = run
+    let mut run = Run::new(&program())
+        .hooked()
         .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", region)
-        .env("FAKE_CUDA_TRUTH", dir.0.join("truth"))
+        .env("FAKE_CUDA_TRUTH", dir.0.truth_path())
         .env("FAKE_CUDA_CONTEXT_BYTES", CONTEXT.to_string());
     for (key, value) in variables {
         run = run.env(key, value);

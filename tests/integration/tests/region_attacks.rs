@@ -34,7 +34,6 @@ use vgpu_integration::compiled_program as program;
 fn attack_run(dir: &ScratchDir, name: &str) -> Run {
     Run::new(&program(name))
         .hooked()
-        .without_device_overrides()
         .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.region())
         .env("FAKE_CUDA_TRUTH", dir.truth_path())
         .env("FAKE_CUDA_MEMORY", "4g")

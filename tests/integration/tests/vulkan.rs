@@ -11,9 +11,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock, PoisonError};
 
-use vgpu_integration::{
-    Run, ScratchDir, Session, c_program_linked, fake_icd_library, hook_library, truth, workspace_root,
-};
+use vgpu_integration::{Run, ScratchDir, Session, c_program_linked, fake_icd_library, hook_library, workspace_root};
 use vgpu_region::{MemoryUsage, SLOT_LIVE, Snapshot, read_snapshot};
 
 const MIB: u64 = 1 << 20;
@@ -54,6 +52,15 @@ fn shipped_manifest() -> serde_json::Value {
 /// (with the shipped manifest naming the built library).
 struct TestDir(ScratchDir);
 
+/// The region, the truth and the rest of the folder, as every test's.
+impl std::ops::Deref for TestDir {
+    type Target = ScratchDir;
+
+    fn deref(&self) -> &ScratchDir {
+        &self.0
+    }
+}
+
 impl TestDir {
     fn new(name: &str) -> TestDir {
         let dir = TestDir(ScratchDir::new(&format!("vulkan-{name}")));
@@ -69,18 +76,6 @@ impl TestDir {
         std::fs::write(layers.join("hami.json"), manifest.to_string()).expect("write the layer manifest");
         std::fs::create_dir_all(dir.none()).expect("create an empty folder");
         dir
-    }
-
-    fn region(&self) -> PathBuf {
-        self.0.join("region")
-    }
-
-    fn truth_path(&self) -> PathBuf {
-        self.0.join("truth")
-    }
-
-    fn truth(&self) -> truth::Truth {
-        truth::Truth::open(&self.truth_path()).expect("open the ground truth")
     }
 
     fn icd(&self) -> PathBuf {
@@ -112,11 +107,6 @@ impl TestDir {
             "FAKE_VULKAN_VENDOR",
         ] {
             run = run.env_remove(variable);
-        }
-        for n in 0..16 {
-            run = run
-                .env_remove(&format!("CUDA_DEVICE_MEMORY_LIMIT_{n}"))
-                .env_remove(&format!("FAKE_CUDA_MEMORY_{n}"));
         }
         run.env("VK_ICD_FILENAMES", self.icd())
             .env("VK_DRIVER_FILES", self.icd())
