@@ -6,19 +6,21 @@ under its limit shows which kernels it is charged wrongly for.
 
 A line per measurement reads "device index D key K measured M ns, charged C ns, correction X ns":
 M is the raw event-bracket time, C the key's estimate when the launch was planned (before the
-boost factor). Once a key is settled the estimator counts a measurement for at most 5/4 of its
-estimate (a longer one is taken for another context's time slice); the "over 5/4" column counts
-those, and "cut" is the time they lost, as a share of the key's measured time. The first
-measurements of a key are charged the 1 ms prior; they are left out of the charged/measured ratio.
+boost factor). The "over 5/4" column counts measurements over 5/4 of their charge, and "excess" is
+their time beyond it, as a share of the key's measured time: how far a key's times spread above
+its estimate (until 2026-12-01 a settled key's measurement counted for at most 5/4 of its
+estimate, so that excess was not charged; see docs/compute-limit.md, "Long measurements"). The
+first measurements of a key are charged the 1 ms prior; they are left out of the charged/measured
+ratio.
 """
 import re
 import sys
 from collections import defaultdict
 
 LINE = re.compile(r"device index (\d+) key ([0-9a-f]+) measured (\d+) ns, charged (\d+) ns, correction (-?\d+) ns")
-# As in hook/src/throttle/estimates.rs: PRIOR_NS, and the cap on a settled key's measurements.
+# As in hook/src/throttle/estimates.rs: PRIOR_NS.
 PRIOR_NS = 1_000_000
-SETTLED_CAP = 1.25
+SPREAD = 1.25
 
 
 def parse(paths):
@@ -41,8 +43,8 @@ def summary(keys, top=12):
         steady = [(m, c) for m, c in samples if c != PRIOR_NS]
         measured = sum(m for m, _ in steady)
         charged = sum(c for _, c in steady)
-        over = [(m, c) for m, c in steady if m > c * SETTLED_CAP]
-        cut = sum(m - c * SETTLED_CAP for m, c in over)
+        over = [(m, c) for m, c in steady if m > c * SPREAD]
+        cut = sum(m - c * SPREAD for m, c in over)
         total_measured += measured
         total_charged += charged
         total_cut += cut
@@ -53,14 +55,14 @@ def summary(keys, top=12):
     ratio = total_charged / total_measured if total_measured else float("nan")
     lines.append(
         f"{len(rows)} keys, {sum(r[2] for r in rows)} measurements; charged/measured {ratio:.3f} "
-        f"(after the prior); time over 5/4 of the estimate {total_cut / max(total_measured, 1) * 100:.1f}% of the measured"
+        f"(after the prior); time over 5/4 of the charge {total_cut / max(total_measured, 1) * 100:.1f}% of the measured"
     )
-    lines.append(f"{'key':>16} {'samples':>7} {'mean us':>9} {'charged/meas':>12} {'over 5/4':>8} {'cut %':>6}")
+    lines.append(f"{'key':>16} {'samples':>7} {'mean us':>9} {'charged/meas':>12} {'over 5/4':>8} {'excess %':>8}")
     for measured, key, count, steady, charged, over, cut in sorted(rows, reverse=True)[:top]:
         mean = measured / steady / 1000 if steady else 0.0
         ratio = charged / measured if measured else float("nan")
         lines.append(
-            f"{key:>16} {count:>7} {mean:>9.1f} {ratio:>12.3f} {over:>8} {cut / max(measured, 1) * 100:>6.1f}"
+            f"{key:>16} {count:>7} {mean:>9.1f} {ratio:>12.3f} {over:>8} {cut / max(measured, 1) * 100:>8.1f}"
         )
     return lines
 
