@@ -85,6 +85,12 @@ if PART not in ("", *PARTS):
     raise SystemExit(f"COMPUTE_PART={PART}: expected 1, 2, two or all")
 PART_JOBS, PART_MULTI, PART_TWO_GPUS = PARTS[PART or "all"]
 JOBS = os.environ.get("COMPUTE_JOBS", PART_JOBS).split()
+# The worker's jobs (compute_jobs.py's JOBS, which imports torch): a misspelt name would otherwise
+# spend a native run and an untimed one before failing.
+KNOWN_JOBS = PARTS["all"][0].split()
+for job in JOBS:
+    if job not in KNOWN_JOBS:
+        raise SystemExit(f"COMPUTE_JOBS: {job}: expected some of {' '.join(KNOWN_JOBS)}")
 SETTINGS = os.environ.get("COMPUTE_LIMITS", "10 25 50 75 90 unset").split()
 for setting in SETTINGS:
     if setting != "unset" and not (setting.isdigit() and 1 <= int(setting) <= 100):
