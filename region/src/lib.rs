@@ -472,6 +472,7 @@ impl Region {
         let index = match same_process {
             Some(index) => {
                 self.release_slot_locked(&guard, index);
+                self.recompute_locked(&guard);
                 index
             }
             None => hami
@@ -492,7 +493,7 @@ impl Region {
         let guard = self.lock()?;
         if self.owned_slot(slot).is_ok() {
             self.release_slot_locked(&guard, slot.index);
-            self.shrink_proc_num_locked(&guard);
+            self.recompute_locked(&guard);
         }
         Ok(())
     }
@@ -926,23 +927,27 @@ impl Region {
                 reaped += 1;
             }
         }
-        self.shrink_proc_num_locked(guard);
+        if reaped > 0 {
+            self.recompute_locked(guard);
+        } else {
+            self.shrink_proc_num_locked(guard);
+        }
         file.ext.last_reap_ns.store(sys::monotonic_ns(), Ordering::Relaxed);
         reaped
     }
 
-    /// Zeroes a slot, takes its charges off the running totals and marks it free.
+    /// Zeroes a slot and marks it free. The running totals are left as they are: the caller
+    /// recounts them from the slots still live ([`Region::recompute_locked`]). Taking off what the
+    /// slot says it held would trust bytes anyone may have written: a free slot that a writer
+    /// marked live with a made-up `total` (never added, or counted saturated) would lower the
+    /// totals below what the live processes hold, and let them allocate past the limit.
     fn release_slot_locked(&self, _guard: &LockGuard<'_>, index: usize) {
         let file = self.file();
         let (Some(slot), Some(extension)) = (file.hami.procs.get(index), file.ext.slots.get(index)) else {
             return;
         };
         write_slot(slot, || {
-            for (usage, total) in slot.used.iter().zip(file.ext.device_used.iter()) {
-                let held = usage.total.load(Ordering::Relaxed);
-                total.store(total.load(Ordering::Relaxed).saturating_sub(held), Ordering::Release);
-                clear_device_memory(usage);
-            }
+            slot.used.iter().for_each(clear_device_memory);
             clear_monitor_fields(slot);
             slot.status.store(SLOT_FREE, Ordering::Release);
             slot.pid.store(0, Ordering::Relaxed);
