@@ -21,7 +21,9 @@ printf '%-18s %14s %14s %10s\n' "entry point" "native Ir/call" "hooked Ir/call" 
 for what in count launch alloc meminfo; do
   n1=$(instructions "" $low $what); n2=$(instructions "" $high $what)
   h1=$(instructions "$root/target/release/libvgpu.so" $low $what); h2=$(instructions "$root/target/release/libvgpu.so" $high $what)
-  native=$(( (n2 - n1) / (high - low) )); hooked=$(( (h2 - h1) / (high - low) ))
   case $what in count) label=cuDeviceGetCount;; launch) label=cuLaunchKernel;; alloc) label="cuMemAlloc+Free";; meminfo) label=cuMemGetInfo;; esac
-  printf '%-18s %14d %14d %10d\n' "$label" "$native" "$hooked" $((hooked - native))
+  # In decimals: truncating each side to an integer made +35.0 read as +36 (1740.999 and 1776.000).
+  awk -v label="$label" -v n1="$n1" -v n2="$n2" -v h1="$h1" -v h2="$h2" -v calls=$((high - low)) \
+    'BEGIN { native = (n2 - n1) / calls; hooked = (h2 - h1) / calls;
+             printf "%-18s %14.1f %14.1f %10.1f\n", label, native, hooked, hooked - native }'
 done
