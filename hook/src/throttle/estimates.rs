@@ -92,10 +92,9 @@ struct Entry {
 
 impl Entry {
     /// How long this key's launches go between samples. The estimate of a key whose time varies
-    /// launch by launch is only as good as the number of its samples in a second (a kernel of 100
-    /// and 300 us by turns, resampled every 50 ms, ran at 43-62% of the GPU per second at limit
-    /// 50): such a key is sampled up to [`VARYING_SAMPLE_BOOST`] times as often, in proportion to
-    /// the square of its relative deviation beyond [`STEADY_DEVIATION_PERCENT`].
+    /// launch by launch is only as good as its number of samples in a second, so such a key is
+    /// sampled up to [`VARYING_SAMPLE_BOOST`] times as often, in proportion to the square of its
+    /// relative deviation beyond [`STEADY_DEVIATION_PERCENT`].
     fn resample_ns(&self) -> u64 {
         let estimate = u128::from(self.estimate.max(1));
         let relative = u128::from(self.deviation) * 100 / estimate;
@@ -105,15 +104,13 @@ impl Entry {
     }
 
     /// What a measurement of a settled key counts for. One function and grid can take very
-    /// different times launch by launch: a kernel with a grid-stride loop runs tensors of any size
-    /// on one grid (in a training step one key took 28, 68, 92 and 600 us), so a measurement far
-    /// above the mean is usually the kernel's own, and counting it for less charges the key under
-    /// its mean (by 30-44% for two such keys, when a settled key's measurements counted for at most
-    /// 5/4 of its estimate: docs/compute-limit.md). A measurement can also hold someone else's
-    /// time (the host, another context), which is rare and must not set a key's cost for the
-    /// launches it stands for. So a measurement counts for at most [`HIGH_BOUND`] times the key's
-    /// recent highs: a long time that recurs is reached within a few samples, a one-off stretch
-    /// moves the estimate by a bounded step.
+    /// different times launch by launch (a kernel with a grid-stride loop runs tensors of any size
+    /// on one grid), so a measurement far above the mean is usually the kernel's own, and counting
+    /// it for less charges the key under its mean (docs/compute-limit.md, "Long measurements"). A
+    /// measurement can also hold someone else's time (the host, another context), which is rare
+    /// and must not set a key's cost for the launches it stands for. So a measurement counts for
+    /// at most [`HIGH_BOUND`] times the key's recent highs: a long time that recurs is reached
+    /// within a few samples, a one-off stretch moves the estimate by a bounded step.
     fn bounded(&mut self, measured_ns: u64) -> u64 {
         let high = self.high.max(self.estimate);
         let counted = measured_ns.min(high.saturating_mul(HIGH_BOUND));
@@ -276,8 +273,7 @@ impl Estimates {
     /// uncorrected ones, and the key is measured again within its next [`RETRY_SPREAD`] launches,
     /// at random. Not always at the next: the launches that cannot be measured are not a random
     /// choice, and the ones right after them need not be either (a kernel whose time alternates
-    /// launch by launch would be measured at its other time: 55% of the samples of 100 and 300 us
-    /// by turns were 300 us).
+    /// launch by launch would be measured at its other time).
     pub fn not_measured(&mut self, key: u64, charge: u64) {
         let spread = self.random_below(RETRY_SPREAD);
         if let Some(entry) = self.find(key) {
