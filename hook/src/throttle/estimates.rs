@@ -34,6 +34,9 @@ pub const KEY_RESAMPLE_NS: u64 = 50_000_000;
 pub const STEADY_DEVIATION_PERCENT: u64 = 10;
 /// How many times as often a key whose time varies most is sampled.
 pub const VARYING_SAMPLE_BOOST: u64 = 16;
+/// What a measurement counts for at most: the event pair's time comes from the driver as a float,
+/// and one beyond this is not a kernel's (it also keeps the smoothing below overflow).
+pub const LONGEST_MEASUREMENT_NS: u64 = 3_600_000_000_000;
 /// A sample that could not be taken is taken again within this many launches of its key.
 pub const RETRY_SPREAD: u64 = 4;
 /// A settled key is measured at most once in this many of its launches, on average. A sample adds
@@ -99,7 +102,7 @@ impl Entry {
         let estimate = u128::from(self.estimate.max(1));
         let relative = u128::from(self.deviation) * 100 / estimate;
         let steady = u128::from(STEADY_DEVIATION_PERCENT);
-        let boost = (relative * relative / (steady * steady)).clamp(1, u128::from(VARYING_SAMPLE_BOOST));
+        let boost = (relative.saturating_mul(relative) / (steady * steady)).clamp(1, u128::from(VARYING_SAMPLE_BOOST));
         KEY_RESAMPLE_NS / boost as u64
     }
 
@@ -287,6 +290,7 @@ impl Estimates {
     /// A measurement of `measured_ns` for a launch of `key` that was charged `charged`. Returns
     /// the correction (ns to add to what was charged) for it and for the launches it stands for.
     pub fn measured(&mut self, key: u64, charged: u64, measured_ns: u64) -> i64 {
+        let measured_ns = measured_ns.min(LONGEST_MEASUREMENT_NS);
         let measured_ns = match self.find(key) {
             Some(entry) if entry.received >= SETTLED_SAMPLES => entry.bounded(measured_ns),
             _ => measured_ns,
@@ -519,6 +523,24 @@ mod tests {
             varying >= 8 * steady,
             "varying: {varying} samples in the 2nd second (steady: {steady})"
         );
+    }
+
+    #[test]
+    fn an_absurd_measurement_is_bounded() {
+        // The driver's elapsed time is a float: a garbage one converts to u64::MAX.
+        let mut estimates = Estimates::default();
+        let mut now = 0;
+        for _ in 0..2 {
+            for measured in [u64::MAX, 1_000, u64::MAX] {
+                now += 10_000;
+                let plan = estimates.plan(7, now);
+                estimates.measured(7, plan.charge, measured);
+            }
+        }
+        settled(&mut estimates, 8, 1_000, &mut now);
+        estimates.measured(8, 1_000, u64::MAX);
+        assert!(estimates.estimate(7) <= LONGEST_MEASUREMENT_NS);
+        assert!(estimates.estimate(8) <= 1_000 * HIGH_BOUND);
     }
 
     #[test]
