@@ -398,9 +398,12 @@ fn a_kernel_whose_time_varies_launch_by_launch_is_charged_its_mean() {
     let mean = busy / (report.done().get("seconds") * 1e9) * 100.0;
     eprintln!("varying kernel at limit 50: busy share per second {shares:.1?}, {mean:.1}% over the run");
     assert_eq!(shares.len(), 3, "three whole seconds");
+    // Per second, the bound: the key is measured about 150 times a second (its sampling
+    // floor, MIN_SAMPLE_STRIDE, at 2,500 launches a second), so the estimate's mean over a second
+    // is off by about 100 us / sqrt(150), 4%, two points at limit 50, in either direction.
     for (second, share) in shares.iter().enumerate().skip(1) {
         assert!(
-            (share - 50.0).abs() <= 3.0,
+            (share - 50.0).abs() <= 5.0,
             "second {second}: busy {share:.1}% at limit 50 (per second {shares:.1?})"
         );
     }
