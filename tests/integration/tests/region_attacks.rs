@@ -143,6 +143,18 @@ enum Spare {
     Accounting,
 }
 
+/// The live slots and their pids.
+fn live_slots(region: &Path) -> Vec<(usize, i32)> {
+    let image = std::fs::read(region).expect("read the region");
+    let snapshot = read_snapshot(&image).expect("a valid region before the attack");
+    snapshot
+        .processes
+        .iter()
+        .filter(|process| process.status == SLOT_LIVE)
+        .map(|process| (process.slot, process.pid))
+        .collect()
+}
+
 /// The byte ranges of `spare`, for the slots live when the attack starts.
 fn spared_ranges(region: &Path, spare: Spare) -> Vec<std::ops::Range<usize>> {
     let image = std::fs::read(region).expect("read the region");
@@ -206,6 +218,12 @@ fn attack(label: &str, spare: Spare, seconds: u64) -> Outcome {
         assert!(ready.starts_with("ready "), "a worker did not start: {ready:?}");
     }
     let spared = spared_ranges(&dir.region(), spare);
+    let live_slots = live_slots(&dir.region());
+    assert_eq!(
+        live_slots.len(),
+        workers.len(),
+        "one live slot per worker: {live_slots:?}"
+    );
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
@@ -233,6 +251,26 @@ fn attack(label: &str, spare: Spare, seconds: u64) -> Outcome {
         }
         std::thread::sleep(Duration::from_millis(1));
     }
+    // A worker whose slot was reaped would have its allocations refused for want of a slot, which
+    // it counts as refusals, not errors: each must still hold its live slot. Read from the slots'
+    // own bytes, which the writer spares, while the workers run.
+    let image = std::fs::read(dir.region()).expect("read the region");
+    let slot_field = |slot: usize, field: usize| {
+        let at = std::mem::offset_of!(SharedRegion, procs) + slot * size_of::<ProcSlot>() + field;
+        i32::from_ne_bytes(image[at..at + 4].try_into().expect("4 bytes"))
+    };
+    let lost: Vec<(usize, i32)> = live_slots
+        .iter()
+        .copied()
+        .filter(|&(slot, pid)| {
+            slot_field(slot, std::mem::offset_of!(ProcSlot, status)) != SLOT_LIVE
+                || slot_field(slot, std::mem::offset_of!(ProcSlot, pid)) != pid
+        })
+        .collect();
+    assert!(
+        spare != Spare::Accounting || lost.is_empty(),
+        "{label}: the live slots (slot, pid) {lost:?} were freed or taken while their workers ran"
+    );
     let mut reports = Vec::new();
     let mut stderr_lines: std::collections::BTreeMap<String, usize> = std::collections::BTreeMap::new();
     for mut worker in workers {
