@@ -2,9 +2,8 @@
 //! slot are nobody's, so a writer may put anything there, `status = 1` included. Such a slot may
 //! make the running totals larger (a denial of service to the file's processes), never smaller:
 //! memory past the limit would follow. `tests/integration/tests/region_attacks.rs` writes random
-//! bytes everywhere but the accounting (the live slots, `proc_num`, the totals and the limits) and
-//! saw the ground truth reach 527 MiB under a 512 MiB limit once; these are the writes that did it,
-//! one at a time.
+//! bytes everywhere but the accounting (the live slots, `proc_num`, the totals and the limits); these
+//! are the writes among those that lowered the totals when their slot was freed, one at a time.
 
 mod common;
 

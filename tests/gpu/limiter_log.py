@@ -20,6 +20,7 @@ from collections import defaultdict
 LINE = re.compile(r"device index (\d+) key ([0-9a-f]+) measured (\d+) ns, charged (\d+) ns, correction (-?\d+) ns")
 # As in hook/src/throttle/estimates.rs: PRIOR_NS.
 PRIOR_NS = 1_000_000
+# How far above its charge a measurement counts in the "over 5/4" and "excess" columns.
 SPREAD = 1.25
 
 

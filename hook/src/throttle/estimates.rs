@@ -34,8 +34,7 @@ pub const KEY_RESAMPLE_NS: u64 = 50_000_000;
 pub const STEADY_DEVIATION_PERCENT: u64 = 10;
 /// Samples over which the deviation and mean that set a key's sampling rate mostly follow a
 /// change: slow, because a rate that follows the latest measurements makes the launches charged at a
-/// high estimate fewer than those charged at a low one, or the reverse (charged 0.969 of the mean
-/// with 8, 1.042 with the estimate itself instead of a slow mean).
+/// high estimate fewer than those charged at a low one, or the reverse (docs/compute-limit.md).
 pub const SLOW_SMOOTHING: u64 = 64;
 /// How many times as often a key whose time varies most is sampled.
 pub const VARYING_SAMPLE_BOOST: u64 = 16;
@@ -47,8 +46,7 @@ pub const LONGEST_MEASUREMENT_NS: u64 = super::bucket::DEBT_FLOOR_NS.unsigned_ab
 pub const RETRY_SPREAD: u64 = 4;
 /// A settled key is measured at most once in this many of its launches, on average. A sample adds
 /// two event records to its launch: without this floor, kernels each repeated only a few times
-/// per 50 ms had every 3rd or 4th launch measured (the fake's launch-bound loop of 8 kernels:
-/// 519 measurements in 1705 launches, docs/bench/2026-12-01-sampling-stride.txt).
+/// per 50 ms would have every 3rd or 4th launch measured (docs/compute-limit.md, "Sampling").
 pub const MIN_SAMPLE_STRIDE: u64 = 16;
 /// How much a key's sampling stride may grow from one sample to the next.
 pub const STRIDE_GROWTH: u32 = 2;

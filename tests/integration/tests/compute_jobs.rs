@@ -374,10 +374,7 @@ fn graph_replay_holds_limit_25() {
 /// by turns (one function and grid, so one launch key), launched back to back in iterations of 8
 /// with a synchronisation, at limit 50 for 3 s. Its busy share is the limit in every second from
 /// the 2nd, and over the 3 s: the key is charged its mean time (200 us), not pulled towards the
-/// shorter one. With a settled key's measurements counted for at most 5/4 of its estimate it ran
-/// at 80% per second (it passed before only because the key was never resampled after its young
-/// samples, whose median happened to be the mean); resampled every 50 ms whatever its spread, at
-/// 43-62%.
+/// shorter one (what earlier designs gave: docs/bench/2026-12-01-varying-keys.txt).
 #[test]
 fn a_kernel_whose_time_varies_launch_by_launch_is_charged_its_mean() {
     const MEAN_US: f64 = 200.0;

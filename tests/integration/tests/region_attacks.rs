@@ -155,19 +155,11 @@ fn live_slots(region: &Path) -> Vec<(usize, i32)> {
         .collect()
 }
 
-/// The byte ranges of `spare`, for the slots live when the attack starts.
-fn spared_ranges(region: &Path, spare: Spare) -> Vec<std::ops::Range<usize>> {
-    let image = std::fs::read(region).expect("read the region");
-    let snapshot = read_snapshot(&image).expect("a valid region before the attack");
-    let live: Vec<usize> = snapshot
-        .processes
-        .iter()
-        .filter(|process| process.status == SLOT_LIVE)
-        .map(|process| process.slot)
-        .collect();
+/// The byte ranges of `spare`, for the `live` slots (slot, pid) when the attack starts.
+fn spared_ranges(live: &[(usize, i32)], spare: Spare) -> Vec<std::ops::Range<usize>> {
     let slot_extension = |slot: usize| EXTENSION_OFFSET + SLOT_EXTENSIONS_OFFSET + slot * size_of::<SlotExtension>();
     let mut ranges = Vec::new();
-    for &slot in &live {
+    for &(slot, _) in live {
         let suspend = slot_extension(slot) + std::mem::offset_of!(SlotExtension, suspend);
         ranges.push(suspend..suspend + 4);
         if spare == Spare::Accounting {
@@ -217,8 +209,8 @@ fn attack(label: &str, spare: Spare, seconds: u64) -> Outcome {
         let ready = worker.read_line().unwrap_or_default();
         assert!(ready.starts_with("ready "), "a worker did not start: {ready:?}");
     }
-    let spared = spared_ranges(&dir.region(), spare);
     let live_slots = live_slots(&dir.region());
+    let spared = spared_ranges(&live_slots, spare);
     assert_eq!(
         live_slots.len(),
         workers.len(),
