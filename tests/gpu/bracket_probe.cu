@@ -1,0 +1,123 @@
+// What the limiter's event bracket reads for a launch queued behind others (a busy stream) and for
+// one on a drained stream, against the launch's time when kernels run back to back unbracketed.
+// Run without the hook:
+//     bracket_probe
+// For kernels of y = a*x + y on 64K to 64M floats, the stream is kept full (the host runs ahead;
+// one sync per 2048 launches) and:
+//   bare      2048 launches timed by one event pair: the time per launch with nothing between them
+//             (the kernel's time when the host is faster than the GPU; "host" says how long the
+//             host took per launch: where it is not well below bare, the stream was not full)
+//   held      the same, every 16th launch bracketed as the sensor does it (a wait on a host word,
+//             start event, launch, end event, the word written): the per-launch time of the whole
+//             run, and the median of the brackets' readings
+//   drained   a launch bracketed the same way after the stream ran empty (200 us of host pause)
+// and prints, per size, bare, held and host per launch, the bracket medians, what a bracket reads
+// over the bare time on a full and on a drained stream (the sensor's overheads), and what
+// bracketing costs the run per bracket.
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <algorithm>
+#include <chrono>
+#include <thread>
+#include <stdio.h>
+#include <vector>
+#include "cuda_check.cuh"
+
+#define LAUNCHES 2048
+#define STRIDE 16
+#define ROUNDS 5
+
+static double now_ns() {
+    return std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+static double median(std::vector<double> v) {
+    if (v.empty()) return 0;
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+int main() {
+    const int sizes[] = {1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26};
+    float *x, *y;
+    CHECK(cudaMalloc(&x, (size_t(1) << 26) * sizeof(float)));
+    CHECK(cudaMalloc(&y, (size_t(1) << 26) * sizeof(float)));
+    CHECK(cudaMemset(x, 0, (size_t(1) << 26) * sizeof(float)));
+    CHECK(cudaMemset(y, 0, (size_t(1) << 26) * sizeof(float)));
+    cudaStream_t stream;
+    CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    volatile unsigned *word;
+    CHECK(cudaHostAlloc((void **)&word, 64, cudaHostAllocMapped | cudaHostAllocPortable));
+    *word = 0;
+    CUdeviceptr word_device;
+    CHECK(cudaHostGetDevicePointer((void **)&word_device, (void *)word, 0));
+    unsigned sequence = 0;
+    cudaEvent_t outer[2];
+    for (auto &e : outer) CHECK(cudaEventCreate(&e));
+    std::vector<cudaEvent_t> brackets(2 * (LAUNCHES / STRIDE));
+    for (auto &e : brackets) CHECK(cudaEventCreate(&e));
+
+    printf("%-9s %9s %9s %9s %11s %11s %15s %15s %15s\n", "floats", "bare us", "held us", "host us", "bracket us",
+           "drained us", "full - bare", "drained - bare", "cost/bracket");
+    for (int n : sizes) {
+        dim3 grid((n + 255) / 256), block(256);
+        for (int i = 0; i < 256; i++) axpy<<<grid, block, 0, stream>>>(1.0001f, x, y, n);
+        CHECK(cudaStreamSynchronize(stream));
+        std::vector<double> bare, held, readings, drained, host;
+        for (int r = 0; r < ROUNDS; r++) {
+            for (int mode = 0; mode < 2; mode++) {
+                CHECK(cudaEventRecord(outer[0], stream));
+                int taken = 0;
+                double host_start = now_ns();
+                for (int i = 0; i < LAUNCHES; i++) {
+                    bool sampled = mode == 1 && i % STRIDE == STRIDE / 2;
+                    if (sampled) {
+                        sequence++;
+                        if (cuStreamWaitValue32_v2((CUstream)stream, word_device, sequence, CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS) {
+                            fprintf(stderr, "stream wait failed\n");
+                            return 1;
+                        }
+                        CHECK(cudaEventRecord(brackets[2 * taken], stream));
+                    }
+                    axpy<<<grid, block, 0, stream>>>(1.0001f, x, y, n);
+                    if (sampled) {
+                        CHECK(cudaEventRecord(brackets[2 * taken + 1], stream));
+                        *word = sequence;
+                        taken++;
+                    }
+                }
+                CHECK(cudaEventRecord(outer[1], stream));
+                host.push_back((now_ns() - host_start) / LAUNCHES);
+                CHECK(cudaStreamSynchronize(stream));
+                float ms = 0;
+                CHECK(cudaEventElapsedTime(&ms, outer[0], outer[1]));
+                (mode == 0 ? bare : held).push_back(ms * 1e6 / LAUNCHES);
+                for (int t = 0; t < taken; t++) {
+                    CHECK(cudaEventElapsedTime(&ms, brackets[2 * t], brackets[2 * t + 1]));
+                    readings.push_back(ms * 1e6);
+                }
+            }
+        }
+        // Launches on a drained stream: a host pause, then one bracketed launch.
+        for (int i = 0; i < 64; i++) {
+            std::this_thread::sleep_for(std::chrono::microseconds(200));
+            sequence++;
+            if (cuStreamWaitValue32_v2((CUstream)stream, word_device, sequence, CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS) {
+                fprintf(stderr, "stream wait failed\n");
+                return 1;
+            }
+            CHECK(cudaEventRecord(brackets[0], stream));
+            axpy<<<grid, block, 0, stream>>>(1.0001f, x, y, n);
+            CHECK(cudaEventRecord(brackets[1], stream));
+            *word = sequence;
+            CHECK(cudaStreamSynchronize(stream));
+            float ms = 0;
+            CHECK(cudaEventElapsedTime(&ms, brackets[0], brackets[1]));
+            drained.push_back(ms * 1e6);
+        }
+        double b = median(bare), h = median(held), k = median(readings), d = median(drained), c = median(host);
+        printf("%-9d %9.2f %9.2f %9.2f %11.2f %11.2f %15.2f %15.2f %15.2f\n", n, b / 1e3, h / 1e3, c / 1e3, k / 1e3, d / 1e3,
+               (k - b) / 1e3, (d - b) / 1e3, (h - b) * STRIDE / 1e3);
+    }
+    return 0;
+}

@@ -1,0 +1,80 @@
+"""Native and hooked runs of one job, alternated, to tell the job's own run-to-run spread from the
+limiter's error (run by tests/gpu/native_vs_hook.sh).
+
+    native_vs_hook.py <libvgpu.so> <work folder>
+
+compute_jobs_bench.py compares every limited run with two native runs, one before all the
+limited runs of a job and one after. A job whose rate differs from process to process (a
+host-bound Python loop) then shows an error that no limiter made. Here each round runs the job
+natively, then at each setting of AB_SETTINGS (default "unset 50"), for AB_ROUNDS rounds (default
+3), each run COMPUTE_SECONDS long from its first launch, for each job of AB_JOBS (default
+"smallops train"). Printed per run: its mean rate and NVML's utilisation; per setting: its mean
+rate over the native runs' mean rate, and the range of that ratio over the rounds (each round's
+run against that round's native run).
+"""
+import os
+import sys
+
+HOOK, WORK = sys.argv[1], sys.argv[2]
+# compute_jobs_bench reads its arguments and its settings when imported.
+os.environ.setdefault("COMPUTE_LIMITS", "unset")
+import compute_jobs_bench as bench  # noqa: E402  (beside this script, sys.path[0])
+
+JOBS = os.environ.get("AB_JOBS", "smallops train").split()
+for job in JOBS:
+    if job not in bench.KNOWN_JOBS:
+        raise SystemExit(f"AB_JOBS: {job}: expected some of {' '.join(bench.KNOWN_JOBS)}")
+SETTINGS = os.environ.get("AB_SETTINGS", "unset 50").split()
+for setting in SETTINGS:
+    if setting != "unset" and not (setting.isdigit() and 1 <= int(setting) <= 100):
+        raise SystemExit(f"AB_SETTINGS: {setting}: expected a percent from 1 to 100 or unset")
+ROUNDS = int(os.environ.get("AB_ROUNDS", "3"))
+
+
+def label(setting):
+    return "native" if setting is None else setting
+
+
+def main():
+    print(f"jobs {' '.join(JOBS)}; per round: native, {', '.join(SETTINGS)}; {ROUNDS} rounds; {bench.SECONDS} s per run")
+    for job in JOBS:
+        print(f"\n## {job}", flush=True)
+        means = {label(s): [] for s in [None, *SETTINGS]}  # per setting, each round's mean (None: failed)
+        for round_ in range(1, ROUNDS + 1):
+            for setting in [None, *SETTINGS]:
+                run = bench.run_job(job, setting, name=f"{label(setting)}-{round_}")
+                if not run.ok:
+                    bench.failed(f"{job} {label(setting)} round {round_}", run)
+                    means[label(setting)].append(None)
+                    continue
+                nvml = run.utilisation()
+                nvml_text = f", NVML {nvml:.1f}%" if nvml is not None else ""
+                series = " ".join(f"{rate:.0f}" for rate in run.result["per_second"])
+                print(
+                    f"round {round_} {label(setting)}: mean {run.result['mean']:.1f} it/s{nvml_text} | {series}",
+                    flush=True,
+                )
+                means[label(setting)].append(run.result["mean"])
+        natives = [m for m in means["native"] if m is not None]
+        if not natives:
+            print(f"{job}: no native run")
+            continue
+        native_mean = sum(natives) / len(natives)
+        spread = (max(natives) - min(natives)) / native_mean * 100
+        print(f"{job} native: mean {native_mean:.1f} it/s over {len(natives)} runs, range {spread:.1f}% of the mean")
+        for setting in SETTINGS:
+            rates = [m for m in means[setting] if m is not None]
+            if not rates:
+                continue
+            ratio = sum(rates) / len(rates) / native_mean * 100
+            paired = [
+                own / native * 100
+                for own, native in zip(means[setting], means["native"])
+                if own is not None and native is not None
+            ]
+            paired_text = f", per round {min(paired):.1f}-{max(paired):.1f}%" if paired else ""
+            print(f"{job} {setting}: {ratio:.1f}% of native{paired_text}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
