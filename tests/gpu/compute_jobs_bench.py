@@ -443,7 +443,8 @@ def measure_job(job):
         nvml_text = f" | NVML {nvml:.0f}" if nvml is not None else ""
         print(f"{job} {setting}: {comparison.text()}{nvml_text} | {verdict(comparison.passed)}", flush=True)
         if DEBUG_LOG:
-            for line in limiter_log.summary(limiter_log.parse([run.stderr_path])):
+            logs = [run.stderr_path]
+            for line in limiter_log.summary(limiter_log.parse(logs), changes=limiter_log.boosts(logs)):
                 print(f"    {line}")
         if not comparison.passed:
             MISSES.append(f"{job} {setting} ({comparison.why()})")

@@ -11,13 +11,15 @@ their time beyond it, as a share of the key's measured time: how far a key's tim
 its estimate (until 2026-12-01 a settled key's measurement counted for at most 5/4 of its
 estimate, so that excess was not charged; see docs/compute-limit.md, "Long measurements"). The
 first measurements of a key are charged the 1 ms prior; they are left out of the charged/measured
-ratio.
+ratio. The boost factor's changes (a line each when it moves by 0.01 or more; charges are the
+plan times the factor, so a factor above 1 holds a job under its time share) are summarised too.
 """
 import re
 import sys
 from collections import defaultdict
 
 LINE = re.compile(r"device index (\d+) key ([0-9a-f]+) measured (\d+) ns, charged (\d+) ns, correction (-?\d+) ns")
+BOOST = re.compile(r"device (\d+) boost factor ([\d.]+) \(busy share ([\d.]+)")
 # As in hook/src/throttle/estimates.rs: PRIOR_NS.
 PRIOR_NS = 1_000_000
 # How far above its charge a measurement counts in the "over 5/4" and "excess" columns.
@@ -36,8 +38,33 @@ def parse(paths):
     return keys
 
 
-def summary(keys, top=12):
-    """Text lines: the whole run, then the keys with the most measured time."""
+def boosts(paths):
+    """The boost factor's logged changes, in order: [(device, factor, busy share)]."""
+    changes = []
+    for path in paths:
+        with open(path, errors="replace") as f:
+            for line in f:
+                match = BOOST.search(line)
+                if match:
+                    changes.append((int(match.group(1)), float(match.group(2)), float(match.group(3))))
+    return changes
+
+
+def boost_line(changes):
+    """One line on the boost factor: 1 throughout, or its changes' range and its last value."""
+    if not changes:
+        return "boost factor: no change logged (1.000 throughout)"
+    factors = [factor for _, factor, _ in changes]
+    shares = [share for _, _, share in changes]
+    return (
+        f"boost factor: {len(changes)} changes, {min(factors):.3f}-{max(factors):.3f}, last {factors[-1]:.3f}"
+        f" (busy share {min(shares):.3f}-{max(shares):.3f})"
+    )
+
+
+def summary(keys, top=12, changes=None):
+    """Text lines: the whole run, the boost factor when `changes` is given, then the keys with the
+    most measured time."""
     rows = []
     total_measured = total_charged = total_cut = 0
     for key, samples in keys.items():
@@ -58,6 +85,8 @@ def summary(keys, top=12):
         f"{len(rows)} keys, {sum(r[2] for r in rows)} measurements; charged/measured {ratio:.3f} "
         f"(after the prior); time over 5/4 of the charge {total_cut / max(total_measured, 1) * 100:.1f}% of the measured"
     )
+    if changes is not None:
+        lines.append(boost_line(changes))
     lines.append(f"{'key':>16} {'samples':>7} {'mean us':>9} {'charged/meas':>12} {'over 5/4':>8} {'excess %':>8}")
     for measured, key, count, steady, charged, over, cut in sorted(rows, reverse=True)[:top]:
         mean = measured / steady / 1000 if steady else 0.0
@@ -71,7 +100,7 @@ def summary(keys, top=12):
 def main():
     if len(sys.argv) < 2:
         raise SystemExit("usage: limiter_log.py <stderr file> [...]")
-    for line in summary(parse(sys.argv[1:])):
+    for line in summary(parse(sys.argv[1:]), changes=boosts(sys.argv[1:])):
         print(line)
 
 
