@@ -283,6 +283,16 @@ class Run:
         first_launch = self.end - measured
         return self.sampler.mean(gpu_of(ordinal), first_launch + 1.0, first_launch + measured)
 
+    def clock_power(self):
+        """NVML's mean SM clock (MHz) and power (W) of CUDA device 0 over seconds 2..end of the
+        measured time, as text (the boost factor follows them), or "" without samples."""
+        if not self.ok or self.sampler is None:
+            return ""
+        window = (self.end - self.result["seconds"] + 1.0, self.end)
+        clock = self.sampler.mean(gpu_of(0), *window, field="clocks.sm")
+        power = self.sampler.mean(gpu_of(0), *window, field="power.draw")
+        return "" if clock is None or power is None else f"SM {clock:.0f} MHz, {power:.0f} W"
+
 
 def execute(runs, timeout):
     """Starts the runs [(name, argv, env)] at once under one sampler and waits for them all."""
@@ -428,7 +438,8 @@ def measure_job(job):
         a, b = (run.result["mean"] for run in ran)
         spread = f", {abs(a - b) / max(a, b, 1e-9) * 100:.1f}% apart"
     print(f"{job} native: {series_text(reference)} it/s per second (mean of {len(ran)} runs; run means {means} it/s{spread})")
-    print(f"{job} natural share: {natural:.1f}% ({source})", flush=True)
+    gpu = "; ".join(text for text in (run.clock_power() for run in ran) if text)
+    print(f"{job} natural share: {natural:.1f}% ({source}){f'; {gpu}' if gpu else ''}", flush=True)
 
     rows = []
     for setting in SETTINGS:
@@ -441,6 +452,8 @@ def measure_job(job):
         comparison = Comparison(run.result["per_second"], reference, natural, target)
         nvml = run.utilisation()
         nvml_text = f" | NVML {nvml:.0f}" if nvml is not None else ""
+        if run.clock_power():
+            nvml_text += f", {run.clock_power()}"
         print(f"{job} {setting}: {comparison.text()}{nvml_text} | {verdict(comparison.passed)}", flush=True)
         if DEBUG_LOG:
             logs = [run.stderr_path]

@@ -8,7 +8,7 @@ limited runs of a job and one after. A job whose rate differs from process to pr
 host-bound Python loop) then shows an error that no limiter made. Here each round runs the job
 natively, then at each setting of AB_SETTINGS (default "unset 50"), for AB_ROUNDS rounds (default
 3), each run COMPUTE_SECONDS long from its first launch, for each job of AB_JOBS (default
-"smallops train"). Printed per run: its mean rate and NVML's utilisation; per setting: its mean
+"smallops train"). Printed per run: its mean rate, NVML's utilisation, SM clock and power; per setting: its mean
 rate over the native runs' mean rate, and the range of that ratio over the rounds (each round's
 run against that round's native run).
 """
@@ -49,6 +49,8 @@ def main():
                     continue
                 nvml = run.utilisation()
                 nvml_text = f", NVML {nvml:.1f}%" if nvml is not None else ""
+                if run.clock_power():
+                    nvml_text += f", {run.clock_power()}"
                 series = " ".join(f"{rate:.0f}" for rate in run.result["per_second"])
                 print(
                     f"round {round_} {label(setting)}: mean {run.result['mean']:.1f} it/s{nvml_text} | {series}",
