@@ -10,10 +10,13 @@
 //   held      the same, every 16th launch bracketed as the sensor does it (a wait on a host word,
 //             start event, launch, end event, the word written): the per-launch time of the whole
 //             run, and the median of the brackets' readings
+//   shallow   groups of 10 launches synchronised after each (as the Triton and GEMM jobs of
+//             compute_jobs.py run), the 6th of each group bracketed the same way: a few kernels
+//             queued ahead of it
 //   drained   a launch bracketed the same way after the stream ran empty (200 us of host pause)
 // and prints, per size, bare, held and host per launch, the bracket medians, what a bracket reads
-// over the bare time on a full and on a drained stream (the sensor's overheads), and what
-// bracketing costs the run per bracket.
+// over the bare time on a full stream, a shallow queue and a drained stream (the sensor's
+// overheads), and what bracketing costs the run per bracket.
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <algorithm>
@@ -57,8 +60,8 @@ int main() {
     std::vector<cudaEvent_t> brackets(2 * (LAUNCHES / STRIDE));
     for (auto &e : brackets) CHECK(cudaEventCreate(&e));
 
-    printf("%-9s %9s %9s %9s %11s %11s %15s %15s %15s\n", "floats", "bare us", "held us", "host us", "bracket us",
-           "drained us", "full - bare", "drained - bare", "cost/bracket");
+    printf("%-9s %9s %9s %9s %11s %11s %11s %12s %12s %12s %12s\n", "floats", "bare us", "held us", "host us", "full us",
+           "shallow us", "drained us", "full-bare", "shallow-bare", "drained-bare", "cost/bracket");
     for (int n : sizes) {
         dim3 grid((n + 255) / 256), block(256);
         for (int i = 0; i < 256; i++) axpy<<<grid, block, 0, stream>>>(1.0001f, x, y, n);
@@ -98,6 +101,29 @@ int main() {
                 }
             }
         }
+        // Groups of 10 synchronised launches, the 6th bracketed.
+        std::vector<double> shallow;
+        for (int g = 0; g < 200; g++) {
+            for (int i = 0; i < 10; i++) {
+                if (i == 5) {
+                    sequence++;
+                    if (cuStreamWaitValue32_v2((CUstream)stream, word_device, sequence, CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS) {
+                        fprintf(stderr, "stream wait failed\n");
+                        return 1;
+                    }
+                    CHECK(cudaEventRecord(brackets[0], stream));
+                }
+                axpy<<<grid, block, 0, stream>>>(1.0001f, x, y, n);
+                if (i == 5) {
+                    CHECK(cudaEventRecord(brackets[1], stream));
+                    *word = sequence;
+                }
+            }
+            CHECK(cudaStreamSynchronize(stream));
+            float ms = 0;
+            CHECK(cudaEventElapsedTime(&ms, brackets[0], brackets[1]));
+            shallow.push_back(ms * 1e6);
+        }
         // Launches on a drained stream: a host pause, then one bracketed launch.
         for (int i = 0; i < 64; i++) {
             std::this_thread::sleep_for(std::chrono::microseconds(200));
@@ -116,8 +142,9 @@ int main() {
             drained.push_back(ms * 1e6);
         }
         double b = median(bare), h = median(held), k = median(readings), d = median(drained), c = median(host);
-        printf("%-9d %9.2f %9.2f %9.2f %11.2f %11.2f %15.2f %15.2f %15.2f\n", n, b / 1e3, h / 1e3, c / 1e3, k / 1e3, d / 1e3,
-               (k - b) / 1e3, (d - b) / 1e3, (h - b) * STRIDE / 1e3);
+        double q = median(shallow);
+        printf("%-9d %9.2f %9.2f %9.2f %11.2f %11.2f %11.2f %12.2f %12.2f %12.2f %12.2f\n", n, b / 1e3, h / 1e3, c / 1e3,
+               k / 1e3, q / 1e3, d / 1e3, (k - b) / 1e3, (q - b) / 1e3, (d - b) / 1e3, (h - b) * STRIDE / 1e3);
     }
     return 0;
 }
