@@ -2,13 +2,12 @@
 //! with one atomic store. `libvgpu.so` checks it before launches and copies and waits (sleeping)
 //! while it is set. The region's lock is never taken; the flag is the only byte written.
 
-use std::fs::OpenOptions;
 use std::path::Path;
 use std::sync::atomic::Ordering;
 
 use vgpu_region::{REGION_FILE_SIZE, SLOT_LIVE};
 
-use crate::read::{Mapping, consistent_copy, decode, shown};
+use crate::read::{Mapping, consistent_copy, decode, open_regular, shown};
 
 /// Which slots to change.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,15 +30,8 @@ pub struct Changed {
 /// an empty list too, so a caller can look through several regions.
 pub fn set_suspended(path: &Path, target: Target, suspend: bool) -> Result<Vec<Changed>, String> {
     let fail = |problem: String| format!("{}: {problem}", shown(path));
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .map_err(|error| fail(format!("cannot open it for writing: {error}")))?;
-    let len = file
-        .metadata()
-        .map_err(|error| fail(format!("cannot stat it: {error}")))?
-        .len();
+    let (file, metadata) = open_regular(path, true).map_err(fail)?;
+    let len = metadata.len();
     if len < REGION_FILE_SIZE as u64 {
         return Err(fail(format!(
             "it is {len} bytes, too short for the vgpu extension that holds the suspend flag \

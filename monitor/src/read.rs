@@ -10,9 +10,9 @@
 //! A shorter file (HAMi-core's own layout, or a truncated one) is read with plain `read`, so a
 //! file that shrinks under the reader cannot fault it. Every problem is one line naming the path.
 
-use std::fs::File;
+use std::fs::{File, OpenOptions};
 use std::io::Read;
-use std::os::unix::fs::FileTypeExt;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering, fence};
@@ -127,8 +127,30 @@ pub fn read_region(path: &Path) -> RegionRead {
     }
 }
 
-fn read_state(path: &Path) -> Result<RegionState, String> {
-    let file = File::open(path).map_err(|error| format!("cannot open it: {error}"))?;
+/// Opens a region file without ever blocking: `O_NONBLOCK`, so that a FIFO put where a region
+/// was expected (a container can write its region's folder) fails the regular-file check instead
+/// of waiting for a writer forever; for writing, `O_NOFOLLOW` too, so that a symbolic link put
+/// there never makes the operator's `vgpu-smi` write into the file it points at. Returns the file
+/// and its metadata, or one line saying why not.
+pub(crate) fn open_regular(path: &Path, write: bool) -> Result<(File, std::fs::Metadata), String> {
+    let mut flags = libc::O_NONBLOCK;
+    if write {
+        flags |= libc::O_NOFOLLOW;
+    }
+    let file = OpenOptions::new()
+        .read(true)
+        .write(write)
+        .custom_flags(flags)
+        .open(path)
+        .map_err(|error| {
+            if write && error.raw_os_error() == Some(libc::ELOOP) {
+                "it is a symbolic link, which is never written through".to_string()
+            } else if write {
+                format!("cannot open it for writing: {error}")
+            } else {
+                format!("cannot open it: {error}")
+            }
+        })?;
     let metadata = file.metadata().map_err(|error| format!("cannot stat it: {error}"))?;
     let file_type = metadata.file_type();
     if !metadata.is_file() {
@@ -141,6 +163,11 @@ fn read_state(path: &Path) -> Result<RegionState, String> {
         };
         return Err(format!("it is {what}, not a region file"));
     }
+    Ok((file, metadata))
+}
+
+fn read_state(path: &Path) -> Result<RegionState, String> {
+    let (file, metadata) = open_regular(path, false)?;
     let image = if metadata.len() >= REGION_FILE_SIZE as u64 {
         let mapping = Mapping::new(&file, false).map_err(|error| format!("cannot map it: {error}"))?;
         consistent_copy(mapping.region())

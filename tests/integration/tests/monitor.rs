@@ -325,6 +325,71 @@ fn a_directory_of_regions_with_corrupt_ones() {
     );
 }
 
+/// Runs vgpu-smi with a deadline: a call still running after it is killed, and the test fails
+/// (a FIFO opened for reading waits for a writer forever).
+fn run_smi_within(arguments: &[&str], deadline: Duration) -> Output {
+    let mut child = command(&vgpu_smi())
+        .args(arguments)
+        .env_remove("CUDA_DEVICE_MEMORY_SHARED_CACHE")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run vgpu-smi");
+    let started = Instant::now();
+    while child.try_wait().expect("wait for vgpu-smi").is_none() {
+        if started.elapsed() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("vgpu-smi {arguments:?} was still running after {deadline:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("vgpu-smi's output")
+}
+
+/// A container can write its region's folder: a FIFO where its region was expected must not hang
+/// the operator's monitor (`show`, `serve`), and a symbolic link must not make `suspend` write
+/// into the file it points at.
+#[test]
+fn a_fifo_or_a_symbolic_link_in_place_of_a_region_is_refused_at_once() {
+    let dir = TestDir::new("hostile-file-types");
+    let fifo = dir.region("fifo");
+    let fifo_path = std::ffi::CString::new(fifo.display().to_string()).expect("a path without NUL");
+    // SAFETY: a NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(fifo_path.as_ptr(), 0o600) }, 0, "mkfifo");
+    let fifo_argument = fifo.display().to_string();
+    let shown = run_smi_within(&["--region", &fifo_argument], Duration::from_secs(10));
+    assert_eq!(shown.status.code(), Some(1));
+    assert_eq!(
+        stdout(&shown),
+        format!("Region {fifo_argument}: unreadable: it is a pipe or socket, not a region file\n")
+    );
+
+    let region = dir.region("container");
+    let process = container_process(&dir, &region, &[], &[0], MIB);
+    let link = dir.region("link");
+    std::os::unix::fs::symlink(&region, &link).expect("symlink");
+    let link_argument = link.display().to_string();
+    let refused = run_smi_within(&["suspend", "--region", &link_argument], Duration::from_secs(10));
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("it is a symbolic link, which is never written through"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    let region_argument = region.display().to_string();
+    let json: serde_json::Value =
+        serde_json::from_str(&stdout(&run_smi(&["--region", &region_argument, "--json"]))).expect("JSON");
+    let processes = json["regions"][0]["processes"].as_array().expect("processes");
+    assert_eq!(processes.len(), 1, "the container's process is in its region");
+    assert_eq!(
+        processes[0]["suspended"],
+        serde_json::Value::Bool(false),
+        "suspend wrote through the link"
+    );
+    drop(process);
+}
+
 /// One HTTP GET on 127.0.0.1, returning the status line and the body.
 fn http_get(address: &str, path: &str) -> (String, String) {
     let mut stream = TcpStream::connect(address).expect("connect to vgpu-smi serve");
