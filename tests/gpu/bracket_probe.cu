@@ -23,6 +23,7 @@
 #include <chrono>
 #include <thread>
 #include <stdio.h>
+#include <stdlib.h>
 #include <vector>
 #include "cuda_check.cuh"
 
@@ -40,6 +41,35 @@ static double median(std::vector<double> v) {
     return v[v.size() / 2];
 }
 
+// The sensor's bracket: the stream waits on the host word, then the start event; after the launch,
+// the end event, then the word is written (the hold released).
+struct Bracket {
+    cudaStream_t stream;
+    volatile unsigned *word;
+    CUdeviceptr word_device;
+    unsigned sequence;
+
+    void begin(cudaEvent_t start) {
+        sequence++;
+        if (cuStreamWaitValue32_v2((CUstream)stream, word_device, sequence, CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS) {
+            fprintf(stderr, "stream wait failed\n");
+            exit(1);
+        }
+        CHECK(cudaEventRecord(start, stream));
+    }
+
+    void end(cudaEvent_t stop) {
+        CHECK(cudaEventRecord(stop, stream));
+        *word = sequence;
+    }
+};
+
+static double elapsed_ns(cudaEvent_t start, cudaEvent_t stop) {
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, start, stop));
+    return ms * 1e6;
+}
+
 int main() {
     const int sizes[] = {1 << 16, 1 << 20, 1 << 22, 1 << 24, 1 << 26};
     float *x, *y;
@@ -49,16 +79,14 @@ int main() {
     CHECK(cudaMemset(y, 0, (size_t(1) << 26) * sizeof(float)));
     cudaStream_t stream;
     CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    volatile unsigned *word;
-    CHECK(cudaHostAlloc((void **)&word, 64, cudaHostAllocMapped | cudaHostAllocPortable));
-    *word = 0;
-    CUdeviceptr word_device;
-    CHECK(cudaHostGetDevicePointer((void **)&word_device, (void *)word, 0));
-    unsigned sequence = 0;
+    Bracket bracket{stream, nullptr, 0, 0};
+    CHECK(cudaHostAlloc((void **)&bracket.word, 64, cudaHostAllocMapped | cudaHostAllocPortable));
+    *bracket.word = 0;
+    CHECK(cudaHostGetDevicePointer((void **)&bracket.word_device, (void *)bracket.word, 0));
     cudaEvent_t outer[2];
     for (auto &e : outer) CHECK(cudaEventCreate(&e));
-    std::vector<cudaEvent_t> brackets(2 * (LAUNCHES / STRIDE));
-    for (auto &e : brackets) CHECK(cudaEventCreate(&e));
+    std::vector<cudaEvent_t> events(2 * (LAUNCHES / STRIDE));
+    for (auto &e : events) CHECK(cudaEventCreate(&e));
 
     printf("%-9s %9s %9s %9s %11s %11s %11s %12s %12s %12s %12s\n", "floats", "bare us", "held us", "host us", "full us",
            "shallow us", "drained us", "full-bare", "shallow-bare", "drained-bare", "cost/bracket");
@@ -74,72 +102,36 @@ int main() {
                 double host_start = now_ns();
                 for (int i = 0; i < LAUNCHES; i++) {
                     bool sampled = mode == 1 && i % STRIDE == STRIDE / 2;
-                    if (sampled) {
-                        sequence++;
-                        if (cuStreamWaitValue32_v2((CUstream)stream, word_device, sequence, CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS) {
-                            fprintf(stderr, "stream wait failed\n");
-                            return 1;
-                        }
-                        CHECK(cudaEventRecord(brackets[2 * taken], stream));
-                    }
+                    if (sampled) bracket.begin(events[2 * taken]);
                     axpy<<<grid, block, 0, stream>>>(1.0001f, x, y, n);
-                    if (sampled) {
-                        CHECK(cudaEventRecord(brackets[2 * taken + 1], stream));
-                        *word = sequence;
-                        taken++;
-                    }
+                    if (sampled) bracket.end(events[2 * taken++ + 1]);
                 }
                 CHECK(cudaEventRecord(outer[1], stream));
                 host.push_back((now_ns() - host_start) / LAUNCHES);
                 CHECK(cudaStreamSynchronize(stream));
-                float ms = 0;
-                CHECK(cudaEventElapsedTime(&ms, outer[0], outer[1]));
-                (mode == 0 ? bare : held).push_back(ms * 1e6 / LAUNCHES);
-                for (int t = 0; t < taken; t++) {
-                    CHECK(cudaEventElapsedTime(&ms, brackets[2 * t], brackets[2 * t + 1]));
-                    readings.push_back(ms * 1e6);
-                }
+                (mode == 0 ? bare : held).push_back(elapsed_ns(outer[0], outer[1]) / LAUNCHES);
+                for (int t = 0; t < taken; t++) readings.push_back(elapsed_ns(events[2 * t], events[2 * t + 1]));
             }
         }
         // Groups of 10 synchronised launches, the 6th bracketed.
         std::vector<double> shallow;
         for (int g = 0; g < 200; g++) {
             for (int i = 0; i < 10; i++) {
-                if (i == 5) {
-                    sequence++;
-                    if (cuStreamWaitValue32_v2((CUstream)stream, word_device, sequence, CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS) {
-                        fprintf(stderr, "stream wait failed\n");
-                        return 1;
-                    }
-                    CHECK(cudaEventRecord(brackets[0], stream));
-                }
+                if (i == 5) bracket.begin(events[0]);
                 axpy<<<grid, block, 0, stream>>>(1.0001f, x, y, n);
-                if (i == 5) {
-                    CHECK(cudaEventRecord(brackets[1], stream));
-                    *word = sequence;
-                }
+                if (i == 5) bracket.end(events[1]);
             }
             CHECK(cudaStreamSynchronize(stream));
-            float ms = 0;
-            CHECK(cudaEventElapsedTime(&ms, brackets[0], brackets[1]));
-            shallow.push_back(ms * 1e6);
+            shallow.push_back(elapsed_ns(events[0], events[1]));
         }
         // Launches on a drained stream: a host pause, then one bracketed launch.
         for (int i = 0; i < 64; i++) {
             std::this_thread::sleep_for(std::chrono::microseconds(200));
-            sequence++;
-            if (cuStreamWaitValue32_v2((CUstream)stream, word_device, sequence, CU_STREAM_WAIT_VALUE_GEQ) != CUDA_SUCCESS) {
-                fprintf(stderr, "stream wait failed\n");
-                return 1;
-            }
-            CHECK(cudaEventRecord(brackets[0], stream));
+            bracket.begin(events[0]);
             axpy<<<grid, block, 0, stream>>>(1.0001f, x, y, n);
-            CHECK(cudaEventRecord(brackets[1], stream));
-            *word = sequence;
+            bracket.end(events[1]);
             CHECK(cudaStreamSynchronize(stream));
-            float ms = 0;
-            CHECK(cudaEventElapsedTime(&ms, brackets[0], brackets[1]));
-            drained.push_back(ms * 1e6);
+            drained.push_back(elapsed_ns(events[0], events[1]));
         }
         double b = median(bare), h = median(held), k = median(readings), d = median(drained), c = median(host);
         double q = median(shallow);

@@ -84,17 +84,31 @@ PART = os.environ.get("COMPUTE_PART", "")
 if PART not in ("", *PARTS):
     raise SystemExit(f"COMPUTE_PART={PART}: expected 1, 2, two or all")
 PART_JOBS, PART_MULTI, PART_TWO_GPUS = PARTS[PART or "all"]
-JOBS = os.environ.get("COMPUTE_JOBS", PART_JOBS).split()
 # The worker's jobs (compute_jobs.py's JOBS, which imports torch): a misspelt name would otherwise
 # spend a native run and an untimed one before failing.
 KNOWN_JOBS = PARTS["all"][0].split()
-for job in JOBS:
-    if job not in KNOWN_JOBS:
-        raise SystemExit(f"COMPUTE_JOBS: {job}: expected some of {' '.join(KNOWN_JOBS)}")
-SETTINGS = os.environ.get("COMPUTE_LIMITS", "10 25 50 75 90 unset").split()
-for setting in SETTINGS:
-    if setting != "unset" and not (setting.isdigit() and 1 <= int(setting) <= 100):
-        raise SystemExit(f"COMPUTE_LIMITS: {setting}: expected a percent from 1 to 100 or unset")
+
+
+def jobs_from(variable, default):
+    """The jobs named by an environment variable (default: `default`), each a known one."""
+    jobs = os.environ.get(variable, default).split()
+    for job in jobs:
+        if job not in KNOWN_JOBS:
+            raise SystemExit(f"{variable}: {job}: expected some of {' '.join(KNOWN_JOBS)}")
+    return jobs
+
+
+def settings_from(variable, default):
+    """The settings named by an environment variable: percents from 1 to 100, or "unset"."""
+    settings = os.environ.get(variable, default).split()
+    for setting in settings:
+        if setting != "unset" and not (setting.isdigit() and 1 <= int(setting) <= 100):
+            raise SystemExit(f"{variable}: {setting}: expected a percent from 1 to 100 or unset")
+    return settings
+
+
+JOBS = jobs_from("COMPUTE_JOBS", PART_JOBS)
+SETTINGS = settings_from("COMPUTE_LIMITS", "10 25 50 75 90 unset")
 SECONDS = int(os.environ.get("COMPUTE_SECONDS", "10"))
 MULTI = os.environ.get("COMPUTE_MULTI", "1" if PART_MULTI else "0") != "0"
 POLICY = os.environ.get("COMPUTE_POLICY", "")

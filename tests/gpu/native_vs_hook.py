@@ -20,14 +20,8 @@ HOOK, WORK = sys.argv[1], sys.argv[2]
 os.environ.setdefault("COMPUTE_LIMITS", "unset")
 import compute_jobs_bench as bench  # noqa: E402  (beside this script, sys.path[0])
 
-JOBS = os.environ.get("AB_JOBS", "smallops train").split()
-for job in JOBS:
-    if job not in bench.KNOWN_JOBS:
-        raise SystemExit(f"AB_JOBS: {job}: expected some of {' '.join(bench.KNOWN_JOBS)}")
-SETTINGS = os.environ.get("AB_SETTINGS", "unset 50").split()
-for setting in SETTINGS:
-    if setting != "unset" and not (setting.isdigit() and 1 <= int(setting) <= 100):
-        raise SystemExit(f"AB_SETTINGS: {setting}: expected a percent from 1 to 100 or unset")
+JOBS = bench.jobs_from("AB_JOBS", "smallops train")
+SETTINGS = bench.settings_from("AB_SETTINGS", "unset 50")
 ROUNDS = int(os.environ.get("AB_ROUNDS", "3"))
 
 
