@@ -3,9 +3,24 @@
 # libvgpu.so, vgpu-smi, the list of driver entry-point base names for the cuGetProcAddress comparison,
 # and the list of every driver entry point the library exports.
 # Carry `.device` with the run.
+#
+#     scripts/gpu-prepare.sh [--candidate <git revision>]
+#
+# With --candidate, the library of that revision (a branch with a limiter change, say) is built
+# too, into .device/candidate/libvgpu.so, from a worktree of it beside this one, so that one call of
+# the GPU machine can run both (VGPU_HOOK=.device/candidate/libvgpu.so for the suites that take it).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+candidate=""
+case "${1:-}" in
+  "") ;;
+  --candidate)
+    [ -n "${2:-}" ] || { echo "gpu-prepare.sh: --candidate needs a git revision" >&2; exit 2; }
+    candidate=$(git rev-parse --verify --quiet "$2^{commit}") \
+      || { echo "gpu-prepare.sh: --candidate $2: not a revision of this repository" >&2; exit 2; } ;;
+  *) echo "gpu-prepare.sh: unknown argument $1 (expected --candidate <revision>)" >&2; exit 2 ;;
+esac
 scripts/fetch-headers.sh >/dev/null
 cargo build --quiet --release -p vgpu-hook -p vgpu-codegen -p vgpu-monitor
 # vgpu-codegen run by hand loads the fetched libclang, as cargo would set it (.cargo/config.toml).
@@ -30,3 +45,16 @@ rm -f .device/vulkan/*.deb
 (cd .device/vulkan && { apt-get download $vulkan_debs >/dev/null 2>&1 \
   || { apt-get update -qq && apt-get download $vulkan_debs; }; })
 ls -la .device/vulkan
+if [ -n "$candidate" ]; then
+  worktree="$root/target/candidate-worktree"
+  git worktree remove --force "$worktree" 2>/dev/null || rm -rf "$worktree"
+  git worktree add --quiet --detach "$worktree" "$candidate"
+  # The fetched headers and libclang are the same pins; the candidate builds into its own target.
+  ln -s "$root/.cuda-headers" "$worktree/.cuda-headers"
+  (cd "$worktree" && cargo build --quiet --release -p vgpu-hook --target-dir "$root/target/candidate")
+  git worktree remove --force "$worktree"
+  mkdir -p .device/candidate
+  cp target/candidate/release/libvgpu.so .device/candidate/libvgpu.so
+  strip --strip-debug .device/candidate/libvgpu.so
+  echo "candidate $(git log --oneline -1 "$candidate" | cut -c1-72): .device/candidate/libvgpu.so"
+fi
