@@ -44,5 +44,6 @@ echo "== with LD_PRELOAD=libvgpu.so CUDA_DEVICE_MEMORY_LIMIT=1g"
 LD_PRELOAD="$hook" CUDA_DEVICE_MEMORY_LIMIT=1g run "$work/demo"
 echo
 echo "== with LD_PRELOAD=libvgpu.so CUDA_DEVICE_MEMORY_LIMIT=1g CUDA_DEVICE_SM_LIMIT=50"
-echo "   (the kernels get at most half of the GPU's time: their span about doubles)"
+echo "   (the kernels get at most half of the GPU's time: their span about doubles, less the 30 ms of"
+echo "   GPU time a fresh budget starts with, which they spend at full speed)"
 LD_PRELOAD="$hook" CUDA_DEVICE_MEMORY_LIMIT=1g CUDA_DEVICE_SM_LIMIT=50 run "$work/demo"
