@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 
 use vgpu_region::{REGION_FILE_SIZE, SLOT_LIVE};
 
-use crate::read::{Mapping, consistent_copy, decode, open_regular, shown};
+use crate::read::{Mapping, SHRANK, consistent_copy, decode, open_regular, shown};
 
 /// Which slots to change.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,7 +40,11 @@ pub fn set_suspended(path: &Path, target: Target, suspend: bool) -> Result<Vec<C
     }
     let mapping = Mapping::new(&file, true).map_err(|error| fail(format!("cannot map it: {error}")))?;
     let region = mapping.region();
-    let state = decode(&consistent_copy(region)).map_err(fail)?;
+    let image = consistent_copy(region);
+    if mapping.shrank() {
+        return Err(fail(SHRANK.into()));
+    }
+    let state = decode(&image).map_err(fail)?;
     if state.snapshot.extension.is_none() {
         return Err(fail(
             "it has no valid vgpu extension (a HAMi-core region?): nothing honours a suspend flag there".into(),
@@ -88,6 +92,10 @@ pub fn set_suspended(path: &Path, target: Target, suspend: bool) -> Result<Vec<C
         } else if suspend {
             extension.suspend.store(0, Ordering::Release);
         }
+    }
+    if mapping.shrank() {
+        // The stores past the new end went to zero pages, not to the file.
+        return Err(fail(SHRANK.into()));
     }
     Ok(changed)
 }

@@ -4,6 +4,7 @@
 //!
 //! - [`read`]: finding region files and reading them lock-free (a read-only mapping, per-slot
 //!   seqlock retries, then [`vgpu_region::read_snapshot`]); a bad file is a one-line message.
+//! - `shrink`: a mapped file truncated under the reader reads zeros instead of raising `SIGBUS`.
 //! - [`report`]: the [`report::Report`] every output is made from; its JSON form is the stable
 //!   schema of `docs/monitoring.md`.
 //! - [`liveness`]: whether a slot's process is alive, in the container's pid namespace or the
@@ -23,6 +24,7 @@ pub mod metrics;
 pub mod plot;
 pub mod read;
 pub mod report;
+mod shrink;
 pub mod table;
 pub mod units;
 

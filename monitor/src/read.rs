@@ -7,8 +7,9 @@
 //! The copy is decoded by [`vgpu_region::read_snapshot`]. No lock of the region is ever taken,
 //! nothing is written, and the reader's only cost to the writers is reading their cache lines.
 //!
-//! A shorter file (HAMi-core's own layout, or a truncated one) is read with plain `read`, so a
-//! file that shrinks under the reader cannot fault it. Every problem is one line naming the path.
+//! A shorter file (HAMi-core's own layout, or a truncated one) is read with plain `read`; a file
+//! cut short while it is mapped reads zeros past its new end instead of faulting (`shrink`), and
+//! the read is reported as such. Every problem is one line naming the path.
 
 use std::fs::{File, OpenOptions};
 use std::io::Read;
@@ -170,7 +171,11 @@ fn read_state(path: &Path) -> Result<RegionState, String> {
     let (file, metadata) = open_regular(path, false)?;
     let image = if metadata.len() >= REGION_FILE_SIZE as u64 {
         let mapping = Mapping::new(&file, false).map_err(|error| format!("cannot map it: {error}"))?;
-        consistent_copy(mapping.region())
+        let image = consistent_copy(mapping.region());
+        if mapping.shrank() {
+            return Err(SHRANK.to_string());
+        }
+        image
     } else {
         let mut bytes = Vec::with_capacity(metadata.len() as usize);
         file.take(REGION_FILE_SIZE as u64)
@@ -310,9 +315,14 @@ pub fn shown(path: &Path) -> String {
     }
 }
 
+/// Why a region read while it was truncated is not reported.
+pub(crate) const SHRANK: &str = "it was cut short while it was read (truncated by a writer)";
+
 /// A shared mapping of the first [`REGION_FILE_SIZE`] bytes of a file, unmapped on drop.
 pub(crate) struct Mapping {
     address: NonNull<RegionFile>,
+    /// Watched for a file cut short under the reader (`shrink`); unwatched before the unmap.
+    watch: Option<crate::shrink::Watch>,
 }
 
 impl Mapping {
@@ -340,8 +350,17 @@ impl Mapping {
             return Err(std::io::Error::last_os_error());
         }
         NonNull::new(address.cast())
-            .map(|address| Mapping { address })
+            .map(|address| Mapping {
+                address,
+                watch: Some(crate::shrink::watch(address.as_ptr() as usize, REGION_FILE_SIZE)),
+            })
             .ok_or_else(|| std::io::Error::other("mmap returned null"))
+    }
+
+    /// Whether the file was cut short under the mapping: what was read past its new end is zeros
+    /// and what was stored there is lost.
+    pub(crate) fn shrank(&self) -> bool {
+        self.watch.as_ref().is_some_and(crate::shrink::Watch::shrank)
     }
 
     /// The mapped region. Loads are always valid; stores only through a writable mapping.
@@ -355,6 +374,7 @@ impl Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
+        drop(self.watch.take());
         // SAFETY: the address and length are those of our own mmap, and no reference into it
         // outlives `self` (they all borrow it).
         unsafe { libc::munmap(self.address.as_ptr().cast(), REGION_FILE_SIZE) };
