@@ -90,6 +90,9 @@ pub fn set_limits(
         ),
         other => other.to_string(),
     })?;
+    // Dropped before the region (declared after it): unwatched before the unmap.
+    let (start, len) = region.mapped_range();
+    let watch = crate::shrink::watch(start, len);
     let uuids = region.snapshot().uuids;
     let devices = match device {
         Some(index) if index < uuids.len() => vec![index],
@@ -103,7 +106,7 @@ pub fn set_limits(
         None if uuids.is_empty() => return Err(fail("no device is registered in it yet".into())),
         None => (0..uuids.len()).collect(),
     };
-    devices
+    let changes = devices
         .into_iter()
         .map(|index| {
             let (old_memory, old_sm) = region
@@ -116,7 +119,11 @@ pub fn set_limits(
                 sm: (old_sm, sm.unwrap_or(old_sm)),
             })
         })
-        .collect()
+        .collect();
+    if watch.shrank() {
+        return Err(fail(crate::read::SHRANK.into()));
+    }
+    changes
 }
 
 #[cfg(test)]

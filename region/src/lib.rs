@@ -432,6 +432,12 @@ impl Region {
         &self.path
     }
 
+    /// The address and length of the file's mapping, for a reader that guards its accesses
+    /// against a file cut short under it (`vgpu-smi`).
+    pub fn mapped_range(&self) -> (usize, usize) {
+        (self.mapping.as_ptr() as usize, REGION_FILE_SIZE)
+    }
+
     /// HAMi-core's part of the mapping, for the fields this crate does not manage
     /// (`utilization_switch`, `recent_kernel`, `last_kernel_time`, `device_util`, `monitorused`,
     /// `hostpid`, `limit`, `sm_limit`). Memory fields, slot ownership and devices must only change
