@@ -471,7 +471,10 @@ def measure_job(job):
         print(f"{job} {setting}: {comparison.text()}{nvml_text} | {verdict(comparison.passed)}", flush=True)
         if DEBUG_LOG:
             logs = [run.stderr_path]
-            for line in limiter_log.summary(limiter_log.parse(logs), changes=limiter_log.boosts(logs)):
+            summary = limiter_log.summary(
+                limiter_log.parse(logs), changes=limiter_log.boosts(logs), found=limiter_log.measurements(logs)
+            )
+            for line in summary:
                 print(f"    {line}")
         if not comparison.passed:
             MISSES.append(f"{job} {setting} ({comparison.why()})")

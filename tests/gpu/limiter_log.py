@@ -11,14 +11,17 @@ their time beyond it, as a share of the key's measured time: how far a key's tim
 its estimate (until 2026-12-01 a settled key's measurement counted for at most 5/4 of its
 estimate, so that excess was not charged; see docs/compute-limit.md, "Long measurements"). The
 first measurements of a key are charged the 1 ms prior; they are left out of the charged/measured
-ratio. The boost factor's changes (a line each when it moves by 0.01 or more; charges are the
+ratio. Where the lines say whether the stream had work queued when the sample began, what a queued
+stream adds is shown too. The boost factor's changes (a line each when it moves by 0.01 or more; charges are the
 plan times the factor, so a factor above 1 holds a job under its time share) are summarised too.
 """
 import re
 import sys
 from collections import defaultdict
 
-LINE = re.compile(r"device index (\d+) key ([0-9a-f]+) measured (\d+) ns, charged (\d+) ns, correction (-?\d+) ns")
+LINE = re.compile(
+    r"device index (\d+) key ([0-9a-f]+) measured (\d+) ns, charged (\d+) ns, correction (-?\d+) ns(?:, stream (\w+))?"
+)
 BOOST = re.compile(r"device (\d+) boost factor ([\d.]+) \(busy share ([\d.]+)")
 # As in hook/src/throttle/estimates.rs: PRIOR_NS.
 PRIOR_NS = 1_000_000
@@ -29,13 +32,49 @@ SPREAD = 1.25
 def parse(paths):
     """Measurements per key, in order: [(measured, charged)]."""
     keys = defaultdict(list)
+    for key, measured, charged, _ in measurements(paths):
+        keys[key].append((measured, charged))
+    return keys
+
+
+def measurements(paths):
+    """Every measurement line: (key, measured ns, charged ns, stream state or None: "queued" when
+    the stream had work queued as the sample began, "idle" when not; None from libraries before
+    2026-12-02)."""
+    found = []
     for path in paths:
         with open(path, errors="replace") as f:
             for line in f:
                 match = LINE.search(line)
                 if match:
-                    keys[match.group(2)].append((int(match.group(3)), int(match.group(4))))
-    return keys
+                    found.append((match.group(2), int(match.group(3)), int(match.group(4)), match.group(6)))
+    return found
+
+
+def queued_line(found):
+    """One line on what a queued stream adds: for keys sampled both on a queued and on an idle
+    stream, the mean of (queued mean - idle mean), weighted by the key's queued samples. A kernel
+    takes the same time either way, so the difference is what the bracket reads more on a queued
+    stream than the overhead taken off for it."""
+    states = [state for _, _, _, state in found if state]
+    if not states:
+        return None
+    by_key = defaultdict(lambda: {"queued": [], "idle": []})
+    for key, measured, charged, state in found:
+        if state in ("queued", "idle") and charged != PRIOR_NS:
+            by_key[key][state].append(measured)
+    weighted = weight = 0
+    for samples in by_key.values():
+        if samples["queued"] and samples["idle"]:
+            difference = sum(samples["queued"]) / len(samples["queued"]) - sum(samples["idle"]) / len(samples["idle"])
+            weighted += difference * len(samples["queued"])
+            weight += len(samples["queued"])
+    both = sum(1 for samples in by_key.values() if samples["queued"] and samples["idle"])
+    queued = states.count("queued")
+    text = f"stream queued at {queued} of {len(states)} samples"
+    if weight:
+        text += f"; {both} keys sampled both ways: queued samples measure {weighted / weight / 1000:+.2f} us against idle ones"
+    return text
 
 
 def boosts(paths):
@@ -62,9 +101,10 @@ def boost_line(changes):
     )
 
 
-def summary(keys, top=12, changes=None):
-    """Text lines: the whole run, the boost factor when `changes` is given, then the keys with the
-    most measured time."""
+def summary(keys, top=12, changes=None, found=None):
+    """Text lines: the whole run, the boost factor when `changes` is given, the queued streams'
+    difference when `found` (measurements()) holds stream states, then the keys with the most
+    measured time."""
     rows = []
     total_measured = total_charged = total_cut = 0
     for key, samples in keys.items():
@@ -87,6 +127,8 @@ def summary(keys, top=12, changes=None):
     )
     if changes is not None:
         lines.append(boost_line(changes))
+    if found is not None and queued_line(found):
+        lines.append(queued_line(found))
     lines.append(f"{'key':>16} {'samples':>7} {'mean us':>9} {'charged/meas':>12} {'over 5/4':>8} {'excess %':>8}")
     for measured, key, count, steady, charged, over, cut in sorted(rows, reverse=True)[:top]:
         mean = measured / steady / 1000 if steady else 0.0
@@ -100,7 +142,8 @@ def summary(keys, top=12, changes=None):
 def main():
     if len(sys.argv) < 2:
         raise SystemExit("usage: limiter_log.py <stderr file> [...]")
-    for line in summary(parse(sys.argv[1:]), changes=boosts(sys.argv[1:])):
+    paths = sys.argv[1:]
+    for line in summary(parse(paths), changes=boosts(paths), found=measurements(paths)):
         print(line)
 
 

@@ -71,6 +71,14 @@ pub struct SampleInfo {
     pub region_index: usize,
 }
 
+/// A completed sample: its launch, its GPU time, and whether its stream had work queued when it
+/// began (what the bracket adds differs: docs/compute-limit.md).
+pub struct Measured {
+    pub info: SampleInfo,
+    pub gpu_ns: u64,
+    pub queued: bool,
+}
+
 /// A word of pinned host memory the GPU can wait on. Never freed (see the module comment).
 #[derive(Clone, Copy)]
 struct Gate {
@@ -135,6 +143,8 @@ struct Pending {
     end: usize,
     /// Host time of the launch call, taken off when the stream was idle and not held.
     host_gap_ns: u64,
+    /// The stream had work queued when the sample began.
+    queued: bool,
 }
 
 struct Pool {
@@ -425,6 +435,7 @@ impl Sensor {
             start: launch.start,
             end: launch.end,
             host_gap_ns: if launch.idle && !held { host_ns } else { 0 },
+            queued: !launch.idle,
         });
         true
     }
@@ -454,9 +465,9 @@ impl Sensor {
         }
     }
 
-    /// Polls the samples in flight without blocking; returns the completed ones with their GPU
-    /// time in ns. The driver is called outside the lock, so launching threads never wait for it.
-    pub fn completed(&self) -> Vec<(SampleInfo, u64)> {
+    /// Polls the samples in flight without blocking; returns the completed ones. The driver is
+    /// called outside the lock, so launching threads never wait for it.
+    pub fn completed(&self) -> Vec<Measured> {
         let batch = {
             let mut state = self.state.lock();
             std::mem::take(&mut state.pending)
@@ -479,7 +490,11 @@ impl Sensor {
                     } else {
                         elapsed
                     };
-                    done.push((sample.info, gpu));
+                    done.push(Measured {
+                        info: sample.info,
+                        gpu_ns: gpu,
+                        queued: sample.queued,
+                    });
                     finished.push((sample.pool, [sample.start, sample.end]));
                 }
                 Poll::NotReady => waiting.push(sample),

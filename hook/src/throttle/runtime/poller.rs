@@ -12,7 +12,7 @@ use crate::sys::cuda::CUdevice;
 use crate::throttle::boost;
 use crate::throttle::crosscheck::{self, CrossCheck, Report};
 use crate::throttle::now_ns;
-use crate::throttle::sensor::SampleInfo;
+use crate::throttle::sensor::Measured;
 
 use super::{BOOST_UNIT, Device, POLLER_IN_DRIVER, RUNTIME, Runtime, SHUTDOWN, add_signed, at_exit};
 
@@ -135,8 +135,8 @@ impl Runtime {
             let completed = device.sensor.completed();
             POLLER_IN_DRIVER.store(false, Ordering::SeqCst);
             device.sensor.release_stale_holds(now_ns());
-            for (info, measured) in completed {
-                self.correct(device, info, measured);
+            for measured in completed {
+                self.correct(device, measured);
             }
         }
         self.flush(&mut state.flushed);
@@ -258,15 +258,22 @@ impl Runtime {
     }
 
     /// A measurement came back: correct the charges it stands for.
-    fn correct(&self, device: &Device, info: SampleInfo, measured: u64) {
+    fn correct(&self, device: &Device, sample: Measured) {
+        let Measured {
+            info,
+            gpu_ns: measured,
+            queued,
+        } = sample;
         let correction = device.estimates().measured(info.key, info.charged, measured);
         let correction = self.boosted(info.region_index, correction);
         // One line per measurement: what a run's diagnosis needs (measured against charged).
         tracing::debug!(
-            "compute limiter: device index {} key {:x} measured {measured} ns, charged {} ns, correction {correction} ns",
+            "compute limiter: device index {} key {:x} measured {measured} ns, charged {} ns, correction {correction} ns, \
+             stream {}",
             info.region_index,
             info.key,
-            info.charged
+            info.charged,
+            if queued { "queued" } else { "idle" }
         );
         if correction == 0 {
             return;
