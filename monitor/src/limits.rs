@@ -90,9 +90,24 @@ pub fn set_limits(
         ),
         other => other.to_string(),
     })?;
-    // Dropped before the region (declared after it): unwatched before the unmap.
+    // Dropped before the region (declared after it): unwatched before the unmap. The open itself
+    // is not watched (the region crate reads the file before it returns).
     let (start, len) = region.mapped_range();
     let watch = crate::shrink::watch(start, len);
+    let changes = change_limits(&region, device, memory, sm, &fail);
+    if watch.shrank() {
+        return Err(fail(crate::read::SHRANK.into()));
+    }
+    changes
+}
+
+fn change_limits(
+    region: &Region,
+    device: Option<usize>,
+    memory: Option<u64>,
+    sm: Option<u64>,
+    fail: &dyn Fn(String) -> String,
+) -> Result<Vec<Change>, String> {
     let uuids = region.snapshot().uuids;
     let devices = match device {
         Some(index) if index < uuids.len() => vec![index],
@@ -106,7 +121,7 @@ pub fn set_limits(
         None if uuids.is_empty() => return Err(fail("no device is registered in it yet".into())),
         None => (0..uuids.len()).collect(),
     };
-    let changes = devices
+    devices
         .into_iter()
         .map(|index| {
             let (old_memory, old_sm) = region
@@ -119,11 +134,7 @@ pub fn set_limits(
                 sm: (old_sm, sm.unwrap_or(old_sm)),
             })
         })
-        .collect();
-    if watch.shrank() {
-        return Err(fail(crate::read::SHRANK.into()));
-    }
-    changes
+        .collect()
 }
 
 #[cfg(test)]

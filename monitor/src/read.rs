@@ -130,9 +130,9 @@ pub fn read_region(path: &Path) -> RegionRead {
 
 /// Opens a region file without ever blocking: `O_NONBLOCK`, so that a FIFO put where a region
 /// was expected (a container can write its region's folder) fails the regular-file check instead
-/// of waiting for a writer forever; for writing, `O_NOFOLLOW` too, so that a symbolic link put
-/// there never makes the operator's `vgpu-smi` write into the file it points at. Returns the file
-/// and its metadata, or one line saying why not.
+/// of waiting for a writer forever; for writing, `O_NOFOLLOW` too, and a file with several hard
+/// links is refused, so that a link put there never makes the operator's `vgpu-smi` write into
+/// the file it points at. Returns the file and its metadata, or one line saying why not.
 pub(crate) fn open_regular(path: &Path, write: bool) -> Result<(File, std::fs::Metadata), String> {
     let mut flags = libc::O_NONBLOCK;
     if write {
@@ -163,6 +163,10 @@ pub(crate) fn open_regular(path: &Path, write: bool) -> Result<(File, std::fs::M
             "not a regular file"
         };
         return Err(format!("it is {what}, not a region file"));
+    }
+    if write && std::os::unix::fs::MetadataExt::nlink(&metadata) > 1 {
+        // As the region crate: another of its names may be someone else's file.
+        return Err("it has more than one hard link, and is never written through one".to_string());
     }
     Ok((file, metadata))
 }

@@ -69,7 +69,7 @@ pub(crate) fn watch(start: usize, len: usize) -> Watch {
             .is_ok()
         {
             watched.shrank.store(false, Ordering::Relaxed);
-            watched.start.store(start, Ordering::Relaxed);
+            watched.start.store(start, Ordering::Release);
             watched.end.store(start.saturating_add(len), Ordering::Release);
             return Watch { slot: Some(slot) };
         }
@@ -107,15 +107,28 @@ fn set_handler() -> Option<libc::sigaction> {
     (unsafe { libc::sigaction(libc::SIGBUS, &action, &mut previous) } == 0).then_some(previous)
 }
 
-/// The `SIGBUS` handler: only atomics, `mmap` and `sigaction` (system calls that take no lock).
+/// The `SIGBUS` handler: only atomics, `mmap`, `sigaction` and `raise` (system calls that take no
+/// lock).
 extern "C" fn on_sigbus(_signal: c_int, info: *mut libc::siginfo_t, _context: *mut c_void) {
     // SAFETY: the kernel passes a valid siginfo to an SA_SIGINFO handler.
+    let code = unsafe { (*info).si_code };
+    if code <= 0 {
+        // Sent by a process (kill, sigqueue): no faulting address. The previous action takes it,
+        // once this handler returns and the signal is unblocked.
+        restore_previous();
+        // SAFETY: raise has no preconditions and is async-signal-safe.
+        unsafe { libc::raise(libc::SIGBUS) };
+        return;
+    }
+    // SAFETY: as above; for a fault, si_addr is the faulting address.
     let address = unsafe { (*info).si_addr() } as usize;
     let page = PAGE_SIZE.load(Ordering::Relaxed);
     for watched in &TABLE {
         let end = watched.end.load(Ordering::Acquire);
-        let start = watched.start.load(Ordering::Relaxed);
-        if end > CLAIMED && start <= address && address < end && zero_page(address & !(page - 1), page) {
+        let start = watched.start.load(Ordering::Acquire);
+        // The entry must not have been given up and taken again between the two loads.
+        let unchanged = watched.end.load(Ordering::Acquire) == end;
+        if unchanged && end > CLAIMED && start <= address && address < end && zero_page(address & !(page - 1), page) {
             watched.shrank.store(true, Ordering::Release);
             return;
         }
@@ -155,10 +168,16 @@ mod tests {
     use super::*;
     use std::os::fd::AsRawFd;
 
-    const LEN: usize = 64 * 1024;
+    /// Four pages: the tests cut the file to one, whatever the page size (4 KiB on x86_64, often
+    /// 64 KiB on aarch64).
+    fn page() -> usize {
+        // SAFETY: sysconf has no preconditions.
+        usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).expect("a page size")
+    }
 
-    /// A file of LEN bytes mapped shared, then cut to one page under the mapping.
-    fn shrunk_mapping(name: &str, writable: bool) -> (std::fs::File, *mut u8) {
+    /// A file of four pages mapped shared, then cut to one page under the mapping.
+    fn shrunk_mapping(name: &str, writable: bool) -> (std::fs::File, *mut u8, usize) {
+        let len = 4 * page();
         let path = std::env::temp_dir().join(format!("vgpu-shrink-{name}-{}", std::process::id()));
         let file = std::fs::OpenOptions::new()
             .read(true)
@@ -168,13 +187,13 @@ mod tests {
             .open(&path)
             .expect("create");
         std::fs::remove_file(&path).expect("unlink");
-        file.set_len(LEN as u64).expect("size");
+        file.set_len(len as u64).expect("size");
         let protection = libc::PROT_READ | if writable { libc::PROT_WRITE } else { 0 };
         // SAFETY: a fresh shared mapping of an open file.
         let address = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                LEN,
+                len,
                 protection,
                 libc::MAP_SHARED,
                 file.as_raw_fd(),
@@ -182,49 +201,50 @@ mod tests {
             )
         };
         assert_ne!(address, libc::MAP_FAILED);
-        file.set_len(4096).expect("truncate");
-        (file, address.cast())
+        file.set_len(page() as u64).expect("truncate");
+        (file, address.cast(), len)
     }
 
     #[test]
     fn a_read_past_the_new_end_reads_zeros_and_is_reported() {
-        let (_file, address) = shrunk_mapping("read", false);
-        let watch = watch(address as usize, LEN);
+        let (_file, address, len) = shrunk_mapping("read", false);
+        let watch = watch(address as usize, len);
         // SAFETY: within the mapping; the page past the file's end is what is being tested.
-        let value = unsafe { std::ptr::read_volatile(address.add(LEN - 8).cast::<u64>()) };
+        let value = unsafe { std::ptr::read_volatile(address.add(len - 8).cast::<u64>()) };
         assert_eq!(value, 0);
         assert!(watch.shrank());
         drop(watch);
         // SAFETY: our own mapping, no longer used.
-        unsafe { libc::munmap(address.cast(), LEN) };
+        unsafe { libc::munmap(address.cast(), len) };
     }
 
     #[test]
     fn a_store_past_the_new_end_lands_in_a_zero_page_and_is_reported() {
-        let (_file, address) = shrunk_mapping("write", true);
-        let watch = watch(address as usize, LEN);
+        let (_file, address, len) = shrunk_mapping("write", true);
+        let watch = watch(address as usize, len);
         // SAFETY: within the mapping, writable.
-        unsafe { std::ptr::write_volatile(address.add(8192).cast::<u64>(), 7) };
+        unsafe { std::ptr::write_volatile(address.add(2 * page()).cast::<u64>(), 7) };
         assert!(watch.shrank());
-        // The page before the new end is the file's and untouched.
+        // The first page is the file's and untouched.
         // SAFETY: within the mapping and the file.
         assert_eq!(unsafe { std::ptr::read_volatile(address.cast::<u64>()) }, 0);
         drop(watch);
         // SAFETY: our own mapping, no longer used.
-        unsafe { libc::munmap(address.cast(), LEN) };
+        unsafe { libc::munmap(address.cast(), len) };
     }
 
     #[test]
     fn an_unshrunk_mapping_is_not_reported() {
+        let len = 4 * page();
         let path = std::env::temp_dir().join(format!("vgpu-shrink-whole-{}", std::process::id()));
-        std::fs::write(&path, vec![1u8; LEN]).expect("write");
+        std::fs::write(&path, vec![1u8; len]).expect("write");
         let file = std::fs::File::open(&path).expect("open");
         std::fs::remove_file(&path).expect("unlink");
         // SAFETY: a fresh shared mapping of an open file.
         let address = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                LEN,
+                len,
                 libc::PROT_READ,
                 libc::MAP_SHARED,
                 file.as_raw_fd(),
@@ -232,13 +252,13 @@ mod tests {
             )
         };
         assert_ne!(address, libc::MAP_FAILED);
-        let watch = watch(address as usize, LEN);
+        let watch = watch(address as usize, len);
         // SAFETY: within the mapping and the file.
-        let value = unsafe { std::ptr::read_volatile(address.cast::<u8>().add(LEN - 1)) };
+        let value = unsafe { std::ptr::read_volatile(address.cast::<u8>().add(len - 1)) };
         assert_eq!(value, 1);
         assert!(!watch.shrank());
         drop(watch);
         // SAFETY: our own mapping, no longer used.
-        unsafe { libc::munmap(address, LEN) };
+        unsafe { libc::munmap(address, len) };
     }
 }

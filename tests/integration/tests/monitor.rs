@@ -326,30 +326,34 @@ fn a_directory_of_regions_with_corrupt_ones() {
 }
 
 /// Runs vgpu-smi with a deadline: a call still running after it is killed, and the test fails
-/// (a FIFO opened for reading waits for a writer forever).
+/// (a FIFO opened for reading waits for a writer forever). Its output is read as it comes (a full
+/// pipe would stop it).
 fn run_smi_within(arguments: &[&str], deadline: Duration) -> Output {
-    let mut child = command(&vgpu_smi())
+    let child = command(&vgpu_smi())
         .args(arguments)
         .env_remove("CUDA_DEVICE_MEMORY_SHARED_CACHE")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("run vgpu-smi");
-    let started = Instant::now();
-    while child.try_wait().expect("wait for vgpu-smi").is_none() {
-        if started.elapsed() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
+    let pid = child.id() as libc::pid_t;
+    let (sender, receiver) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = sender.send(child.wait_with_output());
+    });
+    match receiver.recv_timeout(deadline) {
+        Ok(output) => output.expect("vgpu-smi's output"),
+        Err(_) => {
+            // SAFETY: the pid of our own child, not yet reaped (its waiter is still waiting).
+            unsafe { libc::kill(pid, libc::SIGKILL) };
             panic!("vgpu-smi {arguments:?} was still running after {deadline:?}");
         }
-        std::thread::sleep(Duration::from_millis(20));
     }
-    child.wait_with_output().expect("vgpu-smi's output")
 }
 
 /// A container can write its region's folder: a FIFO where its region was expected must not hang
-/// the operator's monitor (`show`, `serve`), and a symbolic link must not make `suspend` write
-/// into the file it points at.
+/// the operator's monitor (`show`, `serve`), and a symbolic or hard link must not make `suspend`
+/// write into the file it points at.
 #[test]
 fn a_fifo_or_a_symbolic_link_in_place_of_a_region_is_refused_at_once() {
     let dir = TestDir::new("hostile-file-types");
@@ -387,7 +391,26 @@ fn a_fifo_or_a_symbolic_link_in_place_of_a_region_is_refused_at_once() {
         serde_json::Value::Bool(false),
         "suspend wrote through the link"
     );
+    // A hard link is refused too: another of its names may be someone else's file.
+    let hard = dir.region("hard");
+    std::fs::hard_link(&region, &hard).expect("hard link");
+    let hard_argument = hard.display().to_string();
+    let refused = run_smi_within(&["suspend", "--region", &hard_argument], Duration::from_secs(10));
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("more than one hard link"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
     drop(process);
+}
+
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
 }
 
 /// A container can truncate its region file while the operator's `vgpu-smi` reads it: touching
@@ -404,20 +427,23 @@ fn a_region_truncated_while_it_is_read_does_not_kill_the_monitor() {
     let stop = AtomicBool::new(false);
     let output = std::thread::scope(|scope| {
         scope.spawn(|| {
+            use std::os::unix::fs::FileExt;
+            let file = std::fs::OpenOptions::new().write(true).open(&region).expect("open");
             while !stop.load(Ordering::Relaxed) {
-                // Cut it to one page, then write it back whole, in place (same inode).
-                let file = std::fs::OpenOptions::new().write(true).open(&region).expect("open");
+                // Cut it to one page, then write the rest back in place (same inode); a pause
+                // between rounds leaves the machine to the tests running beside this one.
                 file.set_len(4096).expect("truncate");
-                std::fs::write(&region, &image).expect("restore");
+                file.write_all_at(&image[4096..], 4096).expect("restore");
+                std::thread::sleep(Duration::from_millis(1));
             }
         });
+        // Stops the writer however this closure ends (a panic too: the scope joins it first).
+        let _stop = StopOnDrop(&stop);
         let region_argument = region.display().to_string();
-        let output = run_smi_within(
+        run_smi_within(
             &["--region", &region_argument, "--watch", "0.05", "--count", "200"],
             Duration::from_secs(120),
-        );
-        stop.store(true, Ordering::Relaxed);
-        output
+        )
     });
     let text = stdout(&output);
     let cut_short = text.matches("it was cut short while it was read").count();
