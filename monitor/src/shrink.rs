@@ -168,26 +168,23 @@ mod tests {
     use super::*;
     use std::os::fd::AsRawFd;
 
-    /// Four pages: the tests cut the file to one, whatever the page size (4 KiB on x86_64, often
-    /// 64 KiB on aarch64).
+    /// The page size (4 KiB on x86_64, often 64 KiB on aarch64): the files are sized in pages.
     fn page() -> usize {
         // SAFETY: sysconf has no preconditions.
         usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).expect("a page size")
     }
 
-    /// A file of four pages mapped shared, then cut to one page under the mapping.
-    fn shrunk_mapping(name: &str, writable: bool) -> (std::fs::File, *mut u8, usize) {
+    /// An unlinked file of four pages of `fill` bytes, mapped shared.
+    fn mapped(name: &str, writable: bool, fill: u8) -> (std::fs::File, *mut u8, usize) {
         let len = 4 * page();
         let path = std::env::temp_dir().join(format!("vgpu-shrink-{name}-{}", std::process::id()));
+        std::fs::write(&path, vec![fill; len]).expect("write");
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
-            .create(true)
-            .truncate(true)
             .open(&path)
-            .expect("create");
+            .expect("open");
         std::fs::remove_file(&path).expect("unlink");
-        file.set_len(len as u64).expect("size");
         let protection = libc::PROT_READ | if writable { libc::PROT_WRITE } else { 0 };
         // SAFETY: a fresh shared mapping of an open file.
         let address = unsafe {
@@ -201,8 +198,14 @@ mod tests {
             )
         };
         assert_ne!(address, libc::MAP_FAILED);
-        file.set_len(page() as u64).expect("truncate");
         (file, address.cast(), len)
+    }
+
+    /// As [`mapped`], of zeros, then cut to one page under the mapping.
+    fn shrunk_mapping(name: &str, writable: bool) -> (std::fs::File, *mut u8, usize) {
+        let (file, address, len) = mapped(name, writable, 0);
+        file.set_len(page() as u64).expect("truncate");
+        (file, address, len)
     }
 
     #[test]
@@ -235,30 +238,14 @@ mod tests {
 
     #[test]
     fn an_unshrunk_mapping_is_not_reported() {
-        let len = 4 * page();
-        let path = std::env::temp_dir().join(format!("vgpu-shrink-whole-{}", std::process::id()));
-        std::fs::write(&path, vec![1u8; len]).expect("write");
-        let file = std::fs::File::open(&path).expect("open");
-        std::fs::remove_file(&path).expect("unlink");
-        // SAFETY: a fresh shared mapping of an open file.
-        let address = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        assert_ne!(address, libc::MAP_FAILED);
+        let (_file, address, len) = mapped("whole", false, 1);
         let watch = watch(address as usize, len);
         // SAFETY: within the mapping and the file.
-        let value = unsafe { std::ptr::read_volatile(address.cast::<u8>().add(len - 1)) };
+        let value = unsafe { std::ptr::read_volatile(address.add(len - 1)) };
         assert_eq!(value, 1);
         assert!(!watch.shrank());
         drop(watch);
         // SAFETY: our own mapping, no longer used.
-        unsafe { libc::munmap(address, len) };
+        unsafe { libc::munmap(address.cast(), len) };
     }
 }

@@ -466,15 +466,12 @@ def measure_job(job):
         comparison = Comparison(run.result["per_second"], reference, natural, target)
         nvml = run.utilisation()
         nvml_text = f" | NVML {nvml:.0f}" if nvml is not None else ""
-        if run.clock_power():
-            nvml_text += f", {run.clock_power()}"
+        clock_power = run.clock_power()
+        if clock_power:
+            nvml_text += f", {clock_power}"
         print(f"{job} {setting}: {comparison.text()}{nvml_text} | {verdict(comparison.passed)}", flush=True)
         if DEBUG_LOG:
-            logs = [run.stderr_path]
-            summary = limiter_log.summary(
-                limiter_log.parse(logs), changes=limiter_log.boosts(logs), found=limiter_log.measurements(logs)
-            )
-            for line in summary:
+            for line in limiter_log.summary([run.stderr_path]):
                 print(f"    {line}")
         if not comparison.passed:
             MISSES.append(f"{job} {setting} ({comparison.why()})")
@@ -501,11 +498,8 @@ def alignment(runs):
     """How far apart the runs' first launches were, and the GPU's mean SM clock and power over
     seconds 2.. of the first run (the boost factor follows them)."""
     starts = [run.end - run.result["seconds"] for run in runs]
-    first = runs[0]
-    window = (starts[0] + 1.0, first.end)
-    clock = first.sampler.mean(gpu_of(0), *window, field="clocks.sm") if first.sampler else None
-    power = first.sampler.mean(gpu_of(0), *window, field="power.draw") if first.sampler else None
-    gpu = "" if clock is None or power is None else f"; SM clock {clock:.0f} MHz, power {power:.0f} W"
+    clock_power = runs[0].clock_power()
+    gpu = f"; {clock_power}" if clock_power else ""
     return f"first launches {max(starts) - min(starts):.2f} s apart{gpu}"
 
 

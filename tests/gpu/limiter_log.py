@@ -11,9 +11,10 @@ their time beyond it, as a share of the key's measured time: how far a key's tim
 its estimate (until 2026-12-01 a settled key's measurement counted for at most 5/4 of its
 estimate, so that excess was not charged; see docs/compute-limit.md, "Long measurements"). The
 first measurements of a key are charged the 1 ms prior; they are left out of the charged/measured
-ratio. Where the lines say whether the stream had work queued when the sample began, what a queued
-stream adds is shown too. The boost factor's changes (a line each when it moves by 0.01 or more; charges are the
-plan times the factor, so a factor above 1 holds a job under its time share) are summarised too.
+ratio. Where the lines say whether the stream had work queued when the sample began, what a
+queued stream adds is shown too. The boost factor's changes (a line each when it moves by 0.01 or
+more; charges are the plan times the factor, so a factor above 1 holds a job under its time
+share) are summarised too.
 """
 import re
 import sys
@@ -29,26 +30,31 @@ PRIOR_NS = 1_000_000
 SPREAD = 1.25
 
 
-def parse(paths):
-    """Measurements per key, in order: [(measured, charged)]."""
-    keys = defaultdict(list)
-    for key, measured, charged, _ in measurements(paths):
-        keys[key].append((measured, charged))
-    return keys
+def matches(paths, pattern):
+    """The matches of `pattern` in the lines of the files, in order."""
+    for path in paths:
+        with open(path, errors="replace") as f:
+            for line in f:
+                match = pattern.search(line)
+                if match:
+                    yield match
 
 
 def measurements(paths):
     """Every measurement line: (key, measured ns, charged ns, stream state or None: "queued" when
     the stream had work queued as the sample began, "idle" when not; None from libraries before
     2026-12-02)."""
-    found = []
-    for path in paths:
-        with open(path, errors="replace") as f:
-            for line in f:
-                match = LINE.search(line)
-                if match:
-                    found.append((match.group(2), int(match.group(3)), int(match.group(4)), match.group(6)))
-    return found
+    return [
+        (match.group(2), int(match.group(3)), int(match.group(4)), match.group(6)) for match in matches(paths, LINE)
+    ]
+
+
+def per_key(found):
+    """Measurements per key, in order: [(measured, charged)]."""
+    keys = defaultdict(list)
+    for key, measured, charged, _ in found:
+        keys[key].append((measured, charged))
+    return keys
 
 
 def queued_line(found):
@@ -79,14 +85,7 @@ def queued_line(found):
 
 def boosts(paths):
     """The boost factor's logged changes, in order: [(device, factor, busy share)]."""
-    changes = []
-    for path in paths:
-        with open(path, errors="replace") as f:
-            for line in f:
-                match = BOOST.search(line)
-                if match:
-                    changes.append((int(match.group(1)), float(match.group(2)), float(match.group(3))))
-    return changes
+    return [(int(match.group(1)), float(match.group(2)), float(match.group(3))) for match in matches(paths, BOOST)]
 
 
 def boost_line(changes):
@@ -101,13 +100,13 @@ def boost_line(changes):
     )
 
 
-def summary(keys, top=12, changes=None, found=None):
-    """Text lines: the whole run, the boost factor when `changes` is given, the queued streams'
-    difference when `found` (measurements()) holds stream states, then the keys with the most
-    measured time."""
+def summary(paths, top=12):
+    """Text lines on the logs at `paths`: the whole run, the boost factor, what a queued stream
+    adds (where the lines say), then the keys with the most measured time."""
+    found = measurements(paths)
     rows = []
     total_measured = total_charged = total_cut = 0
-    for key, samples in keys.items():
+    for key, samples in per_key(found).items():
         steady = [(m, c) for m, c in samples if c != PRIOR_NS]
         measured = sum(m for m, _ in steady)
         charged = sum(c for _, c in steady)
@@ -125,10 +124,10 @@ def summary(keys, top=12, changes=None, found=None):
         f"{len(rows)} keys, {sum(r[2] for r in rows)} measurements; charged/measured {ratio:.3f} "
         f"(after the prior); time over 5/4 of the charge {total_cut / max(total_measured, 1) * 100:.1f}% of the measured"
     )
-    if changes is not None:
-        lines.append(boost_line(changes))
-    if found is not None and queued_line(found):
-        lines.append(queued_line(found))
+    lines.append(boost_line(boosts(paths)))
+    queued = queued_line(found)
+    if queued:
+        lines.append(queued)
     lines.append(f"{'key':>16} {'samples':>7} {'mean us':>9} {'charged/meas':>12} {'over 5/4':>8} {'excess %':>8}")
     for measured, key, count, steady, charged, over, cut in sorted(rows, reverse=True)[:top]:
         mean = measured / steady / 1000 if steady else 0.0
@@ -142,8 +141,7 @@ def summary(keys, top=12, changes=None, found=None):
 def main():
     if len(sys.argv) < 2:
         raise SystemExit("usage: limiter_log.py <stderr file> [...]")
-    paths = sys.argv[1:]
-    for line in summary(parse(paths), changes=boosts(paths), found=measurements(paths)):
+    for line in summary(sys.argv[1:]):
         print(line)
 
 

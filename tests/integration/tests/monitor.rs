@@ -355,7 +355,7 @@ fn run_smi_within(arguments: &[&str], deadline: Duration) -> Output {
 /// the operator's monitor (`show`, `serve`), and a symbolic or hard link must not make `suspend`
 /// write into the file it points at.
 #[test]
-fn a_fifo_or_a_symbolic_link_in_place_of_a_region_is_refused_at_once() {
+fn a_fifo_or_a_link_in_place_of_a_region_is_refused_at_once() {
     let dir = TestDir::new("hostile-file-types");
     let fifo = dir.region("fifo");
     let fifo_path = std::ffi::CString::new(fifo.display().to_string()).expect("a path without NUL");
@@ -371,16 +371,17 @@ fn a_fifo_or_a_symbolic_link_in_place_of_a_region_is_refused_at_once() {
 
     let region = dir.region("container");
     let process = container_process(&dir, &region, &[], &[0], MIB);
+    // `suspend` on `path` fails, saying `why`.
+    let suspend_refused = |path: &Path, why: &str| {
+        let argument = path.display().to_string();
+        let refused = run_smi_within(&["suspend", "--region", &argument], Duration::from_secs(10));
+        assert_eq!(refused.status.code(), Some(1));
+        let stderr = String::from_utf8_lossy(&refused.stderr);
+        assert!(stderr.contains(why), "{stderr}");
+    };
     let link = dir.region("link");
     std::os::unix::fs::symlink(&region, &link).expect("symlink");
-    let link_argument = link.display().to_string();
-    let refused = run_smi_within(&["suspend", "--region", &link_argument], Duration::from_secs(10));
-    assert_eq!(refused.status.code(), Some(1));
-    assert!(
-        String::from_utf8_lossy(&refused.stderr).contains("it is a symbolic link, which is never written through"),
-        "{}",
-        String::from_utf8_lossy(&refused.stderr)
-    );
+    suspend_refused(&link, "it is a symbolic link, which is never written through");
     let region_argument = region.display().to_string();
     let json: serde_json::Value =
         serde_json::from_str(&stdout(&run_smi(&["--region", &region_argument, "--json"]))).expect("JSON");
@@ -394,14 +395,7 @@ fn a_fifo_or_a_symbolic_link_in_place_of_a_region_is_refused_at_once() {
     // A hard link is refused too: another of its names may be someone else's file.
     let hard = dir.region("hard");
     std::fs::hard_link(&region, &hard).expect("hard link");
-    let hard_argument = hard.display().to_string();
-    let refused = run_smi_within(&["suspend", "--region", &hard_argument], Duration::from_secs(10));
-    assert_eq!(refused.status.code(), Some(1));
-    assert!(
-        String::from_utf8_lossy(&refused.stderr).contains("more than one hard link"),
-        "{}",
-        String::from_utf8_lossy(&refused.stderr)
-    );
+    suspend_refused(&hard, "more than one hard link");
     drop(process);
 }
 
