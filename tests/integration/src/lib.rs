@@ -454,6 +454,9 @@ impl Run {
         let pid = child.id() as libc::pid_t;
         std::thread::spawn(move || {
             if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = receiver.recv_timeout(limit) {
+                // Printed into the test's captured output: where each thread of the hung program
+                // waits, and whether it had even become the program (its command line).
+                eprintln!("watchdog: killing pid {pid} after {limit:?}: {}", hung_state(pid));
                 // SAFETY: plain kill(2) of our own child, which has not been waited for yet (the
                 // sender is dropped before every wait).
                 unsafe { libc::kill(pid, libc::SIGKILL) };
@@ -469,6 +472,40 @@ impl Run {
             finished: false,
         }
     }
+}
+
+/// A hung child's command line and, for each of its threads, its name, state, kernel wait
+/// channel and current system call, from `/proc` (what is unreadable is left out).
+fn hung_state(pid: libc::pid_t) -> String {
+    let proc_dir = PathBuf::from(format!("/proc/{pid}"));
+    let read = |path: PathBuf| std::fs::read_to_string(path).unwrap_or_default().trim().to_string();
+    let cmdline = std::fs::read(proc_dir.join("cmdline")).unwrap_or_default();
+    let mut text = format!(
+        "command line {:?}",
+        String::from_utf8_lossy(&cmdline).replace('\0', " ").trim()
+    );
+    let mut tasks: Vec<PathBuf> = std::fs::read_dir(proc_dir.join("task"))
+        .map(|entries| entries.flatten().map(|entry| entry.path()).collect())
+        .unwrap_or_default();
+    tasks.sort();
+    for task in tasks {
+        let stat = read(task.join("stat"));
+        let state = stat
+            .rsplit_once(") ")
+            .map_or("?", |(_, rest)| &rest[..1.min(rest.len())])
+            .to_string();
+        let syscall = read(task.join("syscall"));
+        text += &format!(
+            "; thread {} {:?} state {state} waits in {:?} syscall {:?}",
+            task.file_name()
+                .map(|name| name.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+            read(task.join("comm")),
+            read(task.join("wchan")),
+            syscall.split_whitespace().next().unwrap_or("?"),
+        );
+    }
+    text
 }
 
 impl Session {
