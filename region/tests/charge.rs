@@ -229,7 +229,7 @@ fn holes_are_reused_and_proc_num_tracks_the_highest_live_slot() {
     let dir = ScratchDir::new("holes");
     let region = open(&dir);
     let mut sleepers: Vec<_> = (0..3)
-        .map(|_| std::process::Command::new("sleep").arg("30").spawn().unwrap())
+        .map(|_| vgpu_test_spawn::spawn_started(std::process::Command::new("sleep").arg("30")).expect("start sleep"))
         .collect();
     let slots: Vec<_> = sleepers
         .iter()
@@ -311,9 +311,7 @@ fn a_dead_measurer_does_not_slow_data_calls() {
     let region = open(&dir);
     let slot = region.attach(own_pid()).unwrap();
     // The mark a context measurement leaves when its process is killed in the middle of it.
-    let mut child = std::process::Command::new("true")
-        .spawn()
-        .expect("spawn a short-lived process");
+    let mut child = vgpu_test_spawn::spawn_started(&mut std::process::Command::new("true")).expect("start true");
     let dead = child.id();
     child.wait().expect("reap it");
     region

@@ -34,7 +34,7 @@ struct Sleeper(Child);
 
 impl Sleeper {
     fn spawn() -> Sleeper {
-        Sleeper(Command::new("sleep").arg("60").spawn().unwrap())
+        Sleeper(vgpu_test_spawn::spawn_started(Command::new("sleep").arg("60")).expect("start sleep"))
     }
 
     fn pid(&self) -> i32 {

@@ -289,25 +289,23 @@ fn a_holder_killed_with_a_forked_child_alive_leaves_the_lock_free() {
 
 /// Whether this machine lets us make a pid namespace (root, or a user namespace allowed).
 fn pid_namespaces_work() -> bool {
-    std::process::Command::new("unshare")
-        .args(["--pid", "--fork", "true"])
-        .stderr(std::process::Stdio::null())
-        .status()
-        .is_ok_and(|status| status.success())
+    vgpu_test_spawn::output_started(std::process::Command::new("unshare").args(["--pid", "--fork", "true"]))
+        .is_ok_and(|output| output.status.success())
 }
 
 /// Runs a worker of this binary inside a new pid namespace.
 fn spawn_in_pid_namespace(role: &str, region: &std::path::Path, hold_ms: u64) -> std::process::Child {
-    std::process::Command::new("unshare")
-        .args(["--pid", "--fork", "--kill-child"])
-        .args(common::worker_words())
-        .env(ROLE_VAR, role)
-        .env(PATH_VAR, region)
-        .env("HOLD_MS", hold_ms.to_string())
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap()
+    vgpu_test_spawn::spawn_started(
+        std::process::Command::new("unshare")
+            .args(["--pid", "--fork", "--kill-child"])
+            .args(common::worker_words())
+            .env(ROLE_VAR, role)
+            .env(PATH_VAR, region)
+            .env("HOLD_MS", hold_ms.to_string())
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped()),
+    )
+    .expect("start unshare")
 }
 
 #[test]

@@ -333,7 +333,8 @@ fn a_stopped_lock_holder_makes_calls_fail_after_a_second_not_hang() {
 fn when_every_slot_is_live_attach_fails_cleanly() {
     let dir = ScratchDir::new("full");
     let region = Region::open(&dir.region_path(), &one_device()).unwrap();
-    let mut holder = std::process::Command::new("sleep").arg("60").spawn().unwrap();
+    let mut holder =
+        vgpu_test_spawn::spawn_started(std::process::Command::new("sleep").arg("60")).expect("start sleep");
     let holder_pid = holder.id() as i32;
     let holder_start = process_start_time(holder_pid).unwrap();
     for index in 0..MAX_SLOTS {
@@ -349,7 +350,7 @@ fn when_every_slot_is_live_attach_fails_cleanly() {
     assert_eq!(region.attach(own_pid()).unwrap().index(), 500);
 
     // A zombie holds no GPU memory: dead too.
-    let mut zombie = std::process::Command::new("true").spawn().unwrap();
+    let mut zombie = vgpu_test_spawn::spawn_started(&mut std::process::Command::new("true")).expect("start true");
     let zombie_pid = zombie.id() as i32;
     let zombie_start = process_start_time(zombie_pid).unwrap_or(0);
     while vgpu_region::process::read_proc_stat(zombie_pid).is_some_and(|stat| stat.state != b'Z') {

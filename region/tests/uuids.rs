@@ -19,7 +19,7 @@ fn uuid() -> String {
 
 /// A live process of our own, for a second slot.
 fn sleeper() -> Child {
-    Command::new("sleep").arg("30").spawn().expect("spawn sleep")
+    vgpu_test_spawn::spawn_started(Command::new("sleep").arg("30")).expect("start sleep")
 }
 
 fn overwrite_entry(region: &Region, index: usize, bytes: &[u8; UUID_BYTES]) {

@@ -134,7 +134,7 @@ impl Worker {
         for (name, value) in extra_env {
             command.env(name, value);
         }
-        let mut child = command.spawn().unwrap();
+        let mut child = vgpu_test_spawn::spawn_started(&mut command).expect("start the worker");
         let stdin = child.stdin.take();
         let stdout = BufReader::new(child.stdout.take().unwrap());
         Self { child, stdin, stdout }

@@ -118,10 +118,13 @@ pub fn fake_driver_dir() -> PathBuf {
             ),
         };
         std::fs::create_dir_all(&dir).expect("create the fake driver folder");
+        // Made under a name of this process's and renamed over the old link, so a program of
+        // another test binary running at the same time never finds the name missing.
         for name in ["libcuda.so.1", "libcuda.so", "libnvidia-ml.so.1", "libnvidia-ml.so"] {
-            let link = dir.join(name);
-            let _ = std::fs::remove_file(&link);
-            std::os::unix::fs::symlink(&fake, &link).expect("link the fake driver");
+            let temporary = dir.join(format!("{name}.{}", std::process::id()));
+            let _ = std::fs::remove_file(&temporary);
+            std::os::unix::fs::symlink(&fake, &temporary).expect("link the fake driver");
+            std::fs::rename(&temporary, dir.join(name)).expect("put the fake driver's link in place");
         }
         dir
     })
@@ -237,7 +240,7 @@ fn compile(name: &str, shared: bool, libraries: &[&str]) -> PathBuf {
             .args(["-pthread", "-lcuda", "-lnvidia-ml", "-ldl"])
             .args(libraries);
     }
-    let result = command.output().expect("run the C compiler");
+    let result = vgpu_test_spawn::output_started(&mut command).expect("run the C compiler");
     assert!(
         result.status.success(),
         "compiling {}: {}",
@@ -391,7 +394,7 @@ impl Run {
         } else {
             Stdio::null()
         });
-        let mut child = self.command.spawn().expect("start the test program");
+        let mut child = vgpu_test_spawn::spawn_started(&mut self.command).expect("start the test program");
         if let Some(input) = self.stdin.take() {
             let mut pipe = child.stdin.take().expect("stdin pipe");
             std::thread::spawn(move || {
@@ -441,7 +444,7 @@ impl Run {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        let mut child = self.command.spawn().expect("start the test program");
+        let mut child = vgpu_test_spawn::spawn_started(&mut self.command).expect("start the test program");
         let stdin = child.stdin.take();
         let stdout = std::io::BufReader::new(child.stdout.take().expect("stdout pipe"));
         let mut stderr_pipe = child.stderr.take().expect("stderr pipe");
@@ -456,7 +459,10 @@ impl Run {
             if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = receiver.recv_timeout(limit) {
                 // Printed into the test's captured output: where each thread of the hung program
                 // waits, and whether it had even become the program (its command line).
-                eprintln!("watchdog: killing pid {pid} after {limit:?}: {}", hung_state(pid));
+                eprintln!(
+                    "watchdog: killing pid {pid} after {limit:?}: {}",
+                    vgpu_test_spawn::hung_state(pid as u32)
+                );
                 // SAFETY: plain kill(2) of our own child, which has not been waited for yet (the
                 // sender is dropped before every wait).
                 unsafe { libc::kill(pid, libc::SIGKILL) };
@@ -472,40 +478,6 @@ impl Run {
             finished: false,
         }
     }
-}
-
-/// A hung child's command line and, for each of its threads, its name, state, kernel wait
-/// channel and current system call, from `/proc` (what is unreadable is left out).
-fn hung_state(pid: libc::pid_t) -> String {
-    let proc_dir = PathBuf::from(format!("/proc/{pid}"));
-    let read = |path: PathBuf| std::fs::read_to_string(path).unwrap_or_default().trim().to_string();
-    let cmdline = std::fs::read(proc_dir.join("cmdline")).unwrap_or_default();
-    let mut text = format!(
-        "command line {:?}",
-        String::from_utf8_lossy(&cmdline).replace('\0', " ").trim()
-    );
-    let mut tasks: Vec<PathBuf> = std::fs::read_dir(proc_dir.join("task"))
-        .map(|entries| entries.flatten().map(|entry| entry.path()).collect())
-        .unwrap_or_default();
-    tasks.sort();
-    for task in tasks {
-        let stat = read(task.join("stat"));
-        let state = stat
-            .rsplit_once(") ")
-            .map_or("?", |(_, rest)| &rest[..1.min(rest.len())])
-            .to_string();
-        let syscall = read(task.join("syscall"));
-        text += &format!(
-            "; thread {} {:?} state {state} waits in {:?} syscall {:?}",
-            task.file_name()
-                .map(|name| name.to_string_lossy().into_owned())
-                .unwrap_or_default(),
-            read(task.join("comm")),
-            read(task.join("wchan")),
-            syscall.split_whitespace().next().unwrap_or("?"),
-        );
-    }
-    text
 }
 
 impl Session {

@@ -61,10 +61,7 @@ fn exports_exactly_the_header_functions_dlsym_and_the_vulkan_layer_entry() {
         .map(|(_, _, name)| name.clone())
         .chain(["dlsym", "vkNegotiateLoaderLayerInterfaceVersion"].map(String::from))
         .collect();
-    let output = Command::new("nm")
-        .args(["-D", "--defined-only"])
-        .arg(hook_library())
-        .output()
+    let output = vgpu_test_spawn::output_started(Command::new("nm").args(["-D", "--defined-only"]).arg(hook_library()))
         .expect("run nm");
     assert!(output.status.success());
     let exported: BTreeSet<String> = String::from_utf8_lossy(&output.stdout)

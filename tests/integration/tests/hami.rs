@@ -575,11 +575,12 @@ fn garbage_limits_in_the_region_never_crash_nor_lift_a_limit_silently() {
 fn vgpu_smi(arguments: &[&str]) -> std::process::Output {
     let path = vgpu_integration::profile_dir().join("vgpu-smi");
     assert!(path.is_file(), "{} is missing: cargo build --workspace", path.display());
-    vgpu_integration::command(&path)
-        .args(arguments)
-        .env_remove("CUDA_DEVICE_MEMORY_SHARED_CACHE")
-        .output()
-        .expect("run vgpu-smi")
+    vgpu_test_spawn::output_started(
+        vgpu_integration::command(&path)
+            .args(arguments)
+            .env_remove("CUDA_DEVICE_MEMORY_SHARED_CACHE"),
+    )
+    .expect("run vgpu-smi")
 }
 
 #[test]

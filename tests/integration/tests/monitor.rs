@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use vgpu_integration::{Run, ScratchDir, Session, command, compiled_program, one_at_a_time, profile_dir};
 use vgpu_region::{InitParams, Region};
+use vgpu_test_spawn::{output_started, spawn_started};
 
 const MIB: u64 = 1 << 20;
 const GIB: u64 = 1 << 30;
@@ -131,11 +132,12 @@ fn set_sm_util(region: &Path, pid: u32, device: usize, percent: u64) {
 }
 
 fn run_smi(arguments: &[&str]) -> Output {
-    let output = command(&vgpu_smi())
-        .args(arguments)
-        .env_remove("CUDA_DEVICE_MEMORY_SHARED_CACHE")
-        .output()
-        .expect("run vgpu-smi");
+    let output = output_started(
+        command(&vgpu_smi())
+            .args(arguments)
+            .env_remove("CUDA_DEVICE_MEMORY_SHARED_CACHE"),
+    )
+    .expect("run vgpu-smi");
     assert!(
         output.status.code().is_some(),
         "vgpu-smi crashed: {}",
@@ -250,10 +252,8 @@ fn one_device_limited_table_and_json() {
     insta::assert_snapshot!("one_device_json", redactions.json(&stdout(&json)));
 
     // The default region comes from the library's variable.
-    let by_variable = command(&vgpu_smi())
-        .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", &region)
-        .output()
-        .expect("run vgpu-smi");
+    let by_variable =
+        output_started(command(&vgpu_smi()).env("CUDA_DEVICE_MEMORY_SHARED_CACHE", &region)).expect("run vgpu-smi");
     assert_eq!(stdout(&by_variable), stdout(&table));
 }
 
@@ -329,13 +329,14 @@ fn a_directory_of_regions_with_corrupt_ones() {
 /// (a FIFO opened for reading waits for a writer forever). Its output is read as it comes (a full
 /// pipe would stop it).
 fn run_smi_within(arguments: &[&str], deadline: Duration) -> Output {
-    let child = command(&vgpu_smi())
-        .args(arguments)
-        .env_remove("CUDA_DEVICE_MEMORY_SHARED_CACHE")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("run vgpu-smi");
+    let child = spawn_started(
+        command(&vgpu_smi())
+            .args(arguments)
+            .env_remove("CUDA_DEVICE_MEMORY_SHARED_CACHE")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped()),
+    )
+    .expect("run vgpu-smi");
     let pid = child.id() as libc::pid_t;
     let (sender, receiver) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
