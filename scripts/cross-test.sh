@@ -34,6 +34,9 @@ export VGPU_TEST_CC=aarch64-linux-gnu-gcc
 cargo build -p vgpu-hook -p vgpu-fake-driver -p vgpu-monitor -p vgpu-fake-icd
 cargo build -p vgpu-hook --features fault-injection --target-dir target/fault-injection
 
+# The start of the tests' children, where qemu's forks show (tests/spawn).
+cargo test -p vgpu-test-spawn
+
 # Left out under emulation, each for its reason (all pass natively in `make test`):
 # - compute.rs, compute_jobs.rs (whole files): they hold GPU-time shares against wall-clock time,
 #   and qemu slows the host side of each launch unevenly (tens of times), so they would measure
