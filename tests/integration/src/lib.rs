@@ -384,7 +384,8 @@ impl Run {
         self
     }
 
-    /// Runs to completion and returns stdout, stderr and the status.
+    /// Runs to completion (killed, and described, after `vgpu_test_spawn::RUN_LIMIT`) and returns
+    /// stdout, stderr and the status.
     pub fn output(mut self) -> Output {
         use std::io::Write;
         use std::process::Stdio;
@@ -401,7 +402,7 @@ impl Run {
                 let _ = pipe.write_all(&input);
             });
         }
-        child.wait_with_output().expect("wait for the test program")
+        vgpu_test_spawn::wait_with_output_within(child, vgpu_test_spawn::RUN_LIMIT).expect("wait for the test program")
     }
 
     /// Runs, requires success, and returns stdout as lines.

@@ -6,10 +6,11 @@
 //! `execve` on its own. A child forked while another thread of the (multithreaded, emulated) test
 //! process held one of the emulator's locks can wait on it for good: about one run in 35 of the
 //! memory tests left such a child, a copy of the test process with two threads in `futex_wait`.
-//! Such a child still has the test process's command line, which tells it apart from one that
-//! reached its program and hangs there (a failure of its own, which [`hung_state`] describes).
+//! Such a child still has the test process's command line (qemu's own words first), which tells
+//! it apart from one that passed its exec, even into another program (a wrapper's exec), and
+//! hangs there: a failure of its own, which [`hung_state`] describes.
 
-use std::io;
+use std::io::{self, Read};
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -48,14 +49,59 @@ fn spawn_started_within(command: &mut Command, limit: Duration) -> io::Result<Ch
     unreachable!("the last try returns or panics")
 }
 
-/// `Command::output` through [`spawn_started`]: stdin from `/dev/null`, stdout and stderr
-/// collected.
+/// The longest a child run to completion ([`output_started`], [`wait_with_output_within`] as
+/// the tests call it) may take: a hang then fails its test, described, instead of holding CI
+/// until its own time runs out.
+pub const RUN_LIMIT: Duration = Duration::from_secs(300);
+
+/// `Command::output` through [`spawn_started`], bounded by [`RUN_LIMIT`]: stdin from
+/// `/dev/null`, stdout and stderr collected.
 pub fn output_started(command: &mut Command) -> io::Result<Output> {
     command
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    spawn_started(command)?.wait_with_output()
+    wait_with_output_within(spawn_started(command)?, RUN_LIMIT)
+}
+
+/// `Child::wait_with_output`, bounded: a child still running after `limit` is described on
+/// stderr and killed, and what it wrote is returned with its status (killed by `SIGKILL`). The
+/// thread that waits is the one that kills, so the pid cannot have been reused by then.
+pub fn wait_with_output_within(mut child: Child, limit: Duration) -> io::Result<Output> {
+    fn collect(pipe: Option<impl Read + Send + 'static>) -> std::thread::JoinHandle<Vec<u8>> {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            if let Some(mut pipe) = pipe {
+                let _ = pipe.read_to_end(&mut bytes);
+            }
+            bytes
+        })
+    }
+    let stdout = collect(child.stdout.take());
+    let stderr = collect(child.stderr.take());
+    let start = Instant::now();
+    let mut pause = Duration::from_millis(1);
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if start.elapsed() > limit {
+            eprintln!(
+                "spawn: killing pid {} after {limit:?}: {}",
+                child.id(),
+                hung_state(child.id())
+            );
+            let _ = child.kill();
+            break child.wait()?;
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(10));
+    };
+    Ok(Output {
+        status,
+        stdout: stdout.join().unwrap_or_default(),
+        stderr: stderr.join().unwrap_or_default(),
+    })
 }
 
 /// The command line `/proc/<pid>/cmdline` shows once `command` runs: the program, then each
@@ -69,15 +115,21 @@ fn command_line(command: &Command) -> Vec<u8> {
     line
 }
 
-/// Whether the child reached its program within `limit`. An ended child (reaped here: a
-/// later wait returns the same status) or one whose command line cannot be read has passed its
-/// exec or never will, and counts as started.
+/// Whether the child passed its exec within `limit`: it runs the command, or its command line is
+/// set and no longer ends with this process's. An ended child (reaped here: a later wait returns the same
+/// status) or one whose command line cannot be read has passed its exec or never will, and
+/// counts as started.
 fn became_program(child: &mut Child, expected: &[u8], limit: Duration) -> bool {
+    let own = own_command_line();
     let cmdline = format!("/proc/{}/cmdline", child.id());
     let start = Instant::now();
     loop {
-        let running_it = std::fs::read(&cmdline).map_or(true, |line| line == expected);
-        if running_it || !matches!(child.try_wait(), Ok(None)) {
+        // Empty while an exec sets the new program up (a `vfork` parent is let go before the
+        // arguments are in place): not known yet.
+        let passed_exec = std::fs::read(&cmdline).map_or(true, |line| {
+            line == expected || (!line.is_empty() && !line.ends_with(own))
+        });
+        if passed_exec || !matches!(child.try_wait(), Ok(None)) {
             return true;
         }
         if start.elapsed() > limit {
@@ -85,6 +137,19 @@ fn became_program(child: &mut Child, expected: &[u8], limit: Duration) -> bool {
         }
         std::thread::sleep(Duration::from_millis(2));
     }
+}
+
+/// This process's command line as it reads it. Under qemu-user that is the emulated program's
+/// words, which end the emulator's real command line (and a copy's).
+fn own_command_line() -> &'static [u8] {
+    static OWN: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    // Unreadable, it would match every child: a copy is then told only by the command itself.
+    OWN.get_or_init(|| {
+        std::fs::read("/proc/self/cmdline")
+            .ok()
+            .filter(|line| !line.is_empty())
+            .unwrap_or_else(|| vec![0xff])
+    })
 }
 
 /// A hung child's command line and, for each of its threads, its name, state, kernel wait
@@ -126,29 +191,51 @@ pub fn hung_state(pid: u32) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::ffi::OsStrExt;
+
+    /// The command line of a child once its exec has set it up: the parent of a `vfork` is let go
+    /// when the child's old memory is released, before the new one holds its arguments, and
+    /// `/proc/<pid>/cmdline` reads empty until then.
+    fn settled_command_line(pid: u32) -> Vec<u8> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let line = std::fs::read(format!("/proc/{pid}/cmdline")).expect("read its command line");
+            if !line.is_empty() || Instant::now() > deadline {
+                return line;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
 
     #[test]
     fn a_started_child_runs_its_program() {
         let mut command = Command::new("sleep");
         command.arg("5");
         let mut child = spawn_started(&mut command).expect("start sleep");
-        let line = std::fs::read(format!("/proc/{}/cmdline", child.id())).expect("read its command line");
+        let line = settled_command_line(child.id());
         let _ = child.kill();
         let _ = child.wait();
         assert_eq!(line, b"sleep\x005\x00");
     }
 
     #[test]
-    fn a_child_that_never_shows_its_command_line_is_started_three_times_then_reported() {
+    fn a_child_that_stays_a_copy_of_this_process_is_started_three_times_then_reported() {
         use std::os::unix::process::CommandExt;
-        // Its argv[0] is not its program's name, as a child still in the test process's copy.
+        // A shell whose command line ends with this process's and is not the command's (its
+        // argv[0] is not "sh"), as a copy between fork and exec.
         let marks = std::env::temp_dir().join(format!("vgpu-test-spawn-{}", std::process::id()));
         let _ = std::fs::remove_file(&marks);
         let mut command = Command::new("sh");
         command
-            .arg0("not-sh")
-            .args(["-c", "echo x >> \"$0\"; sleep 5"])
-            .arg(&marks);
+            .arg0("a-copy")
+            .args(["-c", "echo x >> \"$MARKS\"; sleep 5; :"])
+            .env("MARKS", &marks);
+        for word in own_command_line()
+            .split(|byte| *byte == 0)
+            .filter(|word| !word.is_empty())
+        {
+            command.arg(std::ffi::OsStr::from_bytes(word));
+        }
         let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             spawn_started_within(&mut command, Duration::from_secs(1))
         }));
@@ -159,10 +246,43 @@ mod tests {
         let runs = std::fs::read_to_string(&marks).unwrap_or_default().lines().count();
         let _ = std::fs::remove_file(&marks);
         assert!(
-            message.contains("never started (3 tries); the last: command line \"not-sh -c"),
+            message.contains("never started (3 tries); the last: command line \"a-copy -c"),
             "{message}"
         );
         assert_eq!(runs, 3, "each try runs the command once");
+    }
+
+    #[test]
+    fn a_child_that_execs_another_program_at_once_counts_as_started() {
+        let start = Instant::now();
+        let mut child = spawn_started(Command::new("sh").args(["-c", "exec sleep 5"])).expect("start sh");
+        let elapsed = start.elapsed();
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(elapsed < Duration::from_secs(5), "took {elapsed:?}");
+    }
+
+    #[test]
+    fn a_child_that_outlives_its_limit_is_killed_and_what_it_wrote_returned() {
+        use std::os::unix::process::ExitStatusExt;
+        let child = spawn_started(
+            Command::new("sh")
+                .args(["-c", "echo before; exec sleep 30"])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped()),
+        )
+        .expect("start sh");
+        let start = Instant::now();
+        let output = wait_with_output_within(child, Duration::from_millis(500)).expect("wait for it");
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "waited {:?}",
+            start.elapsed()
+        );
+        assert_eq!(
+            (output.status.signal(), output.stdout.as_slice()),
+            (Some(9), &b"before\n"[..])
+        );
     }
 
     #[test]
@@ -177,10 +297,11 @@ mod tests {
     #[test]
     fn a_hung_childs_state_names_its_command_and_where_it_waits() {
         let mut child = spawn_started(Command::new("sleep").arg("5")).expect("start sleep");
+        settled_command_line(child.id());
         let mut state = hung_state(child.id());
         // Just started, it may not have reached its sleep yet.
         let deadline = Instant::now() + Duration::from_secs(5);
-        while !state.contains("hrtimer") && !state.contains("nanosleep") && Instant::now() < deadline {
+        while !state.contains("nanosleep") && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
             state = hung_state(child.id());
         }
