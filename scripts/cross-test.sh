@@ -8,7 +8,7 @@
 # qemu-user-static, not qemu-user: the dynamically linked emulator would itself be subject to the
 # host's LD_PRELOAD, which the tests set for the emulated program (an aarch64 library).
 # qemu-user runs a spawn of the (multithreaded) test process as a plain fork, and a child can hang
-# for good before its exec, on an emulator lock another thread held at the fork (about 1 run in 35
+# for good before its exec, on an emulator lock another thread held at the fork (2 of 174 runs
 # of the memory tests): the tests start their children through tests/spawn, which starts such a
 # child again, and the harness's watchdog prints where a program that did start hangs.
 set -euo pipefail

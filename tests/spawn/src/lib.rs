@@ -4,7 +4,7 @@
 //! suite, `scripts/cross-test.sh`) it returns at once: qemu runs glibc's `posix_spawn`
 //! (`CLONE_VM | CLONE_VFORK`) as a plain fork, and the child runs the emulated code up to its
 //! `execve` on its own. A child forked while another thread of the (multithreaded, emulated) test
-//! process held one of the emulator's locks can wait on it for good: about one run in 35 of the
+//! process held one of the emulator's locks can wait on it for good: 2 of 174 runs of the
 //! memory tests left such a child, a copy of the test process with two threads in `futex_wait`.
 //! Such a child still has the test process's command line (qemu's own words first), which tells
 //! it apart from one that passed its exec, even into another program (a wrapper's exec), and
