@@ -439,7 +439,6 @@ pub struct Session {
 impl Run {
     /// Starts the program with stdin and stdout piped; it is killed after `limit`.
     pub fn spawn(mut self, limit: std::time::Duration) -> Session {
-        use std::io::Read;
         use std::process::Stdio;
         self.command
             .stdin(Stdio::piped())
@@ -448,12 +447,7 @@ impl Run {
         let mut child = vgpu_test_spawn::spawn_started(&mut self.command).expect("start the test program");
         let stdin = child.stdin.take();
         let stdout = std::io::BufReader::new(child.stdout.take().expect("stdout pipe"));
-        let mut stderr_pipe = child.stderr.take().expect("stderr pipe");
-        let stderr = std::thread::spawn(move || {
-            let mut bytes = Vec::new();
-            let _ = stderr_pipe.read_to_end(&mut bytes);
-            bytes
-        });
+        let stderr = vgpu_test_spawn::read_in_background(child.stderr.take().expect("stderr pipe"));
         let (sender, receiver) = std::sync::mpsc::channel::<()>();
         let pid = child.id() as libc::pid_t;
         std::thread::spawn(move || {

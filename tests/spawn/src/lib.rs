@@ -13,6 +13,7 @@
 use std::io::{self, Read};
 use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// How long a child may take to become its program before it is taken for stuck between fork
@@ -50,8 +51,8 @@ fn spawn_started_within(command: &mut Command, limit: Duration) -> io::Result<Ch
 }
 
 /// The longest a child run to completion ([`output_started`], [`wait_with_output_within`] as
-/// the tests call it) may take: a hang then fails its test, described, instead of holding CI
-/// until its own time runs out.
+/// the tests call it) may take: a hang of the child then fails its test, described, instead of
+/// holding CI until its own time runs out.
 pub const RUN_LIMIT: Duration = Duration::from_secs(300);
 
 /// `Command::output` through [`spawn_started`], bounded by [`RUN_LIMIT`]: stdin from
@@ -66,19 +67,11 @@ pub fn output_started(command: &mut Command) -> io::Result<Output> {
 
 /// `Child::wait_with_output`, bounded: a child still running after `limit` is described on
 /// stderr and killed, and what it wrote is returned with its status (killed by `SIGKILL`). The
-/// thread that waits is the one that kills, so the pid cannot have been reused by then.
+/// thread that waits is the one that kills, so the pid cannot have been reused by then. The bound
+/// is the child's: a process it started that keeps its pipes open is still waited for.
 pub fn wait_with_output_within(mut child: Child, limit: Duration) -> io::Result<Output> {
-    fn collect(pipe: Option<impl Read + Send + 'static>) -> std::thread::JoinHandle<Vec<u8>> {
-        std::thread::spawn(move || {
-            let mut bytes = Vec::new();
-            if let Some(mut pipe) = pipe {
-                let _ = pipe.read_to_end(&mut bytes);
-            }
-            bytes
-        })
-    }
-    let stdout = collect(child.stdout.take());
-    let stderr = collect(child.stderr.take());
+    let stdout = child.stdout.take().map(read_in_background);
+    let stderr = child.stderr.take().map(read_in_background);
     let start = Instant::now();
     let mut pause = Duration::from_millis(1);
     let status = loop {
@@ -97,10 +90,22 @@ pub fn wait_with_output_within(mut child: Child, limit: Duration) -> io::Result<
         std::thread::sleep(pause);
         pause = (pause * 2).min(Duration::from_millis(10));
     };
+    let collected =
+        |reader: Option<JoinHandle<Vec<u8>>>| reader.and_then(|reader| reader.join().ok()).unwrap_or_default();
     Ok(Output {
         status,
-        stdout: stdout.join().unwrap_or_default(),
-        stderr: stderr.join().unwrap_or_default(),
+        stdout: collected(stdout),
+        stderr: collected(stderr),
+    })
+}
+
+/// Reads a child's pipe to its end on a thread of its own (so a child never blocks on a full
+/// pipe); joining gives the bytes.
+pub fn read_in_background(mut pipe: impl Read + Send + 'static) -> JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut bytes = Vec::new();
+        let _ = pipe.read_to_end(&mut bytes);
+        bytes
     })
 }
 
@@ -116,9 +121,9 @@ fn command_line(command: &Command) -> Vec<u8> {
 }
 
 /// Whether the child passed its exec within `limit`: it runs the command, or its command line is
-/// set and no longer ends with this process's. An ended child (reaped here: a later wait returns the same
-/// status) or one whose command line cannot be read has passed its exec or never will, and
-/// counts as started.
+/// set and no longer ends with this process's. An ended child (reaped here: a later wait returns
+/// the same status) or one whose command line cannot be read has passed its exec or never will,
+/// and counts as started.
 fn became_program(child: &mut Child, expected: &[u8], limit: Duration) -> bool {
     let own = own_command_line();
     let cmdline = format!("/proc/{}/cmdline", child.id());
