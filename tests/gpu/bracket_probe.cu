@@ -17,6 +17,16 @@
 // and prints, per size, bare, held and host per launch, the bracket medians, what a bracket reads
 // over the bare time on a full stream, a shallow queue and a drained stream (the sensor's
 // overheads), and what bracketing costs the run per bracket.
+// Then, for two sizes, what a bracket reads over the bare time by how many launches were submitted
+// ahead of it on a drained stream (depth) and whether launches follow it (after: 0 or 4), each the
+// median of 60 rounds: how deep a queue must be for the full stream's overhead.
+// Last, on a full stream as above, what a bracket reads over the bare time by how many launches
+// apart the brackets are (stride), with the sensor's hold and with events alone: whether it is
+// the queue or the brackets' own density that a full stream's reading depends on.
+// And what a bracket reads by where it sits in a full stream of 2048 launches (position; near the
+// end the host has long finished submitting when the GPU reaches it), and after 512 queued
+// launches followed by 0 or 512 more, each round with its own events: whether it is the
+// host's submissions while the bracket runs that it depends on.
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <algorithm>
@@ -137,6 +147,102 @@ int main() {
         double q = median(shallow);
         printf("%-9d %9.2f %9.2f %9.2f %11.2f %11.2f %11.2f %12.2f %12.2f %12.2f %12.2f\n", n, b / 1e3, h / 1e3, c / 1e3,
                k / 1e3, q / 1e3, d / 1e3, (k - b) / 1e3, (q - b) / 1e3, (d - b) / 1e3, (h - b) * STRIDE / 1e3);
+    }
+    printf("\n%-9s %6s %12s %12s\n", "floats", "depth", "after 0 -bare", "after 4 -bare");
+    const int depth_sizes[] = {1 << 22, 1 << 24};
+    const int depths[] = {0, 1, 2, 3, 5, 8, 16, 32, 128, 512};
+    for (int n : depth_sizes) {
+        dim3 grid((n + 255) / 256), block(256);
+        CHECK(cudaEventRecord(outer[0], stream));
+        for (int i = 0; i < LAUNCHES; i++) axpy<<<grid, block, 0, stream>>>(1.0001f, x, y, n);
+        CHECK(cudaEventRecord(outer[1], stream));
+        CHECK(cudaStreamSynchronize(stream));
+        double b = elapsed_ns(outer[0], outer[1]) / LAUNCHES;
+        for (int depth : depths) {
+            double over[2];
+            for (int after = 0; after < 2; after++) {
+                std::vector<double> readings;
+                for (int r = 0; r < 60; r++) {
+                    for (int i = 0; i < depth; i++) axpy<<<grid, block, 0, stream>>>(1.0001f, x, y, n);
+                    bracket.begin(events[0]);
+                    axpy<<<grid, block, 0, stream>>>(1.0001f, x, y, n);
+                    bracket.end(events[1]);
+                    for (int i = 0; i < 4 * after; i++) axpy<<<grid, block, 0, stream>>>(1.0001f, x, y, n);
+                    CHECK(cudaStreamSynchronize(stream));
+                    readings.push_back(elapsed_ns(events[0], events[1]));
+                }
+                over[after] = (median(readings) - b) / 1e3;
+            }
+            printf("%-9d %6d %12.2f %12.2f\n", n, depth, over[0], over[1]);
+        }
+    }
+    printf("\n%-9s %6s %12s %12s\n", "floats", "stride", "held -bare", "events -bare");
+    const int strides[] = {4, 16, 64, 256, 1024};
+    for (int n : depth_sizes) {
+        dim3 grid((n + 255) / 256), block(256);
+        CHECK(cudaEventRecord(outer[0], stream));
+        for (int i = 0; i < LAUNCHES; i++) axpy<<<grid, block, 0, stream>>>(1.0001f, x, y, n);
+        CHECK(cudaEventRecord(outer[1], stream));
+        CHECK(cudaStreamSynchronize(stream));
+        double b = elapsed_ns(outer[0], outer[1]) / LAUNCHES;
+        for (int stride : strides) {
+            double over[2];
+            for (int with_hold = 1; with_hold >= 0; with_hold--) {
+                std::vector<double> readings;
+                for (int r = 0; r < 2; r++) {
+                    int taken = 0;
+                    for (int i = 0; i < LAUNCHES && taken < (int)events.size() / 2; i++) {
+                        bool sampled = i % stride == stride / 2;
+                        if (sampled && with_hold) bracket.begin(events[2 * taken]);
+                        if (sampled && !with_hold) CHECK(cudaEventRecord(events[2 * taken], stream));
+                        axpy<<<grid, block, 0, stream>>>(1.0001f, x, y, n);
+                        if (sampled && with_hold) bracket.end(events[2 * taken++ + 1]);
+                        if (sampled && !with_hold) CHECK(cudaEventRecord(events[2 * taken++ + 1], stream));
+                    }
+                    CHECK(cudaStreamSynchronize(stream));
+                    for (int t = 0; t < taken; t++) readings.push_back(elapsed_ns(events[2 * t], events[2 * t + 1]));
+                }
+                over[1 - with_hold] = (median(readings) - b) / 1e3;
+            }
+            printf("%-9d %6d %12.2f %12.2f\n", n, stride, over[0], over[1]);
+        }
+    }
+    printf("\n%-9s %9s %12s\n", "floats", "position", "held -bare");
+    const int positions[] = {8, 256, 512, 1024, 1536, 1900, 2000, 2040};
+    for (int n : depth_sizes) {
+        dim3 grid((n + 255) / 256), block(256);
+        CHECK(cudaEventRecord(outer[0], stream));
+        for (int i = 0; i < LAUNCHES; i++) axpy<<<grid, block, 0, stream>>>(1.0001f, x, y, n);
+        CHECK(cudaEventRecord(outer[1], stream));
+        CHECK(cudaStreamSynchronize(stream));
+        double b = elapsed_ns(outer[0], outer[1]) / LAUNCHES;
+        std::vector<std::vector<double>> readings(8);
+        for (int r = 0; r < 12; r++) {
+            int taken = 0;
+            for (int i = 0; i < LAUNCHES; i++) {
+                bool sampled = taken < 8 && i == positions[taken];
+                if (sampled) bracket.begin(events[2 * (8 * r + taken)]);
+                axpy<<<grid, block, 0, stream>>>(1.0001f, x, y, n);
+                if (sampled) bracket.end(events[2 * (8 * r + taken++) + 1]);
+            }
+            CHECK(cudaStreamSynchronize(stream));
+            for (int t = 0; t < 8; t++)
+                readings[t].push_back(elapsed_ns(events[2 * (8 * r + t)], events[2 * (8 * r + t) + 1]));
+        }
+        for (int t = 0; t < 8; t++) printf("%-9d %9d %12.2f\n", n, positions[t], (median(readings[t]) - b) / 1e3);
+        for (int after : {0, 512}) {
+            std::vector<double> fresh;
+            for (int r = 0; r < 60 && 2 * r + 1 < (int)events.size(); r++) {
+                for (int i = 0; i < 512; i++) axpy<<<grid, block, 0, stream>>>(1.0001f, x, y, n);
+                bracket.begin(events[2 * r]);
+                axpy<<<grid, block, 0, stream>>>(1.0001f, x, y, n);
+                bracket.end(events[2 * r + 1]);
+                for (int i = 0; i < after; i++) axpy<<<grid, block, 0, stream>>>(1.0001f, x, y, n);
+                CHECK(cudaStreamSynchronize(stream));
+                fresh.push_back(elapsed_ns(events[2 * r], events[2 * r + 1]));
+            }
+            printf("%-9d depth 512, after %3d, fresh events: %6.2f\n", n, after, (median(fresh) - b) / 1e3);
+        }
     }
     return 0;
 }

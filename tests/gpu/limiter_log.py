@@ -12,7 +12,8 @@ its estimate (until 2026-12-01 a settled key's measurement counted for at most 5
 estimate, so that excess was not charged; see docs/compute-limit.md, "Long measurements"). The
 first measurements of a key are charged the 1 ms prior; they are left out of the charged/measured
 ratio. Where the lines say whether the stream had work queued when the sample began, what a
-queued stream adds is shown too. The boost factor's changes (a line each when it moves by 0.01 or
+queued stream adds is shown too, and so is what the pairs (hook/src/throttle/sensor.rs) measured
+a bracket on a queued stream to add. The boost factor's changes (a line each when it moves by 0.01 or
 more; charges are the plan times the factor, so a factor above 1 holds a job under its time
 share) are summarised too.
 """
@@ -23,6 +24,7 @@ from collections import defaultdict
 LINE = re.compile(
     r"device index (\d+) key ([0-9a-f]+) measured (\d+) ns, charged (\d+) ns, correction (-?\d+) ns(?:, stream (\w+))?"
 )
+PAIR = re.compile(r"device index (\d+) pair .* measured (\d+) ns, alone (\d+)\+(\d+) ns; queued bracket overhead now (\d+) ns")
 BOOST = re.compile(r"device (\d+) boost factor ([\d.]+) \(busy share ([\d.]+)")
 # As in hook/src/throttle/estimates.rs: PRIOR_NS.
 PRIOR_NS = 1_000_000
@@ -57,30 +59,56 @@ def per_key(found):
     return keys
 
 
-def queued_line(found):
-    """One line on what a queued stream adds: for keys sampled both on a queued and on an idle
-    stream, the mean of (queued mean - idle mean), weighted by the key's queued samples. A kernel
-    takes the same time either way, so the difference is what the bracket reads more on a queued
-    stream than the overhead taken off for it."""
-    states = [state for _, _, _, state in found if state]
-    if not states:
+def split_line(found, side, label, other):
+    """One line on what one kind of sample (side(sample) true: `label`) reads against the others
+    (`other`): for keys sampled both ways, the mean of (mean of the kind - mean of the others),
+    weighted by the key's samples of the kind. A kernel takes the same time either way, so the
+    difference is what the bracket reads more than the overheads taken off the two kinds.
+    None where the lines do not say (side gives None)."""
+    sides = [side(sample) for sample in found]
+    if all(s is None for s in sides):
         return None
-    by_key = defaultdict(lambda: {"queued": [], "idle": []})
-    for key, measured, charged, state in found:
-        if state in ("queued", "idle") and charged != PRIOR_NS:
-            by_key[key][state].append(measured)
+    by_key = defaultdict(lambda: {True: [], False: []})
+    for sample, kind in zip(found, sides):
+        key, measured, charged = sample[0], sample[1], sample[2]
+        if kind is not None and charged != PRIOR_NS:
+            by_key[key][kind].append(measured)
     weighted = weight = 0
     for samples in by_key.values():
-        if samples["queued"] and samples["idle"]:
-            difference = sum(samples["queued"]) / len(samples["queued"]) - sum(samples["idle"]) / len(samples["idle"])
-            weighted += difference * len(samples["queued"])
-            weight += len(samples["queued"])
-    both = sum(1 for samples in by_key.values() if samples["queued"] and samples["idle"])
-    queued = states.count("queued")
-    text = f"stream queued at {queued} of {len(states)} samples"
+        if samples[True] and samples[False]:
+            difference = sum(samples[True]) / len(samples[True]) - sum(samples[False]) / len(samples[False])
+            weighted += difference * len(samples[True])
+            weight += len(samples[True])
+    both = sum(1 for samples in by_key.values() if samples[True] and samples[False])
+    count = sum(1 for s in sides if s)
+    known = sum(1 for s in sides if s is not None)
+    text = f"{label} at {count} of {known} samples"
     if weight:
-        text += f"; {both} keys sampled both ways: queued samples measure {weighted / weight / 1000:+.2f} us against idle ones"
+        text += f"; {both} keys sampled both ways: {label} samples measure {weighted / weight / 1000:+.2f} us against {other} ones"
     return text
+
+
+def queued_line(found):
+    """What a queued stream adds (see split_line)."""
+    return split_line(
+        found, lambda s: None if s[3] not in ("queued", "idle") else s[3] == "queued", "stream queued", "idle"
+    )
+
+
+def pair_line(paths):
+    """One line on the pairs: how many counted, what each says a bracket adds (the two launches'
+    readings alone less the pair's), and the overhead learned, first and last. None without pairs."""
+    pairs = [
+        (int(m.group(3)) + int(m.group(4)) - int(m.group(2)), int(m.group(5))) for m in matches(paths, PAIR)
+    ]
+    if not pairs:
+        return None
+    said = sorted(p for p, _ in pairs)
+    return (
+        f"pairs: {len(pairs)}; each says a queued bracket adds {said[len(said) // 2] / 1000:.2f} us (median, "
+        f"quartiles {said[len(said) // 4] / 1000:.2f}-{said[3 * len(said) // 4] / 1000:.2f}); "
+        f"learned {pairs[0][1] / 1000:.2f} us first, {pairs[-1][1] / 1000:.2f} us last"
+    )
 
 
 def boosts(paths):
@@ -125,9 +153,9 @@ def summary(paths, top=12):
         f"(after the prior); time over 5/4 of the charge {total_cut / max(total_measured, 1) * 100:.1f}% of the measured"
     )
     lines.append(boost_line(boosts(paths)))
-    queued = queued_line(found)
-    if queued:
-        lines.append(queued)
+    for extra in (queued_line(found), pair_line(paths)):
+        if extra:
+            lines.append(extra)
     lines.append(f"{'key':>16} {'samples':>7} {'mean us':>9} {'charged/meas':>12} {'over 5/4':>8} {'excess %':>8}")
     for measured, key, count, steady, charged, over, cut in sorted(rows, reverse=True)[:top]:
         mean = measured / steady / 1000 if steady else 0.0

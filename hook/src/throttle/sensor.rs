@@ -23,6 +23,14 @@
 //! without one, only when the launch call was short ([`LONG_CALL_NS`]). Otherwise the launch is
 //! charged like an unmeasured one and its key is measured again.
 //!
+//! What a bracket reads over the launch's own time depends on the work around it (on the H200, 1
+//! to 2.9 us: `tests/gpu/bracket_probe.cu`), so on a queued stream it is learned from the job
+//! itself: one sample in [`PAIR_EVERY`] there brackets two launches, the sampled one and the next
+//! one of the same thread on the same stream, without a hold. Both launches' estimates were
+//! measured with one bracket each, the pair with one bracket for two, so the two estimates less
+//! the pair's reading is what one bracket adds ([`next_overhead`]). Taken off every later
+//! measurement of a queued stream; an idle stream's keeps [`BRACKET_OVERHEAD_NS`].
+//!
 //! Pools are keyed by the context's unique id (`cuCtxGetId`, CUDA 12.0+), never by its handle
 //! alone: a destroyed context's handle can come back for a new context, and its stale events must
 //! then never be recorded again. Events of destroyed contexts are forgotten, never destroyed (their
@@ -30,7 +38,7 @@
 
 use parking_lot::Mutex;
 use std::ffi::{c_uint, c_void};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use super::now_ns;
 use crate::hooks::real;
@@ -55,8 +63,28 @@ pub const LONG_CALL_NS: u64 = 500_000;
 /// the completion the end event waits for, time in which no kernel executes (NVML counts it idle)
 /// and which launches queued back to back overlap. On the H200 a bracket reads about 1 us more than
 /// NVML's busy time per launch, for a 3 us kernel and a graph of eight alike
-/// (docs/compute-limit.md). Taken off every measurement, but never more than a third of it.
+/// (docs/compute-limit.md). Taken off every measurement of an idle stream, and of a queued one
+/// until pairs have measured it there, but never more than a third of the measurement.
 pub const BRACKET_OVERHEAD_NS: u64 = 1_000;
+/// One sample in this many, on a queued stream, is a pair (see the module description).
+pub const PAIR_EVERY: u64 = 4;
+/// The most a bracket is taken to add on a queued stream (the H200's highest reading is 2.9 us).
+pub const MAX_QUEUED_OVERHEAD_NS: u64 = 5_000;
+/// A pair counts only where both launches' estimates are at least this: below, the third of a
+/// measurement that is the most taken off it would bias what the pair says.
+pub const MIN_PAIR_PART_NS: u64 = 3 * MAX_QUEUED_OVERHEAD_NS;
+/// The learned overhead is the mean of the first pairs, then a moving average over this many.
+pub const PAIR_SMOOTHING: u64 = 32;
+
+/// The overhead to take off a queued stream's measurements after one more pair: its reading
+/// `pair_ns`, what a bracket reads for each of its two launches alone, summed (`alone_ns`), and
+/// `pairs_before` pairs counted so far. A pair's own figure is kept within 0 and
+/// [`MAX_QUEUED_OVERHEAD_NS`], so that one pair holding other work moves it by a bounded step.
+pub fn next_overhead(current: u64, pairs_before: u64, pair_ns: u64, alone_ns: u64) -> u64 {
+    let overhead = (i128::from(alone_ns) - i128::from(pair_ns)).clamp(0, i128::from(MAX_QUEUED_OVERHEAD_NS)) as u64;
+    let weight = (pairs_before + 1).min(PAIR_SMOOTHING);
+    (current * (weight - 1) + overhead) / weight
+}
 
 /// Cleared when the driver refuses a stream wait: holds are not tried again.
 static HOLDS_WORK: AtomicBool = AtomicBool::new(true);
@@ -72,11 +100,15 @@ pub struct SampleInfo {
 }
 
 /// A completed sample: its launch, its GPU time, and whether its stream had work queued when it
-/// began (what the bracket adds differs: docs/compute-limit.md).
+/// began (what the bracket adds differs: docs/compute-limit.md). For a pair, `pair_with` is the
+/// second launch's key and `gpu_ns` the bracket's whole reading, nothing taken off.
 pub struct Measured {
     pub info: SampleInfo,
     pub gpu_ns: u64,
+    /// The bracket's reading, nothing taken off.
+    pub reading_ns: u64,
     pub queued: bool,
+    pub pair_with: Option<u64>,
 }
 
 /// A word of pinned host memory the GPU can wait on. Never freed (see the module comment).
@@ -118,10 +150,22 @@ pub struct InFlight {
     hold: Option<(Gate, u32)>,
     /// The stream had nothing queued when the start event was recorded.
     idle: bool,
+    /// The first launch of a pair: the end event follows the next launch (see the module description).
+    pair: bool,
     submitted_ns: u64,
 }
 
 impl InFlight {
+    /// Whether this is the first launch of a pair, whose end is [`Sensor::end_pair`].
+    pub fn is_pair(&self) -> bool {
+        self.pair
+    }
+
+    /// The stream the sample was begun on.
+    pub fn stream(&self) -> CUstream {
+        self.stream
+    }
+
     fn release(&mut self) {
         if let Some((gate, sequence)) = self.hold.take() {
             gate.release(sequence);
@@ -145,6 +189,8 @@ struct Pending {
     host_gap_ns: u64,
     /// The stream had work queued when the sample began.
     queued: bool,
+    /// A pair's second key.
+    pair_with: Option<u64>,
 }
 
 struct Pool {
@@ -172,6 +218,12 @@ pub struct Sensor {
     state: Mutex<State>,
     /// Samples taken and not yet measured or dropped.
     outstanding: AtomicUsize,
+    /// Samples begun on a queued stream, to pick the pairs.
+    queued_samples: AtomicU64,
+    /// What a bracket adds on a queued stream, as the pairs measured it (written by the poller).
+    queued_overhead_ns: AtomicU64,
+    /// Pairs counted in it; none: [`BRACKET_OVERHEAD_NS`].
+    pairs: AtomicU64,
 }
 
 /// The unique id of `context` (0 when the driver predates `cuCtxGetId`).
@@ -264,6 +316,16 @@ fn record(event: usize, stream: CUstream) -> bool {
     unsafe { record(event as CUevent, stream) == CUDA_SUCCESS }
 }
 
+/// Whether `stream` has work queued: the driver says not ready (a stream being captured, or one
+/// the driver cannot query, is not).
+pub fn stream_busy(stream: CUstream) -> bool {
+    let Some(query) = real::cuStreamQuery() else {
+        return false;
+    };
+    // SAFETY: the application's stream handle; the query does not block.
+    unsafe { query(stream) == CUDA_ERROR_NOT_READY }
+}
+
 fn stream_idle(stream: CUstream) -> bool {
     let Some(query) = real::cuStreamQuery() else {
         return false;
@@ -313,7 +375,8 @@ impl Sensor {
         self.outstanding.load(Ordering::Relaxed)
     }
 
-    fn take(&self, context: usize, id: u64) -> Option<Taken> {
+    /// Two events of the context's pool, and a hold's number when `with_hold`.
+    fn take(&self, context: usize, id: u64, with_hold: bool) -> Option<Taken> {
         let mut state = self.state.lock();
         state.uses += 1;
         let uses = state.uses;
@@ -359,7 +422,7 @@ impl Sensor {
             pool.free.push(start);
             return None;
         };
-        let hold = pool.gate.map(|gate| {
+        let hold = pool.gate.filter(|_| with_hold).map(|gate| {
             pool.issued = pool.issued.wrapping_add(1);
             pool.issued_ns = now_ns();
             (gate, pool.issued)
@@ -374,15 +437,21 @@ impl Sensor {
     }
 
     /// Holds `stream` and records the start event of a sampled launch on it, before the launch is
-    /// submitted. `None` when no sample can be taken (too many in flight, no events, no context).
+    /// submitted; on a queued stream, one sample in [`PAIR_EVERY`] of launches charged at least
+    /// [`MIN_PAIR_PART_NS`] is the first launch of a pair instead (no hold). `None` when no sample can be taken (too many in flight, no events, no
+    /// context).
     pub fn begin(&self, stream: CUstream, info: SampleInfo) -> Option<InFlight> {
         if self.outstanding.load(Ordering::Relaxed) >= MAX_PENDING {
             return None;
         }
         let context = current_context()?;
         let pool = (context as usize, context_id(context));
-        let taken = self.take(pool.0, pool.1)?;
         let idle = stream_idle(stream);
+        // Launches too short for a pair to count are never paired: their samples are all needed.
+        let pair = !idle
+            && info.charged >= MIN_PAIR_PART_NS
+            && self.queued_samples.fetch_add(1, Ordering::Relaxed) % PAIR_EVERY == PAIR_EVERY - 1;
+        let taken = self.take(pool.0, pool.1, !pair)?;
         let mut launch = InFlight {
             info,
             stream,
@@ -391,6 +460,7 @@ impl Sensor {
             end: taken.end,
             hold: taken.hold.filter(|&(gate, sequence)| hold(stream, gate, sequence)),
             idle,
+            pair,
             submitted_ns: 0,
         };
         if !record(launch.start, stream) {
@@ -403,6 +473,64 @@ impl Sensor {
         // Counted from here, so that the background thread polls often while a hold is out.
         self.outstanding.fetch_add(1, Ordering::Relaxed);
         Some(launch)
+    }
+
+    /// Ends a pair after its second launch, of `second_key`, was submitted (with `status`) on a
+    /// stream that still had work queued before it (so that no idle time falls in the pair).
+    /// Returns whether the pair is in flight.
+    pub fn end_pair(&self, launch: InFlight, second_key: u64, status: CUresult) -> bool {
+        let ended = status == CUDA_SUCCESS && record(launch.end, launch.stream);
+        self.finish(&launch, ended, 0, Some(second_key))
+    }
+
+    /// Queues an ended sample for the background thread, or gives its events back when it did not
+    /// end. Returns whether it is in flight.
+    fn finish(&self, launch: &InFlight, ended: bool, host_gap_ns: u64, pair_with: Option<u64>) -> bool {
+        let mut state = self.state.lock();
+        if !ended {
+            Self::give_back(&mut state, launch.pool, [launch.start, launch.end]);
+            self.outstanding.fetch_sub(1, Ordering::Relaxed);
+            return false;
+        }
+        state.pending.push(Pending {
+            info: launch.info,
+            pool: launch.pool,
+            start: launch.start,
+            end: launch.end,
+            host_gap_ns,
+            queued: !launch.idle,
+            pair_with,
+        });
+        true
+    }
+
+    /// Gives up a begun sample (a pair whose second launch did not come on its stream).
+    pub fn abandon(&self, launch: InFlight) {
+        self.finish(&launch, false, 0, None);
+    }
+
+    /// What is taken off a measurement of a queued stream now.
+    pub fn queued_overhead_ns(&self) -> u64 {
+        if self.pairs.load(Ordering::Relaxed) == 0 {
+            BRACKET_OVERHEAD_NS
+        } else {
+            self.queued_overhead_ns.load(Ordering::Relaxed)
+        }
+    }
+
+    /// Counts a pair that came back: `pair_ns` its reading, `alone_ns` what a bracket reads for
+    /// each of its launches alone, summed. Called by the background thread only. Returns the new
+    /// overhead.
+    pub fn learn_overhead(&self, pair_ns: u64, alone_ns: u64) -> u64 {
+        let next = next_overhead(
+            self.queued_overhead_ns(),
+            self.pairs.load(Ordering::Relaxed),
+            pair_ns,
+            alone_ns,
+        );
+        self.queued_overhead_ns.store(next, Ordering::Relaxed);
+        self.pairs.fetch_add(1, Ordering::Relaxed);
+        next
     }
 
     /// Records the end event after the launch (whose status is `status`), releases the stream,
@@ -423,21 +551,8 @@ impl Sensor {
         }
         let ended = trusted && status == CUDA_SUCCESS && record(launch.end, launch.stream);
         launch.release();
-        let mut state = self.state.lock();
-        if !ended {
-            Self::give_back(&mut state, launch.pool, [launch.start, launch.end]);
-            self.outstanding.fetch_sub(1, Ordering::Relaxed);
-            return false;
-        }
-        state.pending.push(Pending {
-            info: launch.info,
-            pool: launch.pool,
-            start: launch.start,
-            end: launch.end,
-            host_gap_ns: if launch.idle && !held { host_ns } else { 0 },
-            queued: !launch.idle,
-        });
-        true
+        let host_gap_ns = if launch.idle && !held { host_ns } else { 0 };
+        self.finish(&launch, ended, host_gap_ns, None)
     }
 
     /// Releases every hold issued more than [`HOLD_RELEASE_NS`] ago. Normally the launching
@@ -476,13 +591,30 @@ impl Sensor {
             return Vec::new();
         }
         let total = batch.len();
+        let queued_overhead = self.queued_overhead_ns();
         let mut done = Vec::new();
         let mut waiting = Vec::new();
         let mut finished = Vec::new();
         for sample in batch {
             match poll(sample.start, sample.end) {
+                Poll::Done(elapsed) if sample.pair_with.is_some() => {
+                    done.push(Measured {
+                        info: sample.info,
+                        gpu_ns: elapsed,
+                        reading_ns: elapsed,
+                        queued: true,
+                        pair_with: sample.pair_with,
+                    });
+                    finished.push((sample.pool, [sample.start, sample.end]));
+                }
                 Poll::Done(elapsed) => {
-                    let elapsed = elapsed - BRACKET_OVERHEAD_NS.min(elapsed / 3);
+                    let overhead = if sample.queued {
+                        queued_overhead
+                    } else {
+                        BRACKET_OVERHEAD_NS
+                    };
+                    let reading = elapsed;
+                    let elapsed = elapsed - overhead.min(elapsed / 3);
                     let gpu = if sample.host_gap_ns > 0 {
                         // Never below a quarter of what the events saw: a host thread descheduled
                         // right after its launch must not make the kernel look free.
@@ -493,7 +625,9 @@ impl Sensor {
                     done.push(Measured {
                         info: sample.info,
                         gpu_ns: gpu,
+                        reading_ns: reading,
                         queued: sample.queued,
+                        pair_with: None,
                     });
                     finished.push((sample.pool, [sample.start, sample.end]));
                 }
@@ -510,5 +644,36 @@ impl Sensor {
         }
         drop(state);
         done
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_pair_sets_the_overhead_and_later_ones_move_it_by_their_weight() {
+        // Two launches that a bracket reads at 22.5 us each, together at 42.5 us: 2.5 us a bracket.
+        assert_eq!(next_overhead(BRACKET_OVERHEAD_NS, 0, 42_500, 45_000), 2_500);
+        // The second pair counts for half, the 32nd and later for a 32nd.
+        assert_eq!(next_overhead(2_500, 1, 43_500, 45_000), 2_000);
+        assert_eq!(
+            next_overhead(2_000, 100, 45_000 - 3_200, 45_000),
+            (2_000 * 31 + 3_200) / 32
+        );
+    }
+
+    #[test]
+    fn a_pair_holding_other_work_or_less_than_its_launches_moves_the_overhead_a_bounded_step() {
+        // A pair read longer than its two launches alone (other work inside it): 0 for that pair.
+        assert_eq!(next_overhead(2_000, 100, 60_000, 45_000), 2_000 * 31 / 32);
+        // A pair far shorter: at most MAX_QUEUED_OVERHEAD_NS.
+        assert_eq!(next_overhead(0, 0, 10_000, 45_000), MAX_QUEUED_OVERHEAD_NS);
+        // Hostile readings do not overflow.
+        let current = u64::MAX / 64;
+        assert_eq!(
+            next_overhead(current, 5, 0, u64::MAX),
+            (current * 5 + MAX_QUEUED_OVERHEAD_NS) / 6
+        );
     }
 }

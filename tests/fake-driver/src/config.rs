@@ -10,6 +10,8 @@ pub const DEFAULT_CONTEXT_BYTES: u64 = 64 << 20;
 pub const DEFAULT_GRANULARITY: u64 = 2 << 20;
 /// The longest simulated first-launch delay: 10 s.
 pub const MAX_MODULE_LOAD_US: u64 = 10_000_000;
+/// The longest `FAKE_CUDA_EVENT_NS`: 1 ms.
+pub const MAX_EVENT_NS: u64 = 1_000_000;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
@@ -28,6 +30,10 @@ pub struct Config {
     /// Host time (µs) each `cuMemAlloc_v2` takes before it allocates (`FAKE_CUDA_ALLOC_US`), so a
     /// test can kill a process in the middle of one.
     pub alloc_us: u64,
+    /// GPU time (ns) of every recorded event (`FAKE_CUDA_EVENT_NS`): it completes that long after
+    /// the work before it, and the work after it waits for it, as on a real GPU, where an event
+    /// between two kernels is idle time. Not busy time. 0: events take no time.
+    pub event_ns: u64,
 }
 
 static CONFIG: OnceLock<Config> = OnceLock::new();
@@ -71,6 +77,9 @@ impl Config {
         let alloc_us = var("FAKE_CUDA_ALLOC_US")
             .and_then(|v| v.trim().parse::<u64>().ok())
             .map_or(0, |us| us.min(MAX_MODULE_LOAD_US));
+        let event_ns = var("FAKE_CUDA_EVENT_NS")
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map_or(0, |ns| ns.min(MAX_EVENT_NS));
         Config {
             devices,
             memory,
@@ -80,6 +89,7 @@ impl Config {
             visible,
             module_load_us,
             alloc_us,
+            event_ns,
         }
     }
 
@@ -206,6 +216,19 @@ mod tests {
         assert_eq!(config.context_bytes, DEFAULT_CONTEXT_BYTES);
         let many = Config::from_lookup(|n| (n == "FAKE_CUDA_DEVICES").then(|| "99".to_string()));
         assert_eq!(many.devices, MAX_DEVICES);
+    }
+
+    #[test]
+    fn event_time_is_clamped_and_defaults_to_none() {
+        let with = |value: &str| {
+            let value = value.to_string();
+            Config::from_lookup(move |n| (n == "FAKE_CUDA_EVENT_NS").then(|| value.clone())).event_ns
+        };
+        assert_eq!(with("2500"), 2500);
+        assert_eq!(with(" 7 "), 7);
+        assert_eq!(with("5000000"), MAX_EVENT_NS);
+        assert_eq!(with("-1"), 0);
+        assert_eq!(Config::from_lookup(|_| None).event_ns, 0);
     }
 
     #[test]

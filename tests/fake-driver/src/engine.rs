@@ -3,7 +3,10 @@
 //! before it on the engine, the stream's event waits) and ends `duration` later. Its duration
 //! is added to the truth's busy time at launch. Synchronisation sleeps until the relevant end:
 //! a stream's last work, the device's engine for the default streams (legacy and per-thread
-//! alike) and contexts. Events complete when the work queued before them on their stream ends.
+//! alike) and contexts. Events complete when the work queued before them on their stream ends;
+//! with `FAKE_CUDA_EVENT_NS`, that much later, and the work after them waits as long (idle GPU
+//! time: on the H200 a pair of events around a kernel reads 1-2.9 us more than the kernel's time
+//! back to back, `tests/gpu/bracket_probe.cu`).
 //!
 //! Lazy loading: the first launch of each function (any launch path, a launch into a capturing
 //! stream included, as CUDA loads a kernel when it is captured) sleeps `FAKE_CUDA_MODULE_LOAD_US`
@@ -79,6 +82,15 @@ impl State {
         }
         self.add_busy(target.phys, ns, now);
         end
+    }
+
+    /// Work queued where `target` points from now on starts at `at` at the earliest (after an
+    /// event's own time).
+    fn queue_waits_until(&mut self, target: &Target, at: u64) {
+        self.engine_end[target.phys] = self.engine_end[target.phys].max(at);
+        if let Some(stream) = target.stream.and_then(|h| self.streams.get_mut(&h)) {
+            stream.last_end = stream.last_end.max(at);
+        }
     }
 
     /// Loads `f` on its first launch: returns when its load ends (sleep until then, unlocked).
@@ -506,9 +518,15 @@ fn event_record(event: CUevent, stream: CUstream) -> CuResult {
         // An event record node; the graph runs its kernels back to back anyway.
         return Ok(());
     }
-    let end = state.stream_end(&target);
+    let done_at = state
+        .stream_end(&target)
+        .max(now_ns())
+        .saturating_add(config().event_ns);
+    if config().event_ns > 0 {
+        state.queue_waits_until(&target, done_at);
+    }
     if let Some(e) = state.events.get_mut(&(event as usize)) {
-        e.done_at = Some(end.max(now_ns()));
+        e.done_at = Some(done_at);
     }
     Ok(())
 }

@@ -13,6 +13,7 @@ use crate::sys::cuda::{CU_STREAM_CAPTURE_STATUS_NONE, CUDA_SUCCESS, CUresult, CU
 use crate::throttle::sensor::{InFlight, SampleInfo};
 use crate::throttle::{Stream, activity, bucket, now_ns};
 
+use super::pairs::{self, OpenPair};
 use super::{Runtime, SHUTDOWN, runtime};
 
 /// Shortest sleep of a waiting launch: below this, sleeping costs more than it saves, and the
@@ -38,6 +39,8 @@ pub struct Ticket {
     /// The limiter planned to measure this launch.
     planned_sample: bool,
     sample: Option<InFlight>,
+    /// The pair this launch is the second launch of.
+    closes: Option<OpenPair>,
 }
 
 /// Before a launch on the limited path: waits for budget, charges, and starts a sample. `Ok(None)`
@@ -136,6 +139,7 @@ impl Runtime {
             }
         };
         self.account(hami, bucket, region_index, charge as i64, waited);
+        let closes = pairs::take_closable(region_index, stream, measurable && !plan.sample);
         let sample = if plan.sample && measurable {
             if !checked && capturing(stream) {
                 self.charge(bucket, region_index, -(charge as i64));
@@ -159,6 +163,7 @@ impl Runtime {
             region_index,
             planned_sample: plan.sample,
             sample,
+            closes,
         })
     }
 
@@ -166,7 +171,22 @@ impl Runtime {
         let Some(device) = self.devices.get(ticket.region_index) else {
             return;
         };
-        let measured = ticket.sample.is_some_and(|sample| device.sensor.end(sample, status));
+        if let Some(pair) = ticket.closes {
+            pair.close(ticket.key, status);
+        }
+        // A pair's first launch is not a measurement of its key.
+        let measured = match ticket.sample {
+            Some(sample) if sample.is_pair() => {
+                if status == CUDA_SUCCESS {
+                    pairs::open(ticket.runtime, ticket.region_index, sample);
+                } else {
+                    device.sensor.abandon(sample);
+                }
+                false
+            }
+            Some(sample) => device.sensor.end(sample, status),
+            None => false,
+        };
         if ticket.planned_sample && !measured {
             device.estimates().not_measured(ticket.key, ticket.planned);
         }

@@ -9,6 +9,7 @@
 //! background thread is gone, so the child builds fresh state on its first limited launch.
 
 mod admission;
+mod pairs;
 mod poller;
 
 use std::sync::Once;

@@ -12,7 +12,7 @@ use crate::sys::cuda::CUdevice;
 use crate::throttle::boost;
 use crate::throttle::crosscheck::{self, CrossCheck, Report};
 use crate::throttle::now_ns;
-use crate::throttle::sensor::Measured;
+use crate::throttle::sensor::{MIN_PAIR_PART_NS, Measured, SampleInfo};
 
 use super::{BOOST_UNIT, Device, POLLER_IN_DRIVER, RUNTIME, Runtime, SHUTDOWN, add_signed, at_exit};
 
@@ -257,14 +257,28 @@ impl Runtime {
         }
     }
 
-    /// A measurement came back: correct the charges it stands for.
+    /// A measurement came back: correct the charges it stands for (a pair: learn what a bracket
+    /// adds on a queued stream from it).
     fn correct(&self, device: &Device, sample: Measured) {
         let Measured {
             info,
             gpu_ns: measured,
+            reading_ns,
             queued,
+            pair_with,
         } = sample;
-        let correction = device.estimates().measured(info.key, info.charged, measured);
+        if let Some(second) = pair_with {
+            learn_from_pair(device, info, second, measured);
+            return;
+        }
+        let correction = {
+            let mut estimates = device.estimates();
+            let correction = estimates.measured(info.key, info.charged, measured);
+            if queued {
+                estimates.note_queued_reading(info.key, reading_ns);
+            }
+            correction
+        };
         let correction = self.boosted(info.region_index, correction);
         // One line per measurement: what a run's diagnosis needs (measured against charged).
         tracing::debug!(
@@ -361,4 +375,27 @@ impl Runtime {
             slot.device_util[index].sm_util.store(percent, Ordering::Relaxed);
         }
     }
+}
+
+/// A pair came back: `pair_ns` for the launch of `info.key` and the next one, of `second`. It
+/// counts where both keys have settled readings on queued streams, long enough
+/// ([`MIN_PAIR_PART_NS`]).
+fn learn_from_pair(device: &Device, info: SampleInfo, second: u64, pair_ns: u64) {
+    let parts = {
+        let mut estimates = device.estimates();
+        (estimates.queued_reading(info.key), estimates.queued_reading(second))
+    };
+    let (Some(first_ns), Some(second_ns)) = parts else {
+        return;
+    };
+    if first_ns < MIN_PAIR_PART_NS || second_ns < MIN_PAIR_PART_NS {
+        return;
+    }
+    let overhead = device.sensor.learn_overhead(pair_ns, first_ns + second_ns);
+    tracing::debug!(
+        "compute limiter: device index {} pair {:x}+{second:x} measured {pair_ns} ns, alone {first_ns}+{second_ns} ns; \
+         queued bracket overhead now {overhead} ns",
+        info.region_index,
+        info.key
+    );
 }

@@ -1,0 +1,70 @@
+//! The calling thread's open pair: a sample begun as the first launch of a pair
+//! ([`crate::throttle::sensor`]), waiting for the thread's next launch on the same stream. Any
+//! other next launch (another stream or device, one that is itself sampled, one on a stream that
+//! ran empty or is being captured) gives it up, and so does the thread's exit.
+
+use std::cell::RefCell;
+
+use crate::sys::cuda::{CUresult, CUstream};
+use crate::throttle::sensor::{self, InFlight};
+
+use super::Runtime;
+
+thread_local! {
+    static OPEN_PAIR: RefCell<Option<OpenPair>> = const { RefCell::new(None) };
+}
+
+/// A pair's first launch, submitted; its events go back to their pool when it is dropped unended.
+pub struct OpenPair {
+    runtime: &'static Runtime,
+    region_index: usize,
+    launch: Option<InFlight>,
+}
+
+impl OpenPair {
+    /// Ends the pair after its second launch, of `second_key`, returned `status`.
+    pub fn close(mut self, second_key: u64, status: CUresult) {
+        if let (Some(launch), Some(device)) = (self.launch.take(), self.runtime.devices.get(self.region_index)) {
+            device.sensor.end_pair(launch, second_key, status);
+        }
+    }
+}
+
+impl Drop for OpenPair {
+    fn drop(&mut self) {
+        if let (Some(launch), Some(device)) = (self.launch.take(), self.runtime.devices.get(self.region_index)) {
+            device.sensor.abandon(launch);
+        }
+    }
+}
+
+/// Keeps `launch`, a pair's first launch that the driver accepted, for the thread's next launch
+/// (giving up any pair still open).
+pub fn open(runtime: &'static Runtime, region_index: usize, launch: InFlight) {
+    let pair = OpenPair {
+        runtime,
+        region_index,
+        launch: Some(launch),
+    };
+    // During the thread's exit the slot is gone: the pair is dropped (given up) here.
+    let _ = OPEN_PAIR.try_with(|slot| {
+        if let Ok(mut slot) = slot.try_borrow_mut() {
+            let previous = slot.replace(pair);
+            drop(slot);
+            drop(previous);
+        }
+    });
+}
+
+/// The thread's open pair if this launch, on `stream` of the device at `region_index`, is its
+/// second one: `can_close` (the launch is measurable and not sampled itself), and the stream
+/// still has work queued, so that no idle time falls between the two launches. Any open pair
+/// that this launch cannot close is given up.
+pub fn take_closable(region_index: usize, stream: CUstream, can_close: bool) -> Option<OpenPair> {
+    let pair = OPEN_PAIR
+        .try_with(|slot| slot.try_borrow_mut().ok().and_then(|mut slot| slot.take()))
+        .ok()
+        .flatten()?;
+    let same = pair.region_index == region_index && pair.launch.as_ref().is_some_and(|l| l.stream() == stream);
+    (can_close && same && sensor::stream_busy(stream)).then_some(pair)
+}
