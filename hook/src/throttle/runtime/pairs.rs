@@ -1,7 +1,9 @@
 //! The calling thread's open pair: a sample begun as the first launch of a pair
 //! ([`crate::throttle::sensor`]), waiting for the thread's next launch on the same stream. Any
 //! other next launch (another stream or device, one that is itself sampled, one on a stream that
-//! ran empty or is being captured) gives it up, and so does the thread's exit.
+//! ran empty or is being captured) gives it up, and so does the thread's exit. A pair a forked
+//! child inherits belongs to its parent's limiter: it is forgotten, never touched (its sensor's
+//! lock may have been held by another of the parent's threads at the fork).
 
 use std::cell::RefCell;
 
@@ -22,6 +24,11 @@ pub struct OpenPair {
 }
 
 impl OpenPair {
+    /// Whether the pair belongs to this process's limiter (not to a parent's before a fork).
+    fn own(&self) -> bool {
+        self.runtime.epoch == crate::session::epoch()
+    }
+
     /// Ends the pair after its second launch, of `second_key`, returned `status`.
     pub fn close(mut self, second_key: u64, status: CUresult) {
         if let (Some(launch), Some(device)) = (self.launch.take(), self.runtime.devices.get(self.region_index)) {
@@ -32,8 +39,13 @@ impl OpenPair {
 
 impl Drop for OpenPair {
     fn drop(&mut self) {
-        if let (Some(launch), Some(device)) = (self.launch.take(), self.runtime.devices.get(self.region_index)) {
-            device.sensor.abandon(launch);
+        let Some(launch) = self.launch.take() else {
+            return;
+        };
+        match self.runtime.devices.get(self.region_index) {
+            Some(device) if self.own() => device.sensor.abandon(launch),
+            // A parent's: its events stay out of the pool (a bounded leak, once per fork).
+            _ => std::mem::forget(launch),
         }
     }
 }
@@ -65,6 +77,7 @@ pub fn take_closable(region_index: usize, stream: CUstream, can_close: bool) -> 
         .try_with(|slot| slot.try_borrow_mut().ok().and_then(|mut slot| slot.take()))
         .ok()
         .flatten()?;
-    let same = pair.region_index == region_index && pair.launch.as_ref().is_some_and(|l| l.stream() == stream);
+    let same =
+        pair.own() && pair.region_index == region_index && pair.launch.as_ref().is_some_and(|l| l.stream() == stream);
     (can_close && same && sensor::stream_busy(stream)).then_some(pair)
 }
