@@ -3,6 +3,7 @@
 //     compute_jobs loop seconds=<s> kernels=<k> us=<d> per_iteration=<n> sync=<m> pause_us=<p> window_ms=<w> [alt_us=<a>]
 //     compute_jobs graph seconds=<s> kernels=<k> us=<d> sync=<m> window_ms=<w>
 //     compute_jobs devices launches=<n>[,<n1>...] us=<d> sync=<m>
+//     compute_jobs capture seconds=<s> us=<d> per_iteration=<n>
 //
 // Kernels are the fake driver's `busy_<d>us_<i>`, i = 0..k-1: k functions of d microseconds each
 // (with alt_us, `busy_<d>us_alt_<a>us_<i>`: d and a microseconds by turns, launch by launch),
@@ -27,6 +28,12 @@
 // together (a barrier after set-up). Each prints
 //     device index=<i> launches=<n> seconds=<from its first launch to its last synchronisation>
 //          max_launch_ns=<n> slow_launches=<n> errors=<n> first_error=<status>
+//
+// capture: on a created stream, an iteration launches busy_<d>us <n> times, then captures two more
+// launches of it on the same stream into a graph (begin, launch, launch, end: a graph captured
+// while earlier work is queued, as a framework warming up then capturing does), destroys the graph
+// and synchronises; for <s> seconds. Prints
+//     done iterations=<n> captures_failed=<n> first_error=<status of the first failed end or launch>
 //
 // A failed set-up call prints "setup-failed <call> <status>" and exits with 1.
 #define _GNU_SOURCE
@@ -256,12 +263,52 @@ static int devices_job(int argc, char **argv) {
     return 0;
 }
 
+/// capture: queued launches, then a capture on the same stream, over and over.
+static int capture_job(int argc, char **argv) {
+    double seconds = arg(argc, argv, "seconds", 2);
+    int us = (int)arg(argc, argv, "us", 20), per_iteration = (int)arg(argc, argv, "per_iteration", 2);
+    CUdevice device;
+    CUcontext context;
+    CUmodule module;
+    CUfunction function;
+    CUstream stream;
+    char name[64];
+    snprintf(name, sizeof name, "busy_%dus", us);
+    CHECK(cuInit(0));
+    CHECK(cuDeviceGet(&device, 0));
+    CHECK(cuDevicePrimaryCtxRetain(&context, device));
+    CHECK(cuCtxSetCurrent(context));
+    CHECK(cuModuleLoadData(&module, "fake"));
+    CHECK(cuModuleGetFunction(&function, module, name));
+    CHECK(cuStreamCreate(&stream, 0));
+    unsigned long long iterations = 0, failed = 0;
+    int first_error = 0;
+    unsigned long long deadline = now_ns() + (unsigned long long)(seconds * 1e9);
+    while (now_ns() < deadline) {
+        for (int i = 0; i < per_iteration; i++)
+            CHECK(cuLaunchKernel(function, 1, 1, 1, 1, 1, 1, 0, stream, NULL, NULL));
+        CUgraph graph = NULL;
+        CHECK(cuStreamBeginCapture(stream, CU_STREAM_CAPTURE_MODE_GLOBAL));
+        CUresult first = cuLaunchKernel(function, 1, 1, 1, 1, 1, 1, 0, stream, NULL, NULL);
+        CUresult second = cuLaunchKernel(function, 1, 1, 1, 1, 1, 1, 0, stream, NULL, NULL);
+        CUresult end = cuStreamEndCapture(stream, &graph);
+        CUresult status = first != CUDA_SUCCESS ? first : second != CUDA_SUCCESS ? second : end;
+        if (status != CUDA_SUCCESS && failed++ == 0) first_error = (int)status;
+        if (graph) CHECK(cuGraphDestroy(graph));
+        CHECK(cuStreamSynchronize(stream));
+        iterations++;
+    }
+    printf("done iterations=%llu captures_failed=%llu first_error=%d\n", iterations, failed, first_error);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     // Host pauses as exact as the kernel allows (the default slack adds 50 us to each).
     prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
     if (argc >= 2 && strcmp(argv[1], "loop") == 0) return windows_job(argc, argv, 0);
     if (argc >= 2 && strcmp(argv[1], "graph") == 0) return windows_job(argc, argv, 1);
     if (argc >= 2 && strcmp(argv[1], "devices") == 0) return devices_job(argc, argv);
-    fprintf(stderr, "usage: compute_jobs loop|graph|devices key=value...\n");
+    if (argc >= 2 && strcmp(argv[1], "capture") == 0) return capture_job(argc, argv);
+    fprintf(stderr, "usage: compute_jobs loop|graph|devices|capture key=value...\n");
     return 2;
 }

@@ -43,8 +43,9 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering}
 use super::now_ns;
 use crate::hooks::real;
 use crate::sys::cuda::{
-    CU_EVENT_DEFAULT, CU_MEMHOSTALLOC_DEVICEMAP, CU_MEMHOSTALLOC_PORTABLE, CU_STREAM_WAIT_VALUE_GEQ,
-    CUDA_ERROR_NOT_READY, CUDA_SUCCESS, CUcontext, CUdeviceptr, CUevent, CUresult, CUstream, CUstreamCaptureMode,
+    CU_EVENT_DEFAULT, CU_MEMHOSTALLOC_DEVICEMAP, CU_MEMHOSTALLOC_PORTABLE, CU_STREAM_CAPTURE_STATUS_NONE,
+    CU_STREAM_WAIT_VALUE_GEQ, CUDA_ERROR_NOT_READY, CUDA_SUCCESS, CUcontext, CUdeviceptr, CUevent, CUresult, CUstream,
+    CUstreamCaptureMode, CUstreamCaptureStatus,
 };
 
 /// Samples in flight at most; beyond, launches go unmeasured (their charges are corrected by the
@@ -78,12 +79,16 @@ pub const PAIR_SMOOTHING: u64 = 32;
 
 /// The overhead to take off a queued stream's measurements after one more pair: its reading
 /// `pair_ns`, what a bracket reads for each of its two launches alone, summed (`alone_ns`), and
-/// `pairs_before` pairs counted so far. A pair's own figure is kept within 0 and
-/// [`MAX_QUEUED_OVERHEAD_NS`], so that one pair holding other work moves it by a bounded step.
+/// `pairs_before` pairs counted so far. A pair's own figure may be negative (its launches' readings
+/// are smoothed, its own is one reading) and is averaged as it is, so that noise does not bias the
+/// mean; it is kept within [`MAX_QUEUED_OVERHEAD_NS`] either way, so that a pair holding other work
+/// moves the mean by a bounded step. The mean is kept within 0 and [`MAX_QUEUED_OVERHEAD_NS`].
 pub fn next_overhead(current: u64, pairs_before: u64, pair_ns: u64, alone_ns: u64) -> u64 {
-    let overhead = (i128::from(alone_ns) - i128::from(pair_ns)).clamp(0, i128::from(MAX_QUEUED_OVERHEAD_NS)) as u64;
-    let weight = (pairs_before + 1).min(PAIR_SMOOTHING);
-    (current * (weight - 1) + overhead) / weight
+    let bound = i128::from(MAX_QUEUED_OVERHEAD_NS);
+    let said = (i128::from(alone_ns) - i128::from(pair_ns)).clamp(-bound, bound);
+    let weight = i128::from((pairs_before + 1).min(PAIR_SMOOTHING));
+    let current = i128::from(current.min(MAX_QUEUED_OVERHEAD_NS));
+    ((current * (weight - 1) + said) / weight).clamp(0, bound) as u64
 }
 
 /// Cleared when the driver refuses a stream wait: holds are not tried again.
@@ -316,8 +321,22 @@ fn record(event: usize, stream: CUstream) -> bool {
     unsafe { record(event as CUevent, stream) == CUDA_SUCCESS }
 }
 
-/// Whether `stream` has work queued: the driver says not ready (a stream being captured, or one
-/// the driver cannot query, is not).
+/// Whether `stream` is being captured (or cannot be asked): launches there do not run now, and
+/// no other call than this one may be made on it (`cuStreamQuery` would invalidate the capture).
+pub fn capturing(stream: CUstream) -> bool {
+    let Some(is_capturing) = real::cuStreamIsCapturing() else {
+        return false;
+    };
+    let mut status: CUstreamCaptureStatus = CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: the application's stream and a valid out-pointer.
+    let result = unsafe { is_capturing(stream, &mut status) };
+    // An error means the launch itself will fail (an invalid stream, or the legacy stream during
+    // a capture): nothing to gate.
+    result != CUDA_SUCCESS || status != CU_STREAM_CAPTURE_STATUS_NONE
+}
+
+/// Whether `stream` has work queued: the driver says not ready. Never to be asked of a stream
+/// being captured ([`capturing`] first).
 pub fn stream_busy(stream: CUstream) -> bool {
     let Some(query) = real::cuStreamQuery() else {
         return false;
@@ -470,8 +489,12 @@ impl Sensor {
             return None;
         }
         launch.submitted_ns = now_ns();
-        // Counted from here, so that the background thread polls often while a hold is out.
-        self.outstanding.fetch_add(1, Ordering::Relaxed);
+        // Counted from here, so that the background thread polls often while a hold is out. An
+        // open pair is counted once it ends: until its thread launches again (which may be long
+        // after) it must neither keep the poller busy nor take a place among MAX_PENDING.
+        if !pair {
+            self.outstanding.fetch_add(1, Ordering::Relaxed);
+        }
         Some(launch)
     }
 
@@ -480,6 +503,7 @@ impl Sensor {
     /// Returns whether the pair is in flight.
     pub fn end_pair(&self, launch: InFlight, second_key: u64, status: CUresult) -> bool {
         let ended = status == CUDA_SUCCESS && record(launch.end, launch.stream);
+        self.outstanding.fetch_add(1, Ordering::Relaxed);
         self.finish(&launch, ended, 0, Some(second_key))
     }
 
@@ -506,7 +530,13 @@ impl Sensor {
 
     /// Gives up a begun sample (a pair whose second launch did not come on its stream).
     pub fn abandon(&self, launch: InFlight) {
-        self.finish(&launch, false, 0, None);
+        if launch.pair {
+            // Never counted as outstanding (see `begin`).
+            let mut state = self.state.lock();
+            Self::give_back(&mut state, launch.pool, [launch.start, launch.end]);
+        } else {
+            self.finish(&launch, false, 0, None);
+        }
     }
 
     /// What is taken off a measurement of a queued stream now.
@@ -665,15 +695,25 @@ mod tests {
 
     #[test]
     fn a_pair_holding_other_work_or_less_than_its_launches_moves_the_overhead_a_bounded_step() {
-        // A pair read longer than its two launches alone (other work inside it): 0 for that pair.
-        assert_eq!(next_overhead(2_000, 100, 60_000, 45_000), 2_000 * 31 / 32);
-        // A pair far shorter: at most MAX_QUEUED_OVERHEAD_NS.
+        // A pair read longer than its two launches alone (other work inside it, or noise): it
+        // counts as negative, at most MAX_QUEUED_OVERHEAD_NS below.
+        assert_eq!(next_overhead(2_000, 100, 46_000, 45_000), (2_000 * 31 - 1_000) / 32);
+        assert_eq!(next_overhead(2_000, 100, 90_000, 45_000), (2_000 * 31 - 5_000) / 32);
+        // Noise around a true 1 us averages to 1 us: it is not clamped at 0 pair by pair.
+        let mut overhead = 0;
+        for pair in 0..64 {
+            let said = if pair % 2 == 0 { 4_000 } else { -2_000 };
+            overhead = next_overhead(overhead, pair, (45_000 - said) as u64, 45_000);
+        }
+        assert!((900..=1_100).contains(&overhead), "{overhead}");
+        // The mean stays within 0 and MAX_QUEUED_OVERHEAD_NS.
+        assert_eq!(next_overhead(0, 0, 60_000, 45_000), 0);
         assert_eq!(next_overhead(0, 0, 10_000, 45_000), MAX_QUEUED_OVERHEAD_NS);
         // Hostile readings do not overflow.
-        let current = u64::MAX / 64;
+        assert_eq!(next_overhead(u64::MAX, 5, 0, u64::MAX), MAX_QUEUED_OVERHEAD_NS);
         assert_eq!(
-            next_overhead(current, 5, 0, u64::MAX),
-            (current * 5 + MAX_QUEUED_OVERHEAD_NS) / 6
+            next_overhead(u64::MAX, 5, u64::MAX, 0),
+            (MAX_QUEUED_OVERHEAD_NS * 5 - MAX_QUEUED_OVERHEAD_NS) / 6
         );
     }
 }

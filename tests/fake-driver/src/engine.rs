@@ -389,9 +389,13 @@ pub unsafe extern "C" fn cuStreamSynchronize_ptsz(hStream: CUstream) -> CUresult
 }
 
 fn stream_query(stream: CUstream) -> CuResult {
-    let state = initialised()?;
+    let mut state = initialised()?;
     let target = state.stream_target(stream)?;
-    if target.capturing.is_some() {
+    if let Some(handle) = target.capturing {
+        // Not allowed during a capture: the real driver invalidates it.
+        if let Some(capture) = state.streams.get_mut(&handle).and_then(|s| s.capture.as_mut()) {
+            capture.invalidated = true;
+        }
         return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
     }
     if now_ns() < state.stream_end(&target) {

@@ -223,6 +223,7 @@ impl State {
                 id,
                 deps: Vec::new(),
                 edges: Vec::new(),
+                invalidated: false,
             });
         }
         Ok(())
@@ -236,6 +237,9 @@ impl State {
             .get_mut(&handle)
             .and_then(|s| s.capture.take())
             .ok_or(CUDA_ERROR_ILLEGAL_STATE)?;
+        if capture.invalidated {
+            return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+        }
         Ok(capture.graph)
     }
 }

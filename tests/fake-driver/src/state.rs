@@ -55,6 +55,9 @@ pub struct Capture {
     pub deps: Vec<usize>,
     /// Default edge data, one word per dependency.
     pub edges: Vec<u64>,
+    /// A call the capture does not allow was made on the stream (`cuStreamQuery`): ending the
+    /// capture fails with `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`, as on a real driver.
+    pub invalidated: bool,
 }
 
 pub struct Event {

@@ -463,3 +463,34 @@ fn a_bracket_that_adds_1000_ns_is_learned_from_pairs() {
         "{mean:.1}% over 3 s at limit 50 (per second {shares:.1?})"
     );
 }
+
+/// A stream with 20 us kernels queued, then captured into a graph, over and over at limit 50 (a
+/// framework warming up, then capturing on the same stream): the limiter never makes a call that a
+/// capture forbids on the captured stream (the fake, as the real driver, invalidates a capture
+/// whose stream is queried). A pair left open by the last launch before the capture used to query
+/// the stream at the first captured launch.
+#[test]
+fn a_capture_after_queued_launches_is_never_invalidated() {
+    let dir = ScratchDir::new("compute-jobs-capture");
+    let env = [("CUDA_DEVICE_SM_LIMIT", "50")];
+    let mut session = job(&dir, &env, "capture seconds=3 us=20 per_iteration=2").spawn(Duration::from_secs(60));
+    let output = session.finish();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "job failed ({}): {stdout}", output.status);
+    let done = stdout
+        .lines()
+        .find(|line| line.starts_with("done "))
+        .map(Fields::parse)
+        .expect("a summary line");
+    eprintln!("capture after queued launches: {done:?}");
+    assert!(
+        done.get("iterations") >= 100.0,
+        "too few iterations to say anything: {stdout}"
+    );
+    assert_eq!(
+        done.get("captures_failed"),
+        0.0,
+        "captures failed (first status {}): {stdout}",
+        done.get("first_error")
+    );
+}

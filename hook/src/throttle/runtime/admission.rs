@@ -8,9 +8,8 @@ use std::time::Duration;
 use vgpu_config::UtilizationPolicy;
 use vgpu_region::{ComputeDevice, SharedRegion};
 
-use crate::hooks::real;
-use crate::sys::cuda::{CU_STREAM_CAPTURE_STATUS_NONE, CUDA_SUCCESS, CUresult, CUstream, CUstreamCaptureStatus};
-use crate::throttle::sensor::{InFlight, SampleInfo};
+use crate::sys::cuda::{CUDA_SUCCESS, CUresult, CUstream};
+use crate::throttle::sensor::{InFlight, SampleInfo, capturing};
 use crate::throttle::{Stream, activity, bucket, now_ns};
 
 use super::pairs::{self, OpenPair};
@@ -60,19 +59,6 @@ pub fn after(ticket: Option<Ticket>, status: CUresult) {
     if let Some(ticket) = ticket {
         ticket.runtime.after(ticket, status);
     }
-}
-
-/// Whether `stream` is being captured (or cannot be asked): such launches do not run now.
-fn capturing(stream: CUstream) -> bool {
-    let Some(is_capturing) = real::cuStreamIsCapturing() else {
-        return false;
-    };
-    let mut status: CUstreamCaptureStatus = CU_STREAM_CAPTURE_STATUS_NONE;
-    // SAFETY: the application's stream and a valid out-pointer.
-    let result = unsafe { is_capturing(stream, &mut status) };
-    // An error means the launch itself will fail (an invalid stream, or the legacy stream during
-    // a capture): nothing to gate.
-    result != CUDA_SUCCESS || status != CU_STREAM_CAPTURE_STATUS_NONE
 }
 
 fn sleep_ns(ns: u64) {

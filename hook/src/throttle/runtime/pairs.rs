@@ -79,5 +79,6 @@ pub fn take_closable(region_index: usize, stream: CUstream, can_close: bool) -> 
         .flatten()?;
     let same =
         pair.own() && pair.region_index == region_index && pair.launch.as_ref().is_some_and(|l| l.stream() == stream);
-    (can_close && same && sensor::stream_busy(stream)).then_some(pair)
+    // The capture check first: a query of a stream being captured would invalidate its capture.
+    (can_close && same && !sensor::capturing(stream) && sensor::stream_busy(stream)).then_some(pair)
 }
