@@ -59,40 +59,30 @@ def per_key(found):
     return keys
 
 
-def split_line(found, side, label, other):
-    """One line on what one kind of sample (side(sample) true: `label`) reads against the others
-    (`other`): for keys sampled both ways, the mean of (mean of the kind - mean of the others),
-    weighted by the key's samples of the kind. A kernel takes the same time either way, so the
-    difference is what the bracket reads more than the overheads taken off the two kinds.
-    None where the lines do not say (side gives None)."""
-    sides = [side(sample) for sample in found]
-    if all(s is None for s in sides):
+def queued_line(found):
+    """One line on what a queued stream adds: for keys sampled both on a queued and on an idle
+    stream, the mean of (queued mean - idle mean), weighted by the key's queued samples. A kernel
+    takes the same time either way, so the difference is what the bracket reads more on a queued
+    stream than the overhead taken off for it."""
+    states = [state for _, _, _, state in found if state]
+    if not states:
         return None
-    by_key = defaultdict(lambda: {True: [], False: []})
-    for sample, kind in zip(found, sides):
-        key, measured, charged = sample[0], sample[1], sample[2]
-        if kind is not None and charged != PRIOR_NS:
-            by_key[key][kind].append(measured)
+    by_key = defaultdict(lambda: {"queued": [], "idle": []})
+    for key, measured, charged, state in found:
+        if state in ("queued", "idle") and charged != PRIOR_NS:
+            by_key[key][state].append(measured)
     weighted = weight = 0
     for samples in by_key.values():
-        if samples[True] and samples[False]:
-            difference = sum(samples[True]) / len(samples[True]) - sum(samples[False]) / len(samples[False])
-            weighted += difference * len(samples[True])
-            weight += len(samples[True])
-    both = sum(1 for samples in by_key.values() if samples[True] and samples[False])
-    count = sum(1 for s in sides if s)
-    known = sum(1 for s in sides if s is not None)
-    text = f"{label} at {count} of {known} samples"
+        if samples["queued"] and samples["idle"]:
+            difference = sum(samples["queued"]) / len(samples["queued"]) - sum(samples["idle"]) / len(samples["idle"])
+            weighted += difference * len(samples["queued"])
+            weight += len(samples["queued"])
+    both = sum(1 for samples in by_key.values() if samples["queued"] and samples["idle"])
+    queued = states.count("queued")
+    text = f"stream queued at {queued} of {len(states)} samples"
     if weight:
-        text += f"; {both} keys sampled both ways: {label} samples measure {weighted / weight / 1000:+.2f} us against {other} ones"
+        text += f"; {both} keys sampled both ways: queued samples measure {weighted / weight / 1000:+.2f} us against idle ones"
     return text
-
-
-def queued_line(found):
-    """What a queued stream adds (see split_line)."""
-    return split_line(
-        found, lambda s: None if s[3] not in ("queued", "idle") else s[3] == "queued", "stream queued", "idle"
-    )
 
 
 def pair_line(paths):

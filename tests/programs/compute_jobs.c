@@ -33,7 +33,8 @@
 // launches of it on the same stream into a graph (begin, launch, launch, end: a graph captured
 // while earlier work is queued, as a framework warming up then capturing does), destroys the graph
 // and synchronises; for <s> seconds. Prints
-//     done iterations=<n> captures_failed=<n> first_error=<status of the first failed end or launch>
+//     done iterations=<n> errors=<failed captured launches> captures_failed=<failed ends>
+//          first_error=<status of the first failure of either>
 //
 // A failed set-up call prints "setup-failed <call> <status>" and exits with 1.
 #define _GNU_SOURCE
@@ -112,6 +113,18 @@ static void count(struct Tally *tally, CUresult status, unsigned long long took)
     if (status != CUDA_SUCCESS && tally->errors++ == 0) tally->first_error = (int)status;
 }
 
+/// Makes device `index`'s primary context current on this thread and loads the fake's module.
+static CUmodule open_device(int index) {
+    CUdevice device;
+    CUcontext context;
+    CUmodule module;
+    CHECK(cuDeviceGet(&device, index));
+    CHECK(cuDevicePrimaryCtxRetain(&context, device));
+    CHECK(cuCtxSetCurrent(context));
+    CHECK(cuModuleLoadData(&module, "fake"));
+    return module;
+}
+
 /// loop and graph: iterations until <seconds> from the first launch, counted by window.
 static int windows_job(int argc, char **argv, int graph_mode) {
     double seconds = arg(argc, argv, "seconds", 3);
@@ -129,17 +142,11 @@ static int windows_job(int argc, char **argv, int graph_mode) {
     int windows = (int)(seconds * 1000.0 / window_ms + 1e-9);
     if (windows > MAX_WINDOWS) windows = MAX_WINDOWS;
 
-    CUdevice device;
-    CUcontext context;
-    CUmodule module;
     CUfunction functions[MAX_KERNELS];
     CUstream stream = NULL;
     CUgraphExec exec = NULL;
     CHECK(cuInit(0));
-    CHECK(cuDeviceGet(&device, 0));
-    CHECK(cuDevicePrimaryCtxRetain(&context, device));
-    CHECK(cuCtxSetCurrent(context));
-    CHECK(cuModuleLoadData(&module, "fake"));
+    CUmodule module = open_device(0);
     for (int i = 0; i < kernels; i++) {
         char name[64];
         if (alt_us > 0)
@@ -209,17 +216,10 @@ struct DeviceJob {
 
 static void *device_thread(void *argument) {
     struct DeviceJob *job = argument;
-    CUdevice device;
-    CUcontext context;
-    CUmodule module;
     CUfunction function;
     char name[64];
     snprintf(name, sizeof name, "busy_%dus", job->us);
-    CHECK(cuDeviceGet(&device, job->index));
-    CHECK(cuDevicePrimaryCtxRetain(&context, device));
-    CHECK(cuCtxSetCurrent(context));
-    CHECK(cuModuleLoadData(&module, "fake"));
-    CHECK(cuModuleGetFunction(&function, module, name));
+    CHECK(cuModuleGetFunction(&function, open_device(job->index), name));
     pthread_barrier_wait(job->barrier);
     unsigned long long start = now_ns();
     for (int i = 1; i <= job->launches; i++) {
@@ -267,21 +267,14 @@ static int devices_job(int argc, char **argv) {
 static int capture_job(int argc, char **argv) {
     double seconds = arg(argc, argv, "seconds", 2);
     int us = (int)arg(argc, argv, "us", 20), per_iteration = (int)arg(argc, argv, "per_iteration", 2);
-    CUdevice device;
-    CUcontext context;
-    CUmodule module;
     CUfunction function;
     CUstream stream;
     char name[64];
     snprintf(name, sizeof name, "busy_%dus", us);
     CHECK(cuInit(0));
-    CHECK(cuDeviceGet(&device, 0));
-    CHECK(cuDevicePrimaryCtxRetain(&context, device));
-    CHECK(cuCtxSetCurrent(context));
-    CHECK(cuModuleLoadData(&module, "fake"));
-    CHECK(cuModuleGetFunction(&function, module, name));
+    CHECK(cuModuleGetFunction(&function, open_device(0), name));
     CHECK(cuStreamCreate(&stream, 0));
-    unsigned long long iterations = 0, failed = 0;
+    unsigned long long iterations = 0, errors = 0, failed = 0;
     int first_error = 0;
     unsigned long long deadline = now_ns() + (unsigned long long)(seconds * 1e9);
     while (now_ns() < deadline) {
@@ -289,16 +282,18 @@ static int capture_job(int argc, char **argv) {
             CHECK(cuLaunchKernel(function, 1, 1, 1, 1, 1, 1, 0, stream, NULL, NULL));
         CUgraph graph = NULL;
         CHECK(cuStreamBeginCapture(stream, CU_STREAM_CAPTURE_MODE_GLOBAL));
-        CUresult first = cuLaunchKernel(function, 1, 1, 1, 1, 1, 1, 0, stream, NULL, NULL);
-        CUresult second = cuLaunchKernel(function, 1, 1, 1, 1, 1, 1, 0, stream, NULL, NULL);
+        for (int i = 0; i < 2; i++) {
+            CUresult status = cuLaunchKernel(function, 1, 1, 1, 1, 1, 1, 0, stream, NULL, NULL);
+            if (status != CUDA_SUCCESS && errors++ + failed == 0) first_error = (int)status;
+        }
         CUresult end = cuStreamEndCapture(stream, &graph);
-        CUresult status = first != CUDA_SUCCESS ? first : second != CUDA_SUCCESS ? second : end;
-        if (status != CUDA_SUCCESS && failed++ == 0) first_error = (int)status;
+        if (end != CUDA_SUCCESS && failed++ + errors == 0) first_error = (int)end;
         if (graph) CHECK(cuGraphDestroy(graph));
         CHECK(cuStreamSynchronize(stream));
         iterations++;
     }
-    printf("done iterations=%llu captures_failed=%llu first_error=%d\n", iterations, failed, first_error);
+    printf("done iterations=%llu errors=%llu captures_failed=%llu first_error=%d\n", iterations, errors, failed,
+           first_error);
     return 0;
 }
 

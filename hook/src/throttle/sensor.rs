@@ -26,10 +26,10 @@
 //! What a bracket reads over the launch's own time depends on the work around it (on the H200, 1
 //! to 2.9 us: `tests/gpu/bracket_probe.cu`), so on a queued stream it is learned from the job
 //! itself: one sample in [`PAIR_EVERY`] there brackets two launches, the sampled one and the next
-//! one of the same thread on the same stream, without a hold. Both launches' estimates were
-//! measured with one bracket each, the pair with one bracket for two, so the two estimates less
-//! the pair's reading is what one bracket adds ([`next_overhead`]). Taken off every later
-//! measurement of a queued stream; an idle stream's keeps [`BRACKET_OVERHEAD_NS`].
+//! one of the same thread on the same stream, without a hold. Each key keeps what its own brackets
+//! read on queued streams, nothing taken off; the pair reads both launches under one bracket, so
+//! the two keys' readings less the pair's is what one bracket adds ([`next_overhead`]). Taken off
+//! every later measurement of a queued stream; an idle stream's keeps [`BRACKET_OVERHEAD_NS`].
 //!
 //! Pools are keyed by the context's unique id (`cuCtxGetId`, CUDA 12.0+), never by its handle
 //! alone: a destroyed context's handle can come back for a new context, and its stale events must
@@ -71,8 +71,10 @@ pub const BRACKET_OVERHEAD_NS: u64 = 1_000;
 pub const PAIR_EVERY: u64 = 4;
 /// The most a bracket is taken to add on a queued stream (the H200's highest reading is 2.9 us).
 pub const MAX_QUEUED_OVERHEAD_NS: u64 = 5_000;
-/// A pair counts only where both launches' estimates are at least this: below, the third of a
-/// measurement that is the most taken off it would bias what the pair says.
+/// A pair is begun only for a launch charged at least this, and counts only where both keys'
+/// queued readings are at least this: a bracket around shorter kernels reads less over them than
+/// longer ones do (`tests/gpu/bracket_probe.cu`, 64K floats), and at most a third of a measurement
+/// is ever taken off it.
 pub const MIN_PAIR_PART_NS: u64 = 3 * MAX_QUEUED_OVERHEAD_NS;
 /// The learned overhead is the mean of the first pairs, then a moving average over this many.
 pub const PAIR_SMOOTHING: u64 = 32;
@@ -106,7 +108,7 @@ pub struct SampleInfo {
 
 /// A completed sample: its launch, its GPU time, and whether its stream had work queued when it
 /// began (what the bracket adds differs: docs/compute-limit.md). For a pair, `pair_with` is the
-/// second launch's key and `gpu_ns` the bracket's whole reading, nothing taken off.
+/// second launch's key, and only `reading_ns` counts.
 pub struct Measured {
     pub info: SampleInfo,
     pub gpu_ns: u64,
@@ -338,19 +340,19 @@ pub fn capturing(stream: CUstream) -> bool {
 /// Whether `stream` has work queued: the driver says not ready. Never to be asked of a stream
 /// being captured ([`capturing`] first).
 pub fn stream_busy(stream: CUstream) -> bool {
-    let Some(query) = real::cuStreamQuery() else {
-        return false;
-    };
-    // SAFETY: the application's stream handle; the query does not block.
-    unsafe { query(stream) == CUDA_ERROR_NOT_READY }
+    query_stream(stream) == Some(CUDA_ERROR_NOT_READY)
 }
 
+/// Whether `stream` has nothing queued.
 fn stream_idle(stream: CUstream) -> bool {
-    let Some(query) = real::cuStreamQuery() else {
-        return false;
-    };
+    query_stream(stream) == Some(CUDA_SUCCESS)
+}
+
+/// `cuStreamQuery` of `stream` (`None` without the entry point).
+fn query_stream(stream: CUstream) -> Option<CUresult> {
+    let query = real::cuStreamQuery()?;
     // SAFETY: the application's stream handle; the query does not block.
-    unsafe { query(stream) == CUDA_SUCCESS }
+    Some(unsafe { query(stream) })
 }
 
 /// Outcome of polling one sample.
@@ -457,8 +459,8 @@ impl Sensor {
 
     /// Holds `stream` and records the start event of a sampled launch on it, before the launch is
     /// submitted; on a queued stream, one sample in [`PAIR_EVERY`] of launches charged at least
-    /// [`MIN_PAIR_PART_NS`] is the first launch of a pair instead (no hold). `None` when no sample can be taken (too many in flight, no events, no
-    /// context).
+    /// [`MIN_PAIR_PART_NS`] is the first launch of a pair instead (no hold). `None` when no sample
+    /// can be taken (too many in flight, no events, no context).
     pub fn begin(&self, stream: CUstream, info: SampleInfo) -> Option<InFlight> {
         if self.outstanding.load(Ordering::Relaxed) >= MAX_PENDING {
             return None;

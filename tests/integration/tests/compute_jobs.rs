@@ -473,24 +473,17 @@ fn a_bracket_that_adds_1000_ns_is_learned_from_pairs() {
 fn a_capture_after_queued_launches_is_never_invalidated() {
     let dir = ScratchDir::new("compute-jobs-capture");
     let env = [("CUDA_DEVICE_SM_LIMIT", "50")];
-    let mut session = job(&dir, &env, "capture seconds=3 us=20 per_iteration=2").spawn(Duration::from_secs(60));
-    let output = session.finish();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "job failed ({}): {stdout}", output.status);
-    let done = stdout
-        .lines()
-        .find(|line| line.starts_with("done "))
-        .map(Fields::parse)
-        .expect("a summary line");
+    let [report] = run_together([job(&dir, &env, "capture seconds=3 us=20 per_iteration=2")]);
+    let done = report.done();
     eprintln!("capture after queued launches: {done:?}");
     assert!(
         done.get("iterations") >= 100.0,
-        "too few iterations to say anything: {stdout}"
+        "too few iterations to say anything: {done:?}"
     );
     assert_eq!(
         done.get("captures_failed"),
         0.0,
-        "captures failed (first status {}): {stdout}",
+        "captures failed (first status {}): {done:?}",
         done.get("first_error")
     );
 }

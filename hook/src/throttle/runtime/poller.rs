@@ -268,7 +268,7 @@ impl Runtime {
             pair_with,
         } = sample;
         if let Some(second) = pair_with {
-            learn_from_pair(device, info, second, measured);
+            learn_from_pair(device, info, second, reading_ns);
             return;
         }
         let correction = {
