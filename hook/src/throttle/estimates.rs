@@ -361,10 +361,16 @@ impl Estimates {
     }
 
     /// What a bracket reads for a launch of `key` on a queued stream, once [`SETTLED_SAMPLES`]
-    /// such readings came; else `None`.
+    /// such readings came and while the key is steady (its measurements deviate from its estimate
+    /// by at most [`STEADY_DEVIATION_PERCENT`] on average); else `None`. The reading of a key whose
+    /// time varies launch by launch is off by far more than a bracket adds, so a pair holding it
+    /// says nothing of the bracket (and, its figures clamped, would bias the overhead up).
     pub fn queued_reading(&mut self, key: u64) -> Option<u64> {
         self.find(key)
             .filter(|entry| entry.queued_readings >= SETTLED_SAMPLES)
+            .filter(|entry| {
+                u128::from(entry.deviation) * 100 <= u128::from(entry.slow_mean) * u128::from(STEADY_DEVIATION_PERCENT)
+            })
             .map(|entry| u64::from(entry.queued_reading))
     }
 

@@ -25,8 +25,8 @@
 //!
 //! What a bracket reads over the launch's own time depends on the work around it (on the H200, 1
 //! to 2.9 us: `tests/gpu/bracket_probe.cu`), so on a queued stream it is learned from the job
-//! itself: one sample in [`PAIR_EVERY`] there brackets two launches, the sampled one and the next
-//! one of the same thread on the same stream, without a hold. Each key keeps what its own brackets
+//! itself: one launch in [`PAIR_STRIDE`] there, not itself sampled, begins a pair bracketing two
+//! launches, it and the next one of the same thread on the same stream, without a hold. Each key keeps what its own brackets
 //! read on queued streams, nothing taken off; the pair reads both launches under one bracket, so
 //! the two keys' readings less the pair's is what one bracket adds ([`next_overhead`]). Taken off
 //! every later measurement of a queued stream; an idle stream's keeps [`BRACKET_OVERHEAD_NS`].
@@ -67,8 +67,11 @@ pub const LONG_CALL_NS: u64 = 500_000;
 /// (docs/compute-limit.md). Taken off every measurement of an idle stream, and of a queued one
 /// until pairs have measured it there, but never more than a third of the measurement.
 pub const BRACKET_OVERHEAD_NS: u64 = 1_000;
-/// One sample in this many, on a queued stream, is a pair (see the module description).
-pub const PAIR_EVERY: u64 = 4;
+/// One limited launch in this many (of those that may be) begins a pair (see the module
+/// description). Pairs are taken besides the samples, never instead of one: which samples a key
+/// gets must not depend on its stream's state (a key whose time follows its position in a
+/// synchronised loop would otherwise be measured at a skewed mix of its times).
+pub const PAIR_STRIDE: u64 = 64;
 /// The most a bracket is taken to add on a queued stream (the H200's highest reading is 2.9 us).
 pub const MAX_QUEUED_OVERHEAD_NS: u64 = 5_000;
 /// A pair is begun only for a launch charged at least this, and counts only where both keys'
@@ -225,8 +228,8 @@ pub struct Sensor {
     state: Mutex<State>,
     /// Samples taken and not yet measured or dropped.
     outstanding: AtomicUsize,
-    /// Samples begun on a queued stream, to pick the pairs.
-    queued_samples: AtomicU64,
+    /// Launches asked whether a pair is due.
+    pair_candidates: AtomicU64,
     /// What a bracket adds on a queued stream, as the pairs measured it (written by the poller).
     queued_overhead_ns: AtomicU64,
     /// Pairs counted in it; none: [`BRACKET_OVERHEAD_NS`].
@@ -457,21 +460,25 @@ impl Sensor {
         }
     }
 
+    /// Whether a launch that may begin a pair should (one in [`PAIR_STRIDE`]).
+    pub fn pair_due(&self) -> bool {
+        self.pair_candidates.fetch_add(1, Ordering::Relaxed) % PAIR_STRIDE == PAIR_STRIDE - 1
+    }
+
     /// Holds `stream` and records the start event of a sampled launch on it, before the launch is
-    /// submitted; on a queued stream, one sample in [`PAIR_EVERY`] of launches charged at least
-    /// [`MIN_PAIR_PART_NS`] is the first launch of a pair instead (no hold). `None` when no sample
-    /// can be taken (too many in flight, no events, no context).
-    pub fn begin(&self, stream: CUstream, info: SampleInfo) -> Option<InFlight> {
+    /// submitted; with `pair`, the start of a pair (no hold), only on a stream with work queued.
+    /// `None` when no sample can be taken (too many in flight, no events, no context, or a pair on
+    /// an idle stream).
+    pub fn begin(&self, stream: CUstream, info: SampleInfo, pair: bool) -> Option<InFlight> {
         if self.outstanding.load(Ordering::Relaxed) >= MAX_PENDING {
             return None;
         }
         let context = current_context()?;
         let pool = (context as usize, context_id(context));
         let idle = stream_idle(stream);
-        // Launches too short for a pair to count are never paired: their samples are all needed.
-        let pair = !idle
-            && info.charged >= MIN_PAIR_PART_NS
-            && self.queued_samples.fetch_add(1, Ordering::Relaxed) % PAIR_EVERY == PAIR_EVERY - 1;
+        if pair && idle {
+            return None;
+        }
         let taken = self.take(pool.0, pool.1, !pair)?;
         let mut launch = InFlight {
             info,

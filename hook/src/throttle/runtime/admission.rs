@@ -9,7 +9,7 @@ use vgpu_config::UtilizationPolicy;
 use vgpu_region::{ComputeDevice, SharedRegion};
 
 use crate::sys::cuda::{CUDA_SUCCESS, CUresult, CUstream};
-use crate::throttle::sensor::{InFlight, SampleInfo, capturing};
+use crate::throttle::sensor::{InFlight, MIN_PAIR_PART_NS, SampleInfo, capturing};
 use crate::throttle::{Stream, activity, bucket, now_ns};
 
 use super::pairs::{self, OpenPair};
@@ -137,7 +137,19 @@ impl Runtime {
                 charged: plan.charge,
                 region_index,
             };
-            device.sensor.begin(stream, info)
+            device.sensor.begin(stream, info, false)
+        } else if measurable
+            && closes.is_none()
+            && plan.charge >= MIN_PAIR_PART_NS
+            && device.sensor.pair_due()
+            && !capturing(stream)
+        {
+            let info = SampleInfo {
+                key,
+                charged: plan.charge,
+                region_index,
+            };
+            device.sensor.begin(stream, info, true)
         } else {
             None
         };
@@ -160,7 +172,7 @@ impl Runtime {
         if let Some(pair) = ticket.closes {
             pair.close(ticket.key, status);
         }
-        // A pair's first launch is not a measurement of its key.
+        // A pair's first launch is never a planned sample of its key.
         let measured = match ticket.sample {
             Some(sample) if sample.is_pair() => {
                 if status == CUDA_SUCCESS {
