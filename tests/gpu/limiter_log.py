@@ -15,7 +15,9 @@ ratio. Where the lines say whether the stream had work queued when the sample be
 queued stream adds is shown too, and so is what the pairs (hook/src/throttle/sensor.rs) measured
 a bracket on a queued stream to add. The boost factor's changes (a line each when it moves by 0.01 or
 more; charges are the plan times the factor, so a factor above 1 holds a job under its time
-share) are summarised too.
+share) are summarised too, and so are the per-period lines (about one a second): the share of wall
+time the bucket charged, against NVML's utilisation, so that a job held under its limit shows
+whether its charges exceed the GPU's busy time or the bucket admitted less than the limit.
 """
 import re
 import sys
@@ -25,6 +27,10 @@ LINE = re.compile(
     r"device index (\d+) key ([0-9a-f]+) measured (\d+) ns, charged (\d+) ns, correction (-?\d+) ns(?:, stream (\w+))?"
 )
 PAIR = re.compile(r"device index (\d+) pair .* measured (\d+) ns, alone (\d+)\+(\d+) ns; queued bracket overhead now (\d+) ns")
+PERIOD = re.compile(
+    r"device (\d+) period (\d+) ms: charged ([\d.]+) of it, launches waited ([\d.]+) of it, (\d+) launches, "
+    r"NVML utilisation (\d+|unknown)%?, budget (-?\d+) us"
+)
 BOOST = re.compile(r"device (\d+) boost factor ([\d.]+) \(busy share ([\d.]+)")
 # As in hook/src/throttle/estimates.rs: PRIOR_NS.
 PRIOR_NS = 1_000_000
@@ -118,6 +124,29 @@ def boost_line(changes):
     )
 
 
+def period_lines(paths):
+    """Lines on the per-period records of each device: the charged share and NVML's utilisation
+    period by period (periods of at least half a second), and their means from the 2nd on."""
+    devices = defaultdict(list)
+    for match in matches(paths, PERIOD):
+        if int(match.group(2)) >= 500:
+            nvml = None if match.group(6) == "unknown" else int(match.group(6))
+            devices[int(match.group(1))].append((float(match.group(3)), float(match.group(4)), nvml))
+    lines = []
+    for device, periods in sorted(devices.items()):
+        charged = " ".join(f"{c * 100:.0f}" for c, _, _ in periods)
+        nvml = " ".join("?" if n is None else str(n) for _, _, n in periods)
+        later = periods[1:] or periods
+        known = [n for _, _, n in later if n is not None]
+        nvml_mean = f"{sum(known) / len(known):.1f}" if known else "unknown"
+        lines.append(
+            f"device {device} charged % per period: {charged} | mean from the 2nd "
+            f"{sum(c for c, _, _ in later) / len(later) * 100:.1f}, waited {sum(w for _, w, _ in later) / len(later) * 100:.1f}"
+        )
+        lines.append(f"device {device} NVML % per period:    {nvml} | mean from the 2nd {nvml_mean}")
+    return lines
+
+
 def summary(paths, top=12):
     """Text lines on the logs at `paths`: the whole run, the boost factor, what a queued stream
     adds (where the lines say), then the keys with the most measured time."""
@@ -143,6 +172,7 @@ def summary(paths, top=12):
         f"(after the prior); time over 5/4 of the charge {total_cut / max(total_measured, 1) * 100:.1f}% of the measured"
     )
     lines.append(boost_line(boosts(paths)))
+    lines.extend(period_lines(paths))
     for extra in (queued_line(found), pair_line(paths)):
         if extra:
             lines.append(extra)

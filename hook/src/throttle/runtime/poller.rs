@@ -6,7 +6,7 @@ use std::sync::Once;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use vgpu_region::MAX_DEVICES;
+use vgpu_region::{ComputeDevice, MAX_DEVICES};
 
 use crate::sys::cuda::CUdevice;
 use crate::throttle::boost;
@@ -42,11 +42,34 @@ struct PollState {
     /// When the poller started (the process's first limited launch).
     started: u64,
     last_nvml: u64,
-    /// Per region device index: when the boost factor last followed a reading, the region's busy
-    /// time then, and how many readings it has followed.
-    busy_seen: [(u64, u64, u32); MAX_DEVICES],
+    /// Per region device index: the region's counters when the boost factor last followed a
+    /// reading.
+    busy_seen: [Seen; MAX_DEVICES],
     /// A step has panicked (said once).
     panicked: bool,
+}
+
+/// A device's region counters at one NVML reading.
+#[derive(Clone, Copy, Default)]
+struct Seen {
+    at: u64,
+    busy_ns: u64,
+    launches: u64,
+    wait_ns: u64,
+    /// Readings the boost factor has followed.
+    readings: u32,
+}
+
+impl Seen {
+    fn now(compute: &ComputeDevice, at: u64, readings: u32) -> Seen {
+        Seen {
+            at,
+            busy_ns: compute.busy_ns.load(Ordering::Relaxed),
+            launches: compute.launches.load(Ordering::Relaxed),
+            wait_ns: compute.wait_ns.load(Ordering::Relaxed),
+            readings,
+        }
+    }
 }
 
 impl PollState {
@@ -63,10 +86,9 @@ impl PollState {
             // From the poller's start (the process's first limited launch), so that the first
             // reading already sets the factor.
             busy_seen: std::array::from_fn(|index| {
-                let busy = crate::session::get()
+                crate::session::get()
                     .and_then(|accounting| accounting.region().extension().compute.get(index))
-                    .map_or(0, |compute| compute.busy_ns.load(Ordering::Relaxed));
-                (now, busy, 0)
+                    .map_or(Seen::default(), |compute| Seen::now(compute, now, 0))
             }),
             panicked: false,
         }
@@ -226,7 +248,7 @@ impl Runtime {
         ordinal: CUdevice,
         device: &crate::session::DeviceEntry,
         (utilisation, power): (Option<u32>, Option<boost::PowerReading>),
-        busy_seen: &mut [(u64, u64, u32); MAX_DEVICES],
+        busy_seen: &mut [Seen; MAX_DEVICES],
         (now, starting): (u64, bool),
     ) {
         let index = device.region_index;
@@ -237,10 +259,24 @@ impl Runtime {
         ) else {
             return;
         };
-        let busy = compute.busy_ns.load(Ordering::Relaxed);
-        let (then, busy_then, readings) = std::mem::replace(seen, (now, busy, seen.2.saturating_add(1)));
+        let next_seen = Seen::now(compute, now, seen.readings.saturating_add(1));
+        let last = std::mem::replace(seen, next_seen);
+        let period = now.saturating_sub(last.at).max(1);
+        let charged = next_seen.busy_ns.saturating_sub(last.busy_ns) as f64 / period as f64;
         let current = f64::from(boost.load(Ordering::Relaxed)) / f64::from(BOOST_UNIT);
-        let own = busy.saturating_sub(busy_then) as f64 / now.saturating_sub(then).max(1) as f64 / current;
+        let own = charged / current;
+        let readings = last.readings;
+        // What the bucket admitted, period by period: a run's diagnosis compares it with the limit
+        // and with NVML (its charges against the GPU's busy time).
+        tracing::debug!(
+            "compute limiter: device {ordinal} period {} ms: charged {charged:.3} of it, launches waited {:.3} of it, \
+             {} launches, NVML utilisation {}, budget {} us",
+            period / 1_000_000,
+            next_seen.wait_ns.saturating_sub(last.wait_ns) as f64 / period as f64,
+            next_seen.launches.saturating_sub(last.launches),
+            utilisation.map_or_else(|| "unknown".to_owned(), |percent| format!("{percent}%")),
+            compute.budget_ns.load(Ordering::Relaxed) / 1000
+        );
         let gpu = utilisation.map(|percent| f64::from(percent) / 100.0);
         let clock_known = power.is_some_and(|reading| reading.clock.is_some());
         let share = boost::busy_share(own, gpu, clock_known);
