@@ -17,7 +17,8 @@ a bracket on a queued stream to add. The boost factor's changes (a line each whe
 more; charges are the plan times the factor, so a factor above 1 holds a job under its time
 share) are summarised too, and so are the per-period lines (about one a second): the share of wall
 time the bucket charged, against NVML's utilisation, so that a job held under its limit shows
-whether its charges exceed the GPU's busy time or the bucket admitted less than the limit.
+whether its charges exceed the GPU's busy time or the bucket admitted less than the limit, and the
+trim NVML's utilisation sets on the charges (hook/src/throttle/trim.rs).
 """
 import re
 import sys
@@ -29,7 +30,7 @@ LINE = re.compile(
 PAIR = re.compile(r"device index (\d+) pair .* measured (\d+) ns, alone (\d+)\+(\d+) ns; queued bracket overhead now (\d+) ns")
 PERIOD = re.compile(
     r"device (\d+) period (\d+) ms: charged ([\d.]+) of it, launches waited ([\d.]+) of it, (\d+) launches, "
-    r"NVML utilisation (\d+|unknown)%?, budget (-?\d+) us"
+    r"NVML utilisation (\d+|unknown)%?, (?:samples (?:([\d.]+)% of \d+|none), )?budget (-?\d+) us(?:, trim ([\d.]+))?"
 )
 BOOST = re.compile(r"device (\d+) boost factor ([\d.]+) \(busy share ([\d.]+)")
 # As in hook/src/throttle/estimates.rs: PRIOR_NS.
@@ -125,25 +126,31 @@ def boost_line(changes):
 
 
 def period_lines(paths):
-    """Lines on the per-period records of each device: the charged share and NVML's utilisation
-    period by period (periods of at least half a second), and their means from the 2nd on."""
+    """Lines on the per-period records of each device: the charged share, NVML's utilisation (the
+    mean of its samples over the period where the line has them) and the trim, period by period
+    (periods of at least half a second), and their means from the 2nd on."""
     devices = defaultdict(list)
     for match in matches(paths, PERIOD):
         if int(match.group(2)) >= 500:
-            nvml = None if match.group(6) == "unknown" else int(match.group(6))
-            devices[int(match.group(1))].append((float(match.group(3)), float(match.group(4)), nvml))
+            rate = None if match.group(6) == "unknown" else float(match.group(6))
+            nvml = float(match.group(7)) if match.group(7) else rate
+            trim = float(match.group(9)) if match.group(9) else None
+            devices[int(match.group(1))].append((float(match.group(3)), float(match.group(4)), nvml, trim))
     lines = []
     for device, periods in sorted(devices.items()):
-        charged = " ".join(f"{c * 100:.0f}" for c, _, _ in periods)
-        nvml = " ".join("?" if n is None else str(n) for _, _, n in periods)
         later = periods[1:] or periods
-        known = [n for _, _, n in later if n is not None]
+        charged = " ".join(f"{c * 100:.0f}" for c, _, _, _ in periods)
+        nvml = " ".join("?" if n is None else f"{n:.0f}" for _, _, n, _ in periods)
+        known = [n for _, _, n, _ in later if n is not None]
         nvml_mean = f"{sum(known) / len(known):.1f}" if known else "unknown"
         lines.append(
             f"device {device} charged % per period: {charged} | mean from the 2nd "
-            f"{sum(c for c, _, _ in later) / len(later) * 100:.1f}, waited {sum(w for _, w, _ in later) / len(later) * 100:.1f}"
+            f"{sum(c for c, _, _, _ in later) / len(later) * 100:.1f}, waited {sum(w for _, w, _, _ in later) / len(later) * 100:.1f}"
         )
         lines.append(f"device {device} NVML % per period:    {nvml} | mean from the 2nd {nvml_mean}")
+        trims = [t for _, _, _, t in periods if t is not None]
+        if trims:
+            lines.append(f"device {device} trim per period: {' '.join(f'{t:.3f}' for t in trims)}")
     return lines
 
 

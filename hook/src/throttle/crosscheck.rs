@@ -1,8 +1,9 @@
 //! NVML as a cross-check of the sensor, where NVML works.
 //!
-//! The limiter never feeds on NVML (per-process figures are missing in containers and VMs), but where
-//! NVML does measure the GPU, its device utilisation bounds what the container can have used: the
-//! container's kernels are a subset of the GPU's. Once a second the background thread compares
+//! Per-process figures are missing in containers and VMs, so NVML is never the limiter's sensor; but
+//! where NVML does measure the GPU, its device utilisation bounds what the container can have used:
+//! the container's kernels are a subset of the GPU's. Small over-counts are trimmed off the charges
+//! ([`super::trim`]); larger ones are reported here. Once a second the background thread compares
 //! the region's measured share of a device (the sum of its processes' `sm_util`) with NVML's
 //! `nvmlDeviceGetUtilizationRates`. A measured share above NVML's figure by more than
 //! [`TOLERANCE`] points for [`PERSISTENCE`] checks in a row means the sensor over-counts: that is
@@ -104,6 +105,77 @@ pub fn nvml_utilisation(device: crate::sys::nvml::nvmlDevice_t) -> Option<u32> {
     let mut utilisation = nvmlUtilization_t::default();
     // SAFETY: a handle NVML gave and a local out-pointer.
     (unsafe { rates(device, &mut utilisation) } == NVML_SUCCESS).then_some(utilisation.gpu)
+}
+
+/// Most samples read at once: NVML keeps a few seconds of them (about six a second on the H200).
+const MAX_SAMPLES: usize = 256;
+
+/// The mean of NVML's GPU utilisation samples taken since `last_seen` (NVML's own timestamp of the
+/// newest sample read before, 0 for none), in percent, and how many there were; `last_seen`
+/// moves to the newest. `None` where NVML keeps no samples, or none came since. A reading every
+/// second then covers the whole second, where `nvmlDeviceGetUtilizationRates` covers only NVML's
+/// last sample period (1/6 s to 1 s by GPU), which a job with phases (a training step) swings.
+pub fn nvml_utilisation_samples(device: crate::sys::nvml::nvmlDevice_t, last_seen: &mut u64) -> Option<(f64, usize)> {
+    use crate::sys::nvml::{
+        NVML_GPU_UTILIZATION_SAMPLES, NVML_SUCCESS, NVML_VALUE_TYPE_DOUBLE, NVML_VALUE_TYPE_UNSIGNED_INT,
+        NVML_VALUE_TYPE_UNSIGNED_LONG, NVML_VALUE_TYPE_UNSIGNED_LONG_LONG, nvmlSample_t, nvmlValueType_t,
+    };
+    let samples_of = crate::hooks::real::nvmlDeviceGetSamples()?;
+    let mut value_type: nvmlValueType_t = NVML_VALUE_TYPE_UNSIGNED_INT;
+    let mut count: std::ffi::c_uint = 0;
+    // SAFETY: a handle NVML gave, local out-pointers; a null buffer asks for the count.
+    let status = unsafe {
+        samples_of(
+            device,
+            NVML_GPU_UTILIZATION_SAMPLES,
+            *last_seen,
+            &mut value_type,
+            &mut count,
+            std::ptr::null_mut(),
+        )
+    };
+    if status != NVML_SUCCESS || count == 0 {
+        return None;
+    }
+    let mut samples = vec![nvmlSample_t::default(); (count as usize).min(MAX_SAMPLES)];
+    let mut count = samples.len() as std::ffi::c_uint;
+    // SAFETY: `count` elements of `samples` are writable.
+    let status = unsafe {
+        samples_of(
+            device,
+            NVML_GPU_UTILIZATION_SAMPLES,
+            *last_seen,
+            &mut value_type,
+            &mut count,
+            samples.as_mut_ptr(),
+        )
+    };
+    if status != NVML_SUCCESS {
+        return None;
+    }
+    let read = samples.get(..count as usize)?;
+    let percent = |sample: &nvmlSample_t| -> Option<f64> {
+        // SAFETY: NVML says which member it wrote; every member is plain data.
+        let value = unsafe {
+            match value_type {
+                NVML_VALUE_TYPE_UNSIGNED_INT => f64::from(sample.sampleValue.uiVal),
+                NVML_VALUE_TYPE_UNSIGNED_LONG => sample.sampleValue.ulVal as f64,
+                NVML_VALUE_TYPE_UNSIGNED_LONG_LONG => sample.sampleValue.ullVal as f64,
+                NVML_VALUE_TYPE_DOUBLE => sample.sampleValue.dVal,
+                _ => return None,
+            }
+        };
+        value.is_finite().then(|| value.clamp(0.0, 100.0))
+    };
+    let fresh: Vec<f64> = read
+        .iter()
+        .filter(|sample| sample.timeStamp > *last_seen)
+        .filter_map(percent)
+        .collect();
+    if let Some(newest) = read.iter().map(|sample| sample.timeStamp).max() {
+        *last_seen = (*last_seen).max(newest);
+    }
+    (!fresh.is_empty()).then(|| (fresh.iter().sum::<f64>() / fresh.len() as f64, fresh.len()))
 }
 
 #[cfg(test)]

@@ -21,6 +21,7 @@ mod crosscheck;
 mod estimates;
 mod runtime;
 mod sensor;
+mod trim;
 
 use std::ffi::c_uint;
 use std::sync::atomic::{AtomicU8, Ordering};

@@ -10,7 +10,7 @@ pub const DEFAULT_CONTEXT_BYTES: u64 = 64 << 20;
 pub const DEFAULT_GRANULARITY: u64 = 2 << 20;
 /// The longest simulated first-launch delay: 10 s.
 pub const MAX_MODULE_LOAD_US: u64 = 10_000_000;
-/// The longest `FAKE_CUDA_EVENT_NS`: 1 ms.
+/// The longest `FAKE_CUDA_EVENT_NS` and `FAKE_CUDA_LAUNCH_GAP_NS`: 1 ms.
 pub const MAX_EVENT_NS: u64 = 1_000_000;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -34,6 +34,10 @@ pub struct Config {
     /// the work before it, and the work after it waits for it, as on a real GPU, where an event
     /// between two kernels is idle time. Not busy time. 0: events take no time.
     pub event_ns: u64,
+    /// Idle GPU time (ns) between a kernel and the work queued before it on the engine
+    /// (`FAKE_CUDA_LAUNCH_GAP_NS`): the front end starting the next kernel. Not busy time, and an
+    /// event bracket around the kernel reads it. 0: kernels run back to back.
+    pub launch_gap_ns: u64,
 }
 
 static CONFIG: OnceLock<Config> = OnceLock::new();
@@ -80,6 +84,9 @@ impl Config {
         let event_ns = var("FAKE_CUDA_EVENT_NS")
             .and_then(|v| v.trim().parse::<u64>().ok())
             .map_or(0, |ns| ns.min(MAX_EVENT_NS));
+        let launch_gap_ns = var("FAKE_CUDA_LAUNCH_GAP_NS")
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map_or(0, |ns| ns.min(MAX_EVENT_NS));
         Config {
             devices,
             memory,
@@ -90,6 +97,7 @@ impl Config {
             module_load_us,
             alloc_us,
             event_ns,
+            launch_gap_ns,
         }
     }
 

@@ -444,6 +444,57 @@ pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
     })
 }
 
+/// GPU utilisation samples only: one per 100 ms bucket of the truth that ended after
+/// `lastSeenTimeStamp` (monotonic microseconds), `NVML_ERROR_NOT_FOUND` when none did; with a null
+/// `samples`, the most it can return. `FAKE_NVML_UTILIZATION` pins every sample's value.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn nvmlDeviceGetSamples(
+    device: nvmlDevice_t,
+    type_: nvmlSamplingType_t,
+    lastSeenTimeStamp: c_ulonglong,
+    sampleValType: *mut nvmlValueType_t,
+    sampleCount: *mut c_uint,
+    samples: *mut nvmlSample_t,
+) -> nvmlReturn_t {
+    nv(|| {
+        let index = index_of(device)?;
+        if sampleValType.is_null() || sampleCount.is_null() {
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
+        if type_ != NVML_GPU_UTILIZATION_SAMPLES {
+            return Err(NVML_ERROR_NOT_SUPPORTED);
+        }
+        // SAFETY: out-pointer from the caller, checked above.
+        unsafe { put(sampleValType, NVML_VALUE_TYPE_UNSIGNED_INT)? };
+        if samples.is_null() {
+            // SAFETY: as above.
+            return unsafe { put(sampleCount, crate::truth::BUCKETS as c_uint) };
+        }
+        let pinned: Option<u32> = std::env::var("FAKE_NVML_UTILIZATION")
+            .ok()
+            .and_then(|value| value.parse().ok());
+        let found = truth()?.device(index).utilisation_samples(lastSeenTimeStamp);
+        if found.is_empty() {
+            return Err(NVML_ERROR_NOT_FOUND);
+        }
+        // SAFETY: the caller's count of writable elements.
+        let room = unsafe { *sampleCount } as usize;
+        let written = found.len().min(room);
+        for (slot, &(at_us, percent)) in found.iter().take(written).enumerate() {
+            let sample = nvmlSample_t {
+                timeStamp: at_us,
+                sampleValue: nvmlValue_t {
+                    uiVal: pinned.unwrap_or(percent),
+                },
+            };
+            // SAFETY: `slot` < the caller's count of writable elements.
+            unsafe { samples.add(slot).write(sample) };
+        }
+        // SAFETY: as above.
+        unsafe { put(sampleCount, written as c_uint) }
+    })
+}
+
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetProcessUtilization(
     device: nvmlDevice_t,

@@ -570,6 +570,34 @@ impl DeviceView<'_> {
     }
 }
 
+impl DeviceView<'_> {
+    /// The busy share of each whole 100 ms bucket that ended after `since_us` and within the
+    /// ring, oldest first: (its end in monotonic microseconds, percent 0..=100). NVML's
+    /// utilisation samples.
+    pub fn utilisation_samples(&self, since_us: u64) -> Vec<(u64, u32)> {
+        let now_bucket = monotonic_ns() / BUCKET_NS;
+        let mut samples = Vec::new();
+        for age in (1..BUCKETS as u64).rev() {
+            let Some(bucket) = now_bucket.checked_sub(age) else {
+                continue;
+            };
+            let end_us = (bucket + 1) * (BUCKET_NS / 1_000);
+            if end_us <= since_us {
+                continue;
+            }
+            let id = bucket & BUCKET_ID_MASK;
+            let word = self.load(D_BUCKETS + (id as usize % BUCKETS));
+            let busy = if word >> BUCKET_ID_SHIFT == id {
+                word & BUCKET_BUSY_MASK
+            } else {
+                0
+            };
+            samples.push((end_us, (busy.saturating_mul(100) / BUCKET_NS).min(100) as u32));
+        }
+        samples
+    }
+}
+
 /// `CLOCK_MONOTONIC` in nanoseconds: one time base for every process of the machine.
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };

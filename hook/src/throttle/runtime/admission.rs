@@ -32,7 +32,7 @@ pub struct Ticket {
     key: u64,
     /// What the estimates planned (GPU time at the clock the kernels run at).
     planned: u64,
-    /// What the bucket was charged (the plan times the boost factor).
+    /// What the bucket was charged (the plan times the boost factor and the trim).
     charge: u64,
     region_index: usize,
     /// The limiter planned to measure this launch.
@@ -97,7 +97,7 @@ impl Runtime {
 
         let now = now_ns();
         let plan = device.estimates().plan(key, now);
-        let charge = self.boosted(region_index, plan.charge as i64) as u64;
+        let charge = self.scaled(region_index, plan.charge as i64) as u64;
         // A launch into a stream being captured does not run now: it must neither wait nor be
         // measured (an event recorded there would join the graph). Asking the driver costs about
         // as much as the rest of this path, so it is asked only when the launch would wait or be

@@ -27,8 +27,8 @@ use crate::sys::cuda::{CUDA_ERROR_NOT_INITIALIZED, CUresult};
 
 pub use admission::{after, before};
 
-/// The boost factor's unit: it is kept in thousandths.
-const BOOST_UNIT: u32 = 1000;
+/// The unit of the factors charges are scaled by (boost and trim): they are kept in thousandths.
+const FACTOR_UNIT: u32 = 1000;
 
 static RUNTIME: AtomicPtr<Runtime> = AtomicPtr::new(std::ptr::null_mut());
 /// Set at process exit: the background thread stops calling the driver, launches stop waiting.
@@ -56,6 +56,8 @@ struct Device {
     charged: AtomicI64,
     /// The boost compensation factor, in thousandths ([`boost`]).
     boost: AtomicU32,
+    /// NVML's bound on the charges, in thousandths ([`trim`]).
+    trim: AtomicU32,
     /// Launches admitted by this process.
     launches: AtomicU64,
     touched: AtomicBool,
@@ -67,7 +69,8 @@ impl Default for Device {
             estimates: Mutex::new(Estimates::default()),
             sensor: Sensor::default(),
             charged: AtomicI64::new(0),
-            boost: AtomicU32::new(BOOST_UNIT),
+            boost: AtomicU32::new(FACTOR_UNIT),
+            trim: AtomicU32::new(FACTOR_UNIT),
             launches: AtomicU64::new(0),
             touched: AtomicBool::new(false),
         }
@@ -233,13 +236,18 @@ impl Runtime {
         }
     }
 
-    /// `ns` of GPU time at the clock the kernels run at, as charged: times the device's boost
-    /// factor.
-    fn boosted(&self, region_index: usize, ns: i64) -> i64 {
-        let factor = self
-            .devices
-            .get(region_index)
-            .map_or(BOOST_UNIT, |device| device.boost.load(Ordering::Relaxed));
-        (i128::from(ns) * i128::from(factor) / i128::from(BOOST_UNIT)) as i64
+    /// What a measured or planned time is charged, in thousandths of it: the boost factor times
+    /// NVML's trim.
+    fn factor(&self, region_index: usize) -> u64 {
+        self.devices.get(region_index).map_or(u64::from(FACTOR_UNIT), |device| {
+            u64::from(device.boost.load(Ordering::Relaxed)) * u64::from(device.trim.load(Ordering::Relaxed))
+                / u64::from(FACTOR_UNIT)
+        })
+    }
+
+    /// `ns` of GPU time as the sensor measures it, as charged: times the device's boost factor
+    /// and trim.
+    fn scaled(&self, region_index: usize, ns: i64) -> i64 {
+        (i128::from(ns) * i128::from(self.factor(region_index)) / i128::from(FACTOR_UNIT)) as i64
     }
 }

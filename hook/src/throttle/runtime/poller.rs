@@ -9,12 +9,13 @@ use std::time::Duration;
 use vgpu_region::{ComputeDevice, MAX_DEVICES};
 
 use crate::sys::cuda::CUdevice;
-use crate::throttle::boost;
+use crate::throttle::boost::{self, PowerReading};
 use crate::throttle::crosscheck::{self, CrossCheck, Report};
 use crate::throttle::now_ns;
 use crate::throttle::sensor::{MIN_PAIR_PART_NS, Measured, SampleInfo};
+use crate::throttle::trim;
 
-use super::{BOOST_UNIT, Device, POLLER_IN_DRIVER, RUNTIME, Runtime, SHUTDOWN, add_signed, at_exit};
+use super::{Device, FACTOR_UNIT, POLLER_IN_DRIVER, RUNTIME, Runtime, SHUTDOWN, add_signed, at_exit};
 
 /// The background thread's period while samples are in flight, and while none are.
 const POLL_BUSY: Duration = Duration::from_millis(1);
@@ -31,6 +32,19 @@ const NVML_PERIOD_NS: u64 = 1_000_000_000;
 /// power-hungry job is not run ahead of its share for its whole first second.
 const START_PHASE_NS: u64 = 1_500_000_000;
 const START_NVML_PERIOD_NS: u64 = 250_000_000;
+/// The trim follows NVML's utilisation from this long after the poller starts: NVML's figure
+/// covers up to a second before it is read.
+const TRIM_AFTER_NS: u64 = 1_000_000_000;
+
+/// One step's NVML readings of a device.
+#[derive(Clone, Copy)]
+struct NvmlReading {
+    /// `nvmlDeviceGetUtilizationRates`, in percent.
+    utilisation: Option<u32>,
+    /// The mean of the utilisation samples since the last step, in percent, and their count.
+    samples: Option<(f64, usize)>,
+    power: Option<PowerReading>,
+}
 
 /// The background thread's own state between periods.
 struct PollState {
@@ -49,7 +63,7 @@ struct PollState {
     panicked: bool,
 }
 
-/// A device's region counters at one NVML reading.
+/// A device's region counters at one NVML reading, and what the factors have followed.
 #[derive(Clone, Copy, Default)]
 struct Seen {
     at: u64,
@@ -58,16 +72,21 @@ struct Seen {
     wait_ns: u64,
     /// Readings the boost factor has followed.
     readings: u32,
+    /// NVML's busy time against the measured one, over the recent readings ([`trim`]).
+    trim_window: trim::Window,
+    /// NVML's timestamp of the newest utilisation sample read.
+    nvml_sample: u64,
 }
 
 impl Seen {
-    fn now(compute: &ComputeDevice, at: u64, readings: u32) -> Seen {
+    /// The counters now, the rest carried over from `last`.
+    fn now(compute: &ComputeDevice, at: u64, last: Seen) -> Seen {
         Seen {
             at,
             busy_ns: compute.busy_ns.load(Ordering::Relaxed),
             launches: compute.launches.load(Ordering::Relaxed),
             wait_ns: compute.wait_ns.load(Ordering::Relaxed),
-            readings,
+            ..last
         }
     }
 }
@@ -88,7 +107,7 @@ impl PollState {
             busy_seen: std::array::from_fn(|index| {
                 crate::session::get()
                     .and_then(|accounting| accounting.region().extension().compute.get(index))
-                    .map_or(Seen::default(), |compute| Seen::now(compute, now, 0))
+                    .map_or(Seen::default(), |compute| Seen::now(compute, now, Seen::default()))
             }),
             panicked: false,
         }
@@ -177,28 +196,41 @@ impl Runtime {
         true
     }
 
-    /// Reads NVML for each device in use: the boost factor follows its power, and its utilisation
-    /// cross-checks the sensor. Marked as inside the driver, and stopped at exit between devices.
+    /// Reads NVML for each device in use: the boost factor follows its power, the trim its
+    /// utilisation samples, and its utilisation cross-checks the sensor. Marked as inside the
+    /// driver, and stopped at exit between devices.
     fn nvml_step(&self, state: &mut PollState, now: u64, starting: bool) {
         let Some(accounting) = crate::session::get() else {
             return;
         };
+        // NVML's utilisation covers up to a second before the reading: from then on it covers
+        // only time since the first limited launch.
+        let comparable = now.saturating_sub(state.started) >= TRIM_AFTER_NS;
         for (ordinal, device) in self.devices_in_use(accounting) {
             POLLER_IN_DRIVER.store(true, Ordering::SeqCst);
             if SHUTDOWN.load(Ordering::SeqCst) {
                 return;
             }
-            // One handle lookup per device and step, for both readings.
+            // One handle lookup per device and step, for every reading.
             let handle = crate::nvml::device_handle(&device.uuid);
             let utilisation = handle.and_then(crosscheck::nvml_utilisation);
             let power = handle.and_then(boost::read);
-            self.follow_boost(
+            let samples = match (handle, state.busy_seen.get_mut(device.region_index)) {
+                (Some(handle), Some(seen)) => crosscheck::nvml_utilisation_samples(handle, &mut seen.nvml_sample),
+                _ => None,
+            };
+            let nvml = NvmlReading {
+                utilisation,
+                samples,
+                power,
+            };
+            self.follow_nvml(
                 accounting,
                 ordinal,
                 device,
-                (utilisation, power),
+                nvml,
                 &mut state.busy_seen,
-                (now, starting),
+                (now, starting, comparable),
             );
             if !starting {
                 // Its persistence counts readings a second apart.
@@ -241,48 +273,66 @@ impl Runtime {
 
     /// Moves a device's boost factor towards what NVML's power readings call for, given the
     /// container's share of the device over the last period (the region's charged time, which
-    /// every process of the container adds to, divided by the factor it was charged at).
-    fn follow_boost(
+    /// every process of the container adds to, divided by the factor it was charged at), and its
+    /// trim towards NVML's utilisation over the period ([`trim`]).
+    fn follow_nvml(
         &self,
         accounting: &'static crate::session::Session,
         ordinal: CUdevice,
         device: &crate::session::DeviceEntry,
-        (utilisation, power): (Option<u32>, Option<boost::PowerReading>),
+        nvml: NvmlReading,
         busy_seen: &mut [Seen; MAX_DEVICES],
-        (now, starting): (u64, bool),
+        (now, starting, comparable): (u64, bool, bool),
     ) {
         let index = device.region_index;
-        let (Some(compute), Some(seen), Some(boost)) = (
+        let (Some(compute), Some(seen), Some(factors)) = (
             accounting.region().extension().compute.get(index),
             busy_seen.get_mut(index),
-            self.devices.get(index).map(|device| &device.boost),
+            self.devices.get(index),
         ) else {
             return;
         };
-        let next_seen = Seen::now(compute, now, seen.readings.saturating_add(1));
-        let last = std::mem::replace(seen, next_seen);
+        let last = *seen;
+        let mut next_seen = Seen::now(compute, now, last);
         let period = now.saturating_sub(last.at).max(1);
         let charged = next_seen.busy_ns.saturating_sub(last.busy_ns) as f64 / period as f64;
-        let current = f64::from(boost.load(Ordering::Relaxed)) / f64::from(BOOST_UNIT);
-        let own = charged / current;
-        let readings = last.readings;
+        let unit = f64::from(FACTOR_UNIT);
+        let current = f64::from(factors.boost.load(Ordering::Relaxed)) / unit;
+        let trim_now = f64::from(factors.trim.load(Ordering::Relaxed)) / unit;
+        // Samples over the period where NVML keeps them, else its last sample period's figure.
+        let nvml_share = nvml
+            .samples
+            .map(|(mean, _)| mean / 100.0)
+            .or(nvml.utilisation.map(|percent| f64::from(percent) / 100.0));
+        if comparable {
+            let measured = charged / current / trim_now;
+            next_seen.trim_window.add(measured, nvml_share, period as f64 / 1e9);
+        }
+        let trim = next_seen.trim_window.trim();
+        factors.trim.store((trim * unit).round() as u32, Ordering::Relaxed);
         // What the bucket admitted, period by period: a run's diagnosis compares it with the limit
         // and with NVML (its charges against the GPU's busy time).
         tracing::debug!(
             "compute limiter: device {ordinal} period {} ms: charged {charged:.3} of it, launches waited {:.3} of it, \
-             {} launches, NVML utilisation {}, budget {} us",
+             {} launches, NVML utilisation {}, samples {}, budget {} us, trim {trim:.3}",
             period / 1_000_000,
             next_seen.wait_ns.saturating_sub(last.wait_ns) as f64 / period as f64,
             next_seen.launches.saturating_sub(last.launches),
-            utilisation.map_or_else(|| "unknown".to_owned(), |percent| format!("{percent}%")),
+            nvml.utilisation
+                .map_or_else(|| "unknown".to_owned(), |percent| format!("{percent}%")),
+            nvml.samples
+                .map_or_else(|| "none".to_owned(), |(mean, count)| format!("{mean:.1}% of {count}")),
             compute.budget_ns.load(Ordering::Relaxed) / 1000
         );
-        let gpu = utilisation.map(|percent| f64::from(percent) / 100.0);
-        let clock_known = power.is_some_and(|reading| reading.clock.is_some());
+        let own = charged / current;
+        let gpu = nvml.utilisation.map(|percent| f64::from(percent) / 100.0);
+        let clock_known = nvml.power.is_some_and(|reading| reading.clock.is_some());
         let share = boost::busy_share(own, gpu, clock_known);
-        let target = power.map_or(1.0, |reading| boost::target_factor(reading, share));
-        let next = boost::smoothed(current, target, starting || readings == 0);
-        boost.store((next * f64::from(BOOST_UNIT)).round() as u32, Ordering::Relaxed);
+        let target = nvml.power.map_or(1.0, |reading| boost::target_factor(reading, share));
+        let next = boost::smoothed(current, target, starting || last.readings == 0);
+        next_seen.readings = last.readings.saturating_add(1);
+        *seen = next_seen;
+        factors.boost.store((next * unit).round() as u32, Ordering::Relaxed);
         if (next - current).abs() >= 0.01 {
             // Both sources of the share, so that a run can tell which one set the factor.
             tracing::debug!(
@@ -315,7 +365,7 @@ impl Runtime {
             }
             correction
         };
-        let correction = self.boosted(info.region_index, correction);
+        let correction = self.scaled(info.region_index, correction);
         // One line per measurement: what a run's diagnosis needs (measured against charged).
         tracing::debug!(
             "compute limiter: device index {} key {:x} measured {measured} ns, charged {} ns, correction {correction} ns, \
@@ -348,9 +398,6 @@ impl Runtime {
         now: u64,
     ) {
         let index = device.region_index;
-        let Some(boost) = self.devices.get(index).map(|device| &device.boost) else {
-            return;
-        };
         // The region's share: every live process of the container on this device.
         let measured = accounting
             .region()
@@ -362,9 +409,9 @@ impl Runtime {
             .map(|util| util.sm_util.load(Ordering::Relaxed))
             .fold(0u64, u64::saturating_add)
             .min(100);
-        // What the kernels took, before the boost compensation ([`boost`]) scaled the charges.
-        let factor = u64::from(boost.load(Ordering::Relaxed).max(1));
-        let measured = (measured * u64::from(BOOST_UNIT) / factor) as u32;
+        // What the kernels took as the sensor measured them, before the boost compensation
+        // ([`boost`]) and NVML's trim ([`trim`]) scaled the charges.
+        let measured = (measured * u64::from(FACTOR_UNIT) / self.factor(index).max(1)) as u32;
         match check.record(index, crosscheck::judge(measured, nvml), now) {
             Report::Nothing => {}
             Report::Unavailable => tracing::debug!(

@@ -1,0 +1,136 @@
+//! NVML's utilisation as a bound on the charges: where NVML sees the GPU busy for less time than
+//! the sensor measured the container's kernels, the charges are trimmed to what NVML sees.
+//!
+//! A bracket of events reads a kernel's time plus some of the GPU's time between kernels (the
+//! front end starting the next one), which no pair of brackets can separate from the kernel: on
+//! the H200 a PyTorch training step was charged 3-4% more than NVML saw busy, so it ran 2-3 points
+//! under its limit (docs/compute-limit.md, "NVML's trim"). NVML's utilisation covers the whole
+//! GPU, so it can only show that the container's measurements are too high, never too low
+//! (another container's work adds to it): the trim is at most 1. A reading far below the measured
+//! share is not this error but a GPU whose NVML does not see the work (a VM, a pinned or broken
+//! figure, which `crosscheck` reports): it is left out, and so is a share too small to compare.
+//!
+//! The trim is the ratio of NVML's busy time to the measured busy time over a window of recent
+//! readings (sums that decay with [`WINDOW_S`]), not a smoothed trim: the charges follow the trim,
+//! and the measurements with them, but their ratio to NVML's figure does not, so the first
+//! seconds of readings already give it.
+
+/// The lowest trim: a reading that would need less says NVML does not see this work.
+pub const MIN_TRIM: f64 = 0.85;
+/// Below this measured share a reading is left out (NVML's figures are in whole percent).
+pub const MIN_SHARE: f64 = 0.05;
+/// The time constant of the window, in seconds of readings: long enough to average NVML's
+/// per-sample swings, short enough to follow a change of work within a few seconds.
+pub const WINDOW_S: f64 = 5.0;
+
+/// Busy time NVML saw and the sensor measured over the recent readings (seconds, decaying).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Window {
+    nvml: f64,
+    measured: f64,
+}
+
+impl Window {
+    /// Adds a reading of `seconds`: `measured`, the share of it the container's kernels took as
+    /// the sensor measured them (before the boost factor and the trim); `nvml`, NVML's
+    /// utilisation of the GPU over it (0..=1), `None` where it gives none.
+    pub fn add(&mut self, measured: f64, nvml: Option<f64>, seconds: f64) {
+        let Some(nvml) = nvml.filter(|nvml| nvml.is_finite() && *nvml > 0.0) else {
+            return;
+        };
+        if !measured.is_finite() || measured < MIN_SHARE || !seconds.is_finite() || seconds <= 0.0 {
+            return;
+        }
+        if nvml / measured < MIN_TRIM {
+            return;
+        }
+        // NVML's figure may exceed 1 x the measured share many times over (other work): kept at
+        // 2x, so that such a stretch is forgotten as fast as any other once it ends.
+        let nvml = nvml.min(2.0 * measured);
+        let keep = (-seconds / WINDOW_S).exp();
+        self.nvml = self.nvml * keep + nvml * seconds;
+        self.measured = self.measured * keep + measured * seconds;
+    }
+
+    /// The trim: NVML's busy time over the measured, within [`MIN_TRIM`]..=1; 1 before any reading.
+    pub fn trim(&self) -> f64 {
+        if self.measured <= 0.0 {
+            return 1.0;
+        }
+        (self.nvml / self.measured).clamp(MIN_TRIM, 1.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nvml_below_the_measurements_trims_them_from_the_first_reading() {
+        // The H200 training step at 75: NVML saw 0.968 of the measured time. The bucket charges
+        // 75% of trimmed time, so the sensor measures 75/trim.
+        let mut window = Window::default();
+        assert_eq!(window.trim(), 1.0);
+        for _ in 0..10 {
+            let measured = 0.75 / window.trim();
+            window.add(measured, Some(measured * 0.968), 1.0);
+            assert!((window.trim() - 0.968).abs() < 1e-9, "{}", window.trim());
+        }
+    }
+
+    #[test]
+    fn the_window_follows_a_change_within_a_few_seconds() {
+        let mut window = Window::default();
+        for _ in 0..20 {
+            window.add(0.5, Some(0.45), 1.0);
+        }
+        assert!((window.trim() - 0.9).abs() < 1e-9);
+        for _ in 0..5 {
+            window.add(0.5, Some(0.5), 1.0);
+        }
+        // After one time constant, about 1/e of the old ratio's weight is left.
+        let trim = window.trim();
+        assert!((0.96..0.97).contains(&trim), "{trim}");
+        // Short readings weigh less than long ones.
+        let mut short = Window::default();
+        short.add(0.5, Some(0.45), 1.0);
+        short.add(0.5, Some(0.5), 0.25);
+        assert!(short.trim() < 0.93, "{}", short.trim());
+    }
+
+    #[test]
+    fn nvml_above_the_measurements_leaves_the_trim_at_one() {
+        // Another container's work, or NVML counting the gaps between kernels as busy.
+        let mut window = Window::default();
+        window.add(0.5, Some(0.95), 1.0);
+        assert_eq!(window.trim(), 1.0);
+        // Then alone again: the stretch of other work is forgotten like any other.
+        let mut window = Window::default();
+        for _ in 0..10 {
+            window.add(0.2, Some(1.0), 1.0);
+        }
+        for _ in 0..10 {
+            window.add(0.5, Some(0.46), 1.0);
+        }
+        let trim = window.trim();
+        assert!(trim < 1.0, "{trim}");
+    }
+
+    #[test]
+    fn readings_that_say_nothing_are_left_out() {
+        let mut window = Window::default();
+        window.add(0.5, Some(0.46), 1.0);
+        let before = window;
+        window.add(0.5, None, 1.0);
+        window.add(0.5, Some(0.0), 1.0);
+        window.add(0.5, Some(0.2), 1.0);
+        window.add(0.01, Some(0.009), 1.0);
+        window.add(f64::NAN, Some(0.4), 1.0);
+        window.add(0.5, Some(f64::INFINITY), 1.0);
+        window.add(0.5, Some(0.46), 0.0);
+        window.add(0.5, Some(0.46), -1.0);
+        window.add(0.5, Some(0.46), f64::NAN);
+        assert_eq!(window, before);
+        assert!((window.trim() - 0.92).abs() < 1e-9);
+    }
+}
