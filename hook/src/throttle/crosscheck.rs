@@ -122,35 +122,27 @@ pub fn nvml_utilisation_samples(device: crate::sys::nvml::nvmlDevice_t, last_see
     };
     let samples_of = crate::hooks::real::nvmlDeviceGetSamples()?;
     let mut value_type: nvmlValueType_t = NVML_VALUE_TYPE_UNSIGNED_INT;
-    let mut count: std::ffi::c_uint = 0;
-    // SAFETY: a handle NVML gave, local out-pointers; a null buffer asks for the count.
-    let status = unsafe {
-        samples_of(
-            device,
-            NVML_GPU_UTILIZATION_SAMPLES,
-            *last_seen,
-            &mut value_type,
-            &mut count,
-            std::ptr::null_mut(),
-        )
+    let mut query = |count: &mut std::ffi::c_uint, buffer: *mut nvmlSample_t| {
+        // SAFETY: a handle NVML gave and local out-pointers; `buffer` is null (NVML then says how
+        // many samples it has) or holds `count` writable samples.
+        unsafe {
+            samples_of(
+                device,
+                NVML_GPU_UTILIZATION_SAMPLES,
+                *last_seen,
+                &mut value_type,
+                count,
+                buffer,
+            )
+        }
     };
-    if status != NVML_SUCCESS || count == 0 {
+    let mut count: std::ffi::c_uint = 0;
+    if query(&mut count, std::ptr::null_mut()) != NVML_SUCCESS || count == 0 {
         return None;
     }
     let mut samples = vec![nvmlSample_t::default(); (count as usize).min(MAX_SAMPLES)];
     let mut count = samples.len() as std::ffi::c_uint;
-    // SAFETY: `count` elements of `samples` are writable.
-    let status = unsafe {
-        samples_of(
-            device,
-            NVML_GPU_UTILIZATION_SAMPLES,
-            *last_seen,
-            &mut value_type,
-            &mut count,
-            samples.as_mut_ptr(),
-        )
-    };
-    if status != NVML_SUCCESS {
+    if query(&mut count, samples.as_mut_ptr()) != NVML_SUCCESS {
         return None;
     }
     let read = samples.get(..count as usize)?;
