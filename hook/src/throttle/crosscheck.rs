@@ -2,8 +2,9 @@
 //!
 //! Per-process figures are missing in containers and VMs, so NVML is never the limiter's sensor; but
 //! where NVML does measure the GPU, its device utilisation bounds what the container can have used:
-//! the container's kernels are a subset of the GPU's. Small over-counts are trimmed off the charges
-//! ([`super::trim`]); larger ones are reported here. Once a second the background thread compares
+//! the container's kernels are a subset of the GPU's. Over-counts of up to 15% are trimmed off the
+//! charges ([`super::trim`]); here, a measured share more than [`TOLERANCE`] points above NVML's is
+//! reported. Once a second the background thread compares
 //! the region's measured share of a device (the sum of its processes' `sm_util`) with NVML's
 //! `nvmlDeviceGetUtilizationRates`. A measured share above NVML's figure by more than
 //! [`TOLERANCE`] points for [`PERSISTENCE`] checks in a row means the sensor over-counts: that is
@@ -145,7 +146,7 @@ pub fn nvml_utilisation_samples(device: crate::sys::nvml::nvmlDevice_t, last_see
     if query(&mut count, samples.as_mut_ptr()) != NVML_SUCCESS {
         return None;
     }
-    let read = samples.get(..count as usize)?;
+    let read = &samples[..(count as usize).min(samples.len())];
     let percent = |sample: &nvmlSample_t| -> Option<f64> {
         // SAFETY: NVML says which member it wrote; every member is plain data.
         let value = unsafe {

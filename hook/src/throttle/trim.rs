@@ -19,45 +19,59 @@
 pub const MIN_TRIM: f64 = 0.85;
 /// Below this measured share a reading is left out (NVML's figures are in whole percent).
 pub const MIN_SHARE: f64 = 0.05;
+/// Fewer NVML samples than this in a reading (the first second's 250 ms readings hold 1-3) say
+/// too little: one sample of a job with phases swings by tens of points.
+pub const MIN_SAMPLES: usize = 4;
 /// The time constant of the window, in seconds of readings: long enough to average NVML's
 /// per-sample swings, short enough to follow a change of work within a few seconds.
 pub const WINDOW_S: f64 = 5.0;
 
-/// Busy time NVML saw and the sensor measured over the recent readings (seconds, decaying).
+/// Busy time NVML saw and the sensor measured over the recent readings (seconds, decaying), and
+/// how much of the recent time NVML could be compared at all.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Window {
     nvml: f64,
     measured: f64,
+    /// Seconds of readings NVML's figure was compared in, and of readings where the container
+    /// ran at all (decaying alike).
+    compared: f64,
+    busy: f64,
 }
 
 impl Window {
     /// Adds a reading of `seconds`: `measured`, the share of it the container's kernels took as
     /// the sensor measured them (before the boost factor and the trim); `nvml`, NVML's
-    /// utilisation of the GPU over it (0..=1), `None` where it gives none.
+    /// utilisation of the GPU over it (0..=1), `None` where it gives none. A reading where the
+    /// container ran but NVML's figure says nothing (none, 0%, far below the measured share)
+    /// moves the trim back towards 1: it is not kept from before for work NVML no longer sees.
     pub fn add(&mut self, measured: f64, nvml: Option<f64>, seconds: f64) {
-        let Some(nvml) = nvml.filter(|nvml| nvml.is_finite() && *nvml > 0.0) else {
+        if !measured.is_finite() || measured < MIN_SHARE || !seconds.is_finite() || seconds <= 0.0 {
+            return; // the container hardly ran: nothing to compare, nothing to forget
+        }
+        let keep = (-seconds / WINDOW_S).exp();
+        self.busy = self.busy * keep + seconds;
+        let usable = nvml.filter(|nvml| nvml.is_finite() && *nvml > 0.0 && nvml / measured >= MIN_TRIM);
+        let Some(nvml) = usable else {
+            self.compared *= keep;
             return;
         };
-        if !measured.is_finite() || measured < MIN_SHARE || !seconds.is_finite() || seconds <= 0.0 {
-            return;
-        }
-        if nvml / measured < MIN_TRIM {
-            return;
-        }
-        // NVML's figure may exceed 1 x the measured share many times over (other work): kept at
-        // 2x, so that such a stretch is forgotten as fast as any other once it ends.
+        // NVML's figure may exceed the measured share many times over (other work): kept at 2x,
+        // so that such a stretch is forgotten as fast as any other once it ends.
         let nvml = nvml.min(2.0 * measured);
-        let keep = (-seconds / WINDOW_S).exp();
         self.nvml = self.nvml * keep + nvml * seconds;
         self.measured = self.measured * keep + measured * seconds;
+        self.compared = self.compared * keep + seconds;
     }
 
-    /// The trim: NVML's busy time over the measured, within [`MIN_TRIM`]..=1; 1 before any reading.
+    /// The trim: NVML's busy time over the measured, within [`MIN_TRIM`]..=1, weighed towards 1
+    /// by the share of the recent time NVML could not be compared in; 1 before any reading.
     pub fn trim(&self) -> f64 {
-        if self.measured <= 0.0 {
+        if self.measured <= 0.0 || self.busy <= 0.0 {
             return 1.0;
         }
-        (self.nvml / self.measured).clamp(MIN_TRIM, 1.0)
+        let ratio = (self.nvml / self.measured).clamp(MIN_TRIM, 1.0);
+        let weight = (self.compared / self.busy).clamp(0.0, 1.0);
+        1.0 - (1.0 - ratio) * weight
     }
 }
 
@@ -117,20 +131,35 @@ mod tests {
     }
 
     #[test]
-    fn readings_that_say_nothing_are_left_out() {
+    fn readings_of_an_idle_container_or_bad_input_are_left_out() {
         let mut window = Window::default();
         window.add(0.5, Some(0.46), 1.0);
         let before = window;
-        window.add(0.5, None, 1.0);
-        window.add(0.5, Some(0.0), 1.0);
-        window.add(0.5, Some(0.2), 1.0);
         window.add(0.01, Some(0.009), 1.0);
+        window.add(0.01, None, 1.0);
         window.add(f64::NAN, Some(0.4), 1.0);
-        window.add(0.5, Some(f64::INFINITY), 1.0);
         window.add(0.5, Some(0.46), 0.0);
         window.add(0.5, Some(0.46), -1.0);
         window.add(0.5, Some(0.46), f64::NAN);
         assert_eq!(window, before);
         assert!((window.trim() - 0.92).abs() < 1e-9);
+    }
+
+    #[test]
+    fn readings_nvml_cannot_compare_move_the_trim_back_to_one() {
+        for unusable in [None, Some(0.0), Some(0.2), Some(f64::INFINITY), Some(f64::NAN)] {
+            let mut window = Window::default();
+            for _ in 0..10 {
+                window.add(0.5, Some(0.46), 1.0);
+            }
+            assert!((window.trim() - 0.92).abs() < 1e-9);
+            window.add(0.5, unusable, 1.0);
+            let after_one = window.trim();
+            assert!(after_one > 0.92 && after_one < 0.94, "{unusable:?}: {after_one}");
+            for _ in 0..30 {
+                window.add(0.5, unusable, 1.0);
+            }
+            assert!(window.trim() > 0.999, "{unusable:?}: {}", window.trim());
+        }
     }
 }

@@ -35,6 +35,8 @@ const START_NVML_PERIOD_NS: u64 = 250_000_000;
 /// The trim follows NVML's utilisation from this long after the poller starts: NVML's figure
 /// covers up to a second before it is read.
 const TRIM_AFTER_NS: u64 = 1_000_000_000;
+/// The most one reading counts for in the trim's window (a poller late to read NVML, say).
+const MAX_TRIM_PERIOD_NS: u64 = 2 * NVML_PERIOD_NS;
 
 /// One step's NVML readings of a device.
 #[derive(Clone, Copy)]
@@ -215,8 +217,13 @@ impl Runtime {
             let handle = crate::nvml::device_handle(&device.uuid);
             let utilisation = handle.and_then(crosscheck::nvml_utilisation);
             let power = handle.and_then(boost::read);
+            // The first query returns NVML's whole buffer, seconds from before: it only sets
+            // where the next one starts.
             let samples = match (handle, state.busy_seen.get_mut(device.region_index)) {
-                (Some(handle), Some(seen)) => crosscheck::nvml_utilisation_samples(handle, &mut seen.nvml_sample),
+                (Some(handle), Some(seen)) => {
+                    let started = seen.nvml_sample != 0;
+                    crosscheck::nvml_utilisation_samples(handle, &mut seen.nvml_sample).filter(|_| started)
+                }
                 _ => None,
             };
             let nvml = NvmlReading {
@@ -272,9 +279,10 @@ impl Runtime {
     }
 
     /// Moves a device's boost factor towards what NVML's power readings call for, given the
-    /// container's share of the device over the last period (the region's charged time, which
-    /// every process of the container adds to, divided by the factor it was charged at), and its
-    /// trim towards NVML's utilisation over the period ([`trim`]).
+    /// container's share of the device over the last period as the sensor measured it (the
+    /// region's charged time, which every process of the container adds to, divided by the boost
+    /// factor and the trim it was charged at), and adds the period to the trim's window
+    /// ([`trim`]).
     fn follow_nvml(
         &self,
         accounting: &'static crate::session::Session,
@@ -304,9 +312,17 @@ impl Runtime {
             .samples
             .map(|(mean, _)| mean / 100.0)
             .or(nvml.utilisation.map(|percent| f64::from(percent) / 100.0));
-        if comparable {
-            let measured = charged / current / trim_now;
-            next_seen.trim_window.add(measured, nvml_share, period as f64 / 1e9);
+        // The container's share as the sensor measured it, before the boost factor and the trim.
+        let measured = charged / current / trim_now;
+        // A device's first reading spans from the poller's start, not from its own first launch;
+        // a reading of a few samples (the first second's 250 ms ones) swings with a job's phases.
+        let enough = match nvml.samples {
+            Some((_, count)) => count >= trim::MIN_SAMPLES,
+            None => !starting,
+        };
+        if comparable && enough && last.readings > 0 {
+            let seconds = period.min(MAX_TRIM_PERIOD_NS) as f64 / 1e9;
+            next_seen.trim_window.add(measured, nvml_share, seconds);
         }
         let trim = next_seen.trim_window.trim();
         factors.trim.store((trim * unit).round() as u32, Ordering::Relaxed);
@@ -324,7 +340,8 @@ impl Runtime {
                 .map_or_else(|| "none".to_owned(), |(mean, count)| format!("{mean:.1}% of {count}")),
             compute.budget_ns.load(Ordering::Relaxed) / 1000
         );
-        let own = charged / current;
+        // The power model's constants were fitted on the sensor's share.
+        let own = measured;
         let gpu = nvml.utilisation.map(|percent| f64::from(percent) / 100.0);
         let clock_known = nvml.power.is_some_and(|reading| reading.clock.is_some());
         let share = boost::busy_share(own, gpu, clock_known);
