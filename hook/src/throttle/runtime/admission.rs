@@ -37,7 +37,8 @@ pub struct Ticket {
     region_index: usize,
     /// The limiter planned to measure this launch.
     planned_sample: bool,
-    sample: Option<InFlight>,
+    /// Boxed: most launches are not sampled, and a ticket this small moves in registers.
+    sample: Option<Box<InFlight>>,
     /// The pair this launch is the second launch of.
     closes: Option<OpenPair>,
 }
@@ -137,7 +138,7 @@ impl Runtime {
                 charged: plan.charge,
                 region_index,
             };
-            device.sensor.begin(stream, info, false)
+            device.sensor.begin(stream, info, false).map(Box::new)
         } else if measurable
             && closes.is_none()
             && plan.charge >= MIN_PAIR_PART_NS
@@ -149,7 +150,7 @@ impl Runtime {
                 charged: plan.charge,
                 region_index,
             };
-            device.sensor.begin(stream, info, true)
+            device.sensor.begin(stream, info, true).map(Box::new)
         } else {
             None
         };
@@ -178,11 +179,11 @@ impl Runtime {
                 if status == CUDA_SUCCESS {
                     pairs::open(ticket.runtime, ticket.region_index, sample);
                 } else {
-                    device.sensor.abandon(sample);
+                    device.sensor.abandon(*sample);
                 }
                 false
             }
-            Some(sample) => device.sensor.end(sample, status),
+            Some(sample) => device.sensor.end(*sample, status),
             None => false,
         };
         if ticket.planned_sample && !measured {

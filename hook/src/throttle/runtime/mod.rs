@@ -248,6 +248,9 @@ impl Runtime {
     /// `ns` of GPU time as the sensor measures it, as charged: times the device's boost factor
     /// and trim.
     fn scaled(&self, region_index: usize, ns: i64) -> i64 {
-        (i128::from(ns) * i128::from(self.factor(region_index)) / i128::from(FACTOR_UNIT)) as i64
+        // Saturating in i64: a charge is at most the debt floor (2 s) times a factor of about 1,
+        // far inside it; no 128-bit division on every launch.
+        let factor = i64::try_from(self.factor(region_index)).unwrap_or(i64::MAX);
+        ns.saturating_mul(factor) / i64::from(FACTOR_UNIT)
     }
 }

@@ -20,7 +20,7 @@ thread_local! {
 pub struct OpenPair {
     runtime: &'static Runtime,
     region_index: usize,
-    launch: Option<InFlight>,
+    launch: Option<Box<InFlight>>,
 }
 
 impl OpenPair {
@@ -32,7 +32,7 @@ impl OpenPair {
     /// Ends the pair after its second launch, of `second_key`, returned `status`.
     pub fn close(mut self, second_key: u64, status: CUresult) {
         if let (Some(launch), Some(device)) = (self.launch.take(), self.runtime.devices.get(self.region_index)) {
-            device.sensor.end_pair(launch, second_key, status);
+            device.sensor.end_pair(*launch, second_key, status);
         }
     }
 }
@@ -43,7 +43,7 @@ impl Drop for OpenPair {
             return;
         };
         match self.runtime.devices.get(self.region_index) {
-            Some(device) if self.own() => device.sensor.abandon(launch),
+            Some(device) if self.own() => device.sensor.abandon(*launch),
             // A parent's: its events stay out of the pool (a bounded leak, once per fork).
             _ => std::mem::forget(launch),
         }
@@ -52,7 +52,7 @@ impl Drop for OpenPair {
 
 /// Keeps `launch`, a pair's first launch that the driver accepted, for the thread's next launch
 /// (giving up any pair still open).
-pub fn open(runtime: &'static Runtime, region_index: usize, launch: InFlight) {
+pub fn open(runtime: &'static Runtime, region_index: usize, launch: Box<InFlight>) {
     let pair = OpenPair {
         runtime,
         region_index,
