@@ -445,8 +445,10 @@ pub unsafe extern "C" fn nvmlDeviceGetUtilizationRates(
 }
 
 /// GPU utilisation samples only: one per 100 ms bucket of the truth that ended after
-/// `lastSeenTimeStamp` (monotonic microseconds), `NVML_ERROR_NOT_FOUND` when none did; with a null
-/// `samples`, the most it can return. `FAKE_NVML_UTILIZATION` pins every sample's value.
+/// `lastSeenTimeStamp` (monotonic microseconds; NVML's are CPU time, opaque to callers),
+/// `NVML_ERROR_NOT_FOUND` when none did; with a null `samples`, the most it can return; a zero
+/// count with a buffer is `NVML_ERROR_INVALID_ARGUMENT`. `FAKE_NVML_UTILIZATION` pins every
+/// sample's value.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn nvmlDeviceGetSamples(
     device: nvmlDevice_t,
@@ -479,6 +481,10 @@ pub unsafe extern "C" fn nvmlDeviceGetSamples(
         }
         // SAFETY: the caller's count of writable elements.
         let room = unsafe { *sampleCount } as usize;
+        if room == 0 {
+            // As nvml.h says: a zero count with a buffer is an invalid argument.
+            return Err(NVML_ERROR_INVALID_ARGUMENT);
+        }
         let written = found.len().min(room);
         for (slot, &(at_us, percent)) in found.iter().take(written).enumerate() {
             let sample = nvmlSample_t {

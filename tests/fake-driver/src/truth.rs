@@ -575,7 +575,11 @@ impl DeviceView<'_> {
     /// ring, oldest first: (its end in monotonic microseconds, percent 0..=100). NVML's
     /// utilisation samples.
     pub fn utilisation_samples(&self, since_us: u64) -> Vec<(u64, u32)> {
-        let now_bucket = monotonic_ns() / BUCKET_NS;
+        self.utilisation_samples_at(since_us, monotonic_ns())
+    }
+
+    fn utilisation_samples_at(&self, since_us: u64, now_ns: u64) -> Vec<(u64, u32)> {
+        let now_bucket = now_ns / BUCKET_NS;
         let mut samples = Vec::new();
         for age in (1..BUCKETS as u64).rev() {
             let Some(bucket) = now_bucket.checked_sub(age) else {
@@ -725,5 +729,27 @@ mod tests {
         assert_eq!(view.busy_ns(), BUCKET_NS);
         // 50 ms busy in a 900 ms window.
         assert_eq!(view.utilisation_percent_at(now), 5);
+    }
+
+    #[test]
+    fn utilisation_samples_are_the_whole_buckets_after_the_last_seen() {
+        let truth = Truth::in_memory().unwrap();
+        let now = 50 * BUCKET_NS + BUCKET_NS / 3;
+        truth.add_busy(0, 1, BUCKET_NS / 2, 47 * BUCKET_NS + 1);
+        truth.add_busy(0, 1, BUCKET_NS / 4, now); // the current bucket: not whole yet
+        let view = truth.device(1);
+        let all = view.utilisation_samples_at(0, now);
+        // The ring's whole buckets before the current one, oldest first, ending at bucket ends.
+        assert_eq!(all.len(), BUCKETS - 1);
+        assert!(all.windows(2).all(|pair| pair[0].0 < pair[1].0));
+        assert_eq!(all.last(), Some(&(50 * BUCKET_NS / 1_000, 0)));
+        assert_eq!(
+            all.iter().find(|(_, percent)| *percent > 0),
+            Some(&(48 * BUCKET_NS / 1_000, 50))
+        );
+        // After the busy bucket's end: the two after it.
+        let later = view.utilisation_samples_at(48 * BUCKET_NS / 1_000, now);
+        assert_eq!(later, vec![(49 * BUCKET_NS / 1_000, 0), (50 * BUCKET_NS / 1_000, 0)]);
+        assert!(view.utilisation_samples_at(50 * BUCKET_NS / 1_000, now).is_empty());
     }
 }
