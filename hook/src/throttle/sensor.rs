@@ -26,10 +26,11 @@
 //! What a bracket reads over the launch's own time depends on the work around it (on the H200, 1
 //! to 2.9 us: `tests/gpu/bracket_probe.cu`), so on a queued stream it is learned from the job
 //! itself: one launch in [`PAIR_STRIDE`] there, not itself sampled, begins a pair bracketing two
-//! launches, it and the next one of the same thread on the same stream, without a hold. Each key keeps what its own brackets
-//! read on queued streams, nothing taken off; the pair reads both launches under one bracket, so
-//! the two keys' readings less the pair's is what one bracket adds ([`next_overhead`]). Taken off
-//! every later measurement of a queued stream; an idle stream's keeps [`BRACKET_OVERHEAD_NS`].
+//! launches, it and the next one of the same thread on the same stream, without a hold. Each key
+//! keeps what its own brackets read on queued streams, nothing taken off; the pair reads both
+//! launches under one bracket, so the two keys' readings less the pair's is what one bracket adds
+//! ([`next_overhead`]). Taken off every later measurement of a queued stream; an idle stream's
+//! keeps [`BRACKET_OVERHEAD_NS`].
 //!
 //! Pools are keyed by the context's unique id (`cuCtxGetId`, CUDA 12.0+), never by its handle
 //! alone: a destroyed context's handle can come back for a new context, and its stale events must

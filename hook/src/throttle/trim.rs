@@ -81,7 +81,7 @@ mod tests {
 
     #[test]
     fn nvml_below_the_measurements_trims_them_from_the_first_reading() {
-        // The H200 training step at 75: NVML saw 0.968 of the measured time. The bucket charges
+        // About the H200 training step at 75 (NVML saw 0.97 of the measured time). The bucket charges
         // 75% of trimmed time, so the sensor measures 75/trim.
         let mut window = Window::default();
         assert_eq!(window.trim(), 1.0);

@@ -127,17 +127,17 @@ impl Runtime {
         };
         self.account(hami, bucket, region_index, charge as i64, waited);
         let closes = pairs::take_closable(region_index, stream, measurable && !plan.sample);
+        let info = SampleInfo {
+            key,
+            charged: plan.charge,
+            region_index,
+        };
         let sample = if plan.sample && measurable {
             if !checked && capturing(stream) {
                 self.charge(bucket, region_index, -(charge as i64));
                 device.estimates().forget(key, plan);
                 return None;
             }
-            let info = SampleInfo {
-                key,
-                charged: plan.charge,
-                region_index,
-            };
             device.sensor.begin(stream, info, false).map(Box::new)
         } else if measurable
             && closes.is_none()
@@ -145,11 +145,6 @@ impl Runtime {
             && device.sensor.pair_due()
             && !capturing(stream)
         {
-            let info = SampleInfo {
-                key,
-                charged: plan.charge,
-                region_index,
-            };
             device.sensor.begin(stream, info, true).map(Box::new)
         } else {
             None

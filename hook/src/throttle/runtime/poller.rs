@@ -60,7 +60,7 @@ struct PollState {
     last_nvml: u64,
     /// Per region device index: the region's counters when the boost factor last followed a
     /// reading.
-    busy_seen: [Seen; MAX_DEVICES],
+    seen_at_nvml: [Seen; MAX_DEVICES],
     /// A step has panicked (said once).
     panicked: bool,
 }
@@ -106,7 +106,7 @@ impl PollState {
             last_nvml: now,
             // From the poller's start (the process's first limited launch), so that the first
             // reading already sets the factor.
-            busy_seen: std::array::from_fn(|index| {
+            seen_at_nvml: std::array::from_fn(|index| {
                 crate::session::get()
                     .and_then(|accounting| accounting.region().extension().compute.get(index))
                     .map_or(Seen::default(), |compute| Seen::now(compute, now, Seen::default()))
@@ -219,7 +219,7 @@ impl Runtime {
             let power = handle.and_then(boost::read);
             // The first query returns NVML's whole buffer, seconds from before: it only sets
             // where the next one starts.
-            let samples = match (handle, state.busy_seen.get_mut(device.region_index)) {
+            let samples = match (handle, state.seen_at_nvml.get_mut(device.region_index)) {
                 (Some(handle), Some(seen)) => {
                     let started = seen.nvml_sample != 0;
                     crosscheck::nvml_utilisation_samples(handle, &mut seen.nvml_sample).filter(|_| started)
@@ -236,7 +236,7 @@ impl Runtime {
                 ordinal,
                 device,
                 nvml,
-                &mut state.busy_seen,
+                &mut state.seen_at_nvml,
                 (now, starting, comparable),
             );
             if !starting {
@@ -289,13 +289,13 @@ impl Runtime {
         ordinal: CUdevice,
         device: &crate::session::DeviceEntry,
         nvml: NvmlReading,
-        busy_seen: &mut [Seen; MAX_DEVICES],
+        seen_at_nvml: &mut [Seen; MAX_DEVICES],
         (now, starting, comparable): (u64, bool, bool),
     ) {
         let index = device.region_index;
         let (Some(compute), Some(seen), Some(factors)) = (
             accounting.region().extension().compute.get(index),
-            busy_seen.get_mut(index),
+            seen_at_nvml.get_mut(index),
             self.devices.get(index),
         ) else {
             return;
@@ -340,11 +340,10 @@ impl Runtime {
                 .map_or_else(|| "none".to_owned(), |(mean, count)| format!("{mean:.1}% of {count}")),
             compute.budget_ns.load(Ordering::Relaxed) / 1000
         );
-        // The power model's constants were fitted on the sensor's share.
-        let own = measured;
         let gpu = nvml.utilisation.map(|percent| f64::from(percent) / 100.0);
         let clock_known = nvml.power.is_some_and(|reading| reading.clock.is_some());
-        let share = boost::busy_share(own, gpu, clock_known);
+        // The power model's constants were fitted on the sensor's share.
+        let share = boost::busy_share(measured, gpu, clock_known);
         let target = nvml.power.map_or(1.0, |reading| boost::target_factor(reading, share));
         let next = boost::smoothed(current, target, starting || last.readings == 0);
         next_seen.readings = last.readings.saturating_add(1);
@@ -354,7 +353,7 @@ impl Runtime {
             // Both sources of the share, so that a run can tell which one set the factor.
             tracing::debug!(
                 "compute limiter: device {ordinal} boost factor {next:.3} (busy share {share:.3}: the container's \
-                 {own:.3}, NVML's {:.3})",
+                 {measured:.3}, NVML's {:.3})",
                 gpu.unwrap_or(0.0)
             );
         }
