@@ -51,7 +51,9 @@ multi-process cases; default 1, 0 in part 2), COMPUTE_POLICY, COMPUTE_GPUS (the 
 instead of counting `nvidia-smi -L`), COMPUTE_NATURAL ("job=percent ...": natural shares instead of
 NVML's; "two-gemm" and "two-smallops" name the two-GPU jobs), COMPUTE_WORKER and
 COMPUTE_TWO_GPUS_WORKER (commands run by python3 instead of compute_jobs.py and
-compute_two_gpus.py: compute_jobs_fake.py checks this script without a GPU). The job runs on
+compute_two_gpus.py: compute_jobs_fake.py checks this script without a GPU), COMPUTE_CPUS (a CPU
+list such as "0-3,8": every worker runs on those CPUs, the hook's threads included, to take the
+CPU the scheduler picks out of a host-bound job's spread). The job runs on
 CUDA device 0, sampled as nvidia-smi's GPU of that index (or the first entry of
 CUDA_VISIBLE_DEVICES).
 """
@@ -122,6 +124,23 @@ TWO_GPUS_WORKER = [
     *shlex.split(os.environ.get("COMPUTE_TWO_GPUS_WORKER", os.path.join(HERE, "compute_two_gpus.py"))),
 ]
 SMI = shutil.which("nvidia-smi")
+
+
+def cpus_from(variable):
+    """The CPUs named by an environment variable ("0-3,8"), or None when it is unset or empty."""
+    text = os.environ.get(variable, "").strip()
+    if not text:
+        return None
+    cpus = set()
+    for item in text.split(","):
+        first, _, last = item.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise SystemExit(f"{variable}={text}: expected a CPU list such as 0-3,8")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+CPUS = cpus_from("COMPUTE_CPUS")
 VISIBLE = [entry.strip() for entry in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if entry.strip()]
 
 # Seconds a process takes outside its measured time (Python, importing PyTorch, the CUDA context,
@@ -243,6 +262,9 @@ class Run:
         self.stderr_path = os.path.join(WORK, name + ".err")
         with open(self.stderr_path, "w") as err:
             self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        if CPUS is not None:
+            # Before the interpreter has started a thread: the threads it starts inherit the set.
+            os.sched_setaffinity(self.proc.pid, CPUS)
         self.lines = []  # (arrival time, line)
         self.reader = threading.Thread(target=self._read)
         self.reader.start()
@@ -454,6 +476,14 @@ def measure_job(job):
     print(f"{job} native: {series_text(reference)} it/s per second (mean of {len(ran)} runs; run means {means} it/s{spread})")
     gpu = "; ".join(text for text in (run.clock_power() for run in ran) if text)
     print(f"{job} natural share: {natural:.1f}% ({source}){f'; {gpu}' if gpu else ''}", flush=True)
+    if len(ran) == 2:
+        # The job's own spread, in the limited points' terms: each native run against the other.
+        own = [Comparison(a.result["per_second"], b.result["per_second"], natural, natural) for a, b in (ran, ran[::-1])]
+        print(
+            f"{job} native against native (no hook, the job's own spread): "
+            + "; ".join(f"err {c.error:+.1f}, worst second from the 2nd {c.worst:+.1f}" for c in own),
+            flush=True,
+        )
 
     rows = []
     for setting in SETTINGS:

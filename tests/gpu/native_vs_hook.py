@@ -10,7 +10,10 @@ natively, then at each setting of AB_SETTINGS (default "unset 50"), for AB_ROUND
 3), each run COMPUTE_SECONDS long from its first launch, for each job of AB_JOBS (default
 "smallops train"). Printed per run: its mean rate, NVML's utilisation, SM clock and power; per setting: its mean
 rate over the native runs' mean rate, and the range of that ratio over the rounds (each round's
-run against that round's native run).
+run against that round's native run); per run, its error and worst second from the 2nd as
+compute_jobs_bench.py scores a point (share against min(setting, natural share)), with the mean of
+the other rounds' native runs as reference: on the native runs themselves that is the job's own
+spread in the matrix's terms.
 """
 import os
 import sys
@@ -34,6 +37,7 @@ def main():
     for job in JOBS:
         print(f"\n## {job}", flush=True)
         means = {label(s): [] for s in [None, *SETTINGS]}  # per setting, each round's mean (None: failed)
+        runs = {label(s): [] for s in [None, *SETTINGS]}  # per setting, the runs that ran
         for round_ in range(1, ROUNDS + 1):
             for setting in [None, *SETTINGS]:
                 run = bench.run_job(job, setting, name=f"{label(setting)}-{round_}")
@@ -51,6 +55,7 @@ def main():
                     flush=True,
                 )
                 means[label(setting)].append(run.result["mean"])
+                runs[label(setting)].append(run)
         natives = [m for m in means["native"] if m is not None]
         if not natives:
             print(f"{job}: no native run")
@@ -70,6 +75,27 @@ def main():
             ]
             paired_text = f", per round {min(paired):.1f}-{max(paired):.1f}%" if paired else ""
             print(f"{job} {setting}: {ratio:.1f}% of native{paired_text}", flush=True)
+        scores(job, runs)
+
+
+def scores(job, runs):
+    """Each run scored as the matrix scores a point, against the mean of the native runs (the
+    others, for a native run)."""
+    natives = runs["native"]
+    natural, source = bench.natural_of(job, [run.utilisation() for run in natives])
+    print(f"{job} natural share {natural:.1f}% ({source}); each run against the native runs' per-second mean:")
+    for setting, of_setting in runs.items():
+        target = natural if setting in ("native", "unset") else min(float(setting), natural)
+        texts = []
+        for run in of_setting:
+            others = [other.result["per_second"] for other in natives if other is not run]
+            reference = bench.reference_of(others)
+            if reference is None:
+                continue
+            c = bench.Comparison(run.result["per_second"], reference, natural, target)
+            texts.append(f"{c.error:+.1f}/{c.worst:+.1f}")
+        if texts:
+            print(f"  {setting}: err/worst second per round {' '.join(texts)}", flush=True)
 
 
 if __name__ == "__main__":
