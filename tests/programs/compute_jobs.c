@@ -3,7 +3,7 @@
 //     compute_jobs loop seconds=<s> kernels=<k> us=<d> per_iteration=<n> sync=<m> pause_us=<p> window_ms=<w> [alt_us=<a>]
 //     compute_jobs graph seconds=<s> kernels=<k> us=<d> sync=<m> window_ms=<w>
 //     compute_jobs devices launches=<n>[,<n1>...] us=<d> sync=<m>
-//     compute_jobs capture seconds=<s> us=<d> per_iteration=<n>
+//     compute_jobs capture seconds=<s> us=<d> per_iteration=<n> [hold_us=<h> other_thread=1]
 //
 // Kernels are the fake driver's `busy_<d>us_<i>`, i = 0..k-1: k functions of d microseconds each
 // (with alt_us, `busy_<d>us_alt_<a>us_<i>`: d and a microseconds by turns, launch by launch),
@@ -32,14 +32,20 @@
 // capture: on a created stream, an iteration launches busy_<d>us <n> times, then captures two more
 // launches of it on the same stream into a graph (begin, launch, launch, end: a graph captured
 // while earlier work is queued, as a framework warming up then capturing does), destroys the graph
-// and synchronises; for <s> seconds. Prints
+// and synchronises; for <s> seconds. With hold_us, the capture stays open that long after its two
+// launches (a framework capturing a model's many kernels); with other_thread=1, a second thread
+// launches busy_<d>us on a stream of its own all the while, never synchronising until the end (it
+// stays in the default capture mode, global, and makes no call a capture forbids: the library's
+// calls on that thread must not make one either; run it with a limit, which paces its launches).
+// Prints
 //     done iterations=<n> errors=<failed captured launches> captures_failed=<failed ends>
-//          first_error=<status of the first failure of either>
+//          first_error=<status of the first failure of either> other_launches=<n> other_errors=<n>
 //
 // A failed set-up call prints "setup-failed <call> <status>" and exits with 1.
 #define _GNU_SOURCE
 #include <cuda.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -263,6 +269,28 @@ static int devices_job(int argc, char **argv) {
     return 0;
 }
 
+struct OtherThread {
+    CUcontext context;
+    CUfunction function;
+    atomic_int stop;
+    unsigned long long launches, errors;
+};
+
+/// capture's other thread: launches on its own stream until told to stop.
+static void *other_thread(void *argument) {
+    struct OtherThread *other = argument;
+    CUstream stream;
+    CHECK(cuCtxSetCurrent(other->context));
+    CHECK(cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING));
+    while (!atomic_load(&other->stop)) {
+        if (cuLaunchKernel(other->function, 1, 1, 1, 1, 1, 1, 0, stream, NULL, NULL) != CUDA_SUCCESS) other->errors++;
+        other->launches++;
+    }
+    CHECK(cuStreamSynchronize(stream));
+    CHECK(cuStreamDestroy(stream));
+    return NULL;
+}
+
 /// capture: queued launches, then a capture on the same stream, over and over.
 static int capture_job(int argc, char **argv) {
     double seconds = arg(argc, argv, "seconds", 2);
@@ -274,6 +302,14 @@ static int capture_job(int argc, char **argv) {
     CHECK(cuInit(0));
     CHECK(cuModuleGetFunction(&function, open_device(0), name));
     CHECK(cuStreamCreate(&stream, 0));
+    long hold = (long)arg(argc, argv, "hold_us", 0);
+    struct OtherThread other = {NULL, function, 0, 0, 0};
+    pthread_t other_id;
+    int with_other = arg(argc, argv, "other_thread", 0) != 0;
+    if (with_other) {
+        CHECK(cuCtxGetCurrent(&other.context));
+        pthread_create(&other_id, NULL, other_thread, &other);
+    }
     unsigned long long iterations = 0, errors = 0, failed = 0;
     int first_error = 0;
     unsigned long long deadline = now_ns() + (unsigned long long)(seconds * 1e9);
@@ -286,14 +322,20 @@ static int capture_job(int argc, char **argv) {
             CUresult status = cuLaunchKernel(function, 1, 1, 1, 1, 1, 1, 0, stream, NULL, NULL);
             if (status != CUDA_SUCCESS && errors++ + failed == 0) first_error = (int)status;
         }
+        pause_us(hold);
         CUresult end = cuStreamEndCapture(stream, &graph);
         if (end != CUDA_SUCCESS && failed++ + errors == 0) first_error = (int)end;
         if (graph) CHECK(cuGraphDestroy(graph));
         CHECK(cuStreamSynchronize(stream));
         iterations++;
     }
-    printf("done iterations=%llu errors=%llu captures_failed=%llu first_error=%d\n", iterations, errors, failed,
-           first_error);
+    if (with_other) {
+        atomic_store(&other.stop, 1);
+        pthread_join(other_id, NULL);
+    }
+    printf("done iterations=%llu errors=%llu captures_failed=%llu first_error=%d other_launches=%llu "
+           "other_errors=%llu\n",
+           iterations, errors, failed, first_error, other.launches, other.errors);
     return 0;
 }
 

@@ -251,12 +251,29 @@ fn context_id(context: CUcontext) -> u64 {
 /// Lets the calling thread (the poller) make its calls while another thread captures a graph in
 /// global mode, where they would otherwise invalidate that capture.
 pub fn relax_capture_mode() {
-    let Some(exchange) = real::quiet::cuThreadExchangeStreamCaptureMode() else {
-        return;
-    };
-    let mut mode: CUstreamCaptureMode = crate::sys::cuda::CU_STREAM_CAPTURE_MODE_RELAXED;
+    exchange_capture_mode(crate::sys::cuda::CU_STREAM_CAPTURE_MODE_RELAXED);
+}
+
+/// Sets the calling thread's capture interaction mode; returns the one it had (`None` without
+/// the entry point, or when the driver refused).
+fn exchange_capture_mode(mode: CUstreamCaptureMode) -> Option<CUstreamCaptureMode> {
+    let exchange = real::quiet::cuThreadExchangeStreamCaptureMode()?;
+    let mut mode = mode;
     // SAFETY: a valid in/out pointer to a local.
-    unsafe { exchange(&mut mode) };
+    (unsafe { exchange(&mut mode) } == CUDA_SUCCESS).then_some(mode)
+}
+
+/// Runs `call`, a potentially unsafe call made on the application's launching thread, in relaxed
+/// capture mode, then gives the thread its mode back: in the default mode (global) the call would
+/// be refused, and would invalidate the capture, while any thread of the process captures a graph
+/// in global mode (PyTorch's default), or while this thread captures one on another stream.
+fn in_relaxed_capture_mode<T>(call: impl FnOnce() -> T) -> T {
+    let previous = exchange_capture_mode(crate::sys::cuda::CU_STREAM_CAPTURE_MODE_RELAXED);
+    let result = call();
+    if let Some(previous) = previous {
+        exchange_capture_mode(previous);
+    }
+    result
 }
 
 fn current_context() -> Option<CUcontext> {
@@ -352,11 +369,11 @@ fn stream_idle(stream: CUstream) -> bool {
     query_stream(stream) == Some(CUDA_SUCCESS)
 }
 
-/// `cuStreamQuery` of `stream` (`None` without the entry point).
+/// `cuStreamQuery` of `stream` (`None` without the entry point), in relaxed capture mode.
 fn query_stream(stream: CUstream) -> Option<CUresult> {
     let query = real::cuStreamQuery()?;
     // SAFETY: the application's stream handle; the query does not block.
-    Some(unsafe { query(stream) })
+    Some(in_relaxed_capture_mode(|| unsafe { query(stream) }))
 }
 
 /// Outcome of polling one sample.
@@ -420,8 +437,10 @@ impl Sensor {
                     free: Vec::new(),
                     created: 0,
                     last_use: uses,
+                    // Pinned memory is allocated on the launching thread: in relaxed mode, as a
+                    // capture under way elsewhere would refuse it.
                     gate: if HOLDS_WORK.load(Ordering::Relaxed) {
-                        create_gate()
+                        in_relaxed_capture_mode(create_gate)
                     } else {
                         None
                     },

@@ -402,6 +402,7 @@ fn stream_query(stream: CUstream) -> CuResult {
         }
         return Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
     }
+    state.refuse_unsafe_call()?;
     if now_ns() < state.stream_end(&target) {
         Err(CUDA_ERROR_NOT_READY)
     } else {
@@ -569,9 +570,14 @@ fn event_done_at(event: CUevent) -> CuResult<Option<u64>> {
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuEventQuery(hEvent: CUevent) -> CUresult {
-    cu(|| match event_done_at(hEvent)? {
-        Some(done) if now_ns() < done => Err(CUDA_ERROR_NOT_READY),
-        _ => Ok(()),
+    cu(|| {
+        match {
+            initialised()?.refuse_unsafe_call()?;
+            event_done_at(hEvent)?
+        } {
+            Some(done) if now_ns() < done => Err(CUDA_ERROR_NOT_READY),
+            _ => Ok(()),
+        }
     })
 }
 

@@ -8,6 +8,7 @@
 //! the graph do not reduce it) and keeps the charge until `cuGraphExecDestroy` or
 //! `cuDeviceGraphMemTrim` (after which the next launch charges again).
 
+use std::cell::Cell;
 use std::ffi::{c_char, c_ulonglong};
 
 use crate::cuda::*;
@@ -208,7 +209,37 @@ impl State {
         }
     }
 
-    fn begin_capture(&mut self, stream: CUstream) -> CuResult {
+    /// A potentially unsafe call (`cuStreamQuery`, `cuEventQuery`) made by this thread while
+    /// captures are under way: as `cuThreadExchangeStreamCaptureMode` documents, it is refused,
+    /// and the captures whose mode forbids it are invalidated, unless this thread is in relaxed
+    /// mode. A capture forbids it from its own thread unless it began relaxed, and from any other
+    /// thread in global mode when it began in global mode.
+    pub fn refuse_unsafe_call(&mut self) -> CuResult {
+        let mode = THREAD_CAPTURE_MODE.with(Cell::get);
+        if mode == CU_STREAM_CAPTURE_MODE_RELAXED {
+            return Ok(());
+        }
+        let me = std::thread::current().id();
+        let mut refused = false;
+        for capture in self.streams.values_mut().filter_map(|s| s.capture.as_mut()) {
+            let forbids = if capture.thread == me {
+                capture.mode != CU_STREAM_CAPTURE_MODE_RELAXED
+            } else {
+                capture.mode == CU_STREAM_CAPTURE_MODE_GLOBAL && mode == CU_STREAM_CAPTURE_MODE_GLOBAL
+            };
+            if forbids {
+                capture.invalidated = true;
+                refused = true;
+            }
+        }
+        if refused {
+            Err(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn begin_capture(&mut self, stream: CUstream, mode: CUstreamCaptureMode) -> CuResult {
         let target = self.stream_target(stream)?;
         let handle = target.stream.ok_or(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)?;
         if target.capturing.is_some() {
@@ -224,6 +255,8 @@ impl State {
                 deps: Vec::new(),
                 edges: Vec::new(),
                 invalidated: false,
+                mode,
+                thread: std::thread::current().id(),
             });
         }
         Ok(())
@@ -572,28 +605,56 @@ pub unsafe extern "C" fn cuDeviceGraphMemTrim(device: CUdevice) -> CUresult {
     })
 }
 
-fn begin_capture(stream: CUstream) -> CuResult {
-    initialised()?.begin_capture(stream)
+thread_local! {
+    /// The calling thread's stream capture interaction mode (`cuThreadExchangeStreamCaptureMode`).
+    static THREAD_CAPTURE_MODE: Cell<CUstreamCaptureMode> = const { Cell::new(CU_STREAM_CAPTURE_MODE_GLOBAL) };
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuThreadExchangeStreamCaptureMode(mode: *mut CUstreamCaptureMode) -> CUresult {
+    cu(|| {
+        // SAFETY: the caller's in/out pointer (null is rejected).
+        let wanted = unsafe { get(mode.cast_const()) }?;
+        if !matches!(
+            wanted,
+            CU_STREAM_CAPTURE_MODE_GLOBAL | CU_STREAM_CAPTURE_MODE_THREAD_LOCAL | CU_STREAM_CAPTURE_MODE_RELAXED
+        ) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let previous = THREAD_CAPTURE_MODE.with(|current| current.replace(wanted));
+        // SAFETY: the same pointer, read above.
+        unsafe { put(mode, previous) }
+    })
+}
+
+fn begin_capture(stream: CUstream, mode: CUstreamCaptureMode) -> CuResult {
+    if !matches!(
+        mode,
+        CU_STREAM_CAPTURE_MODE_GLOBAL | CU_STREAM_CAPTURE_MODE_THREAD_LOCAL | CU_STREAM_CAPTURE_MODE_RELAXED
+    ) {
+        return Err(CUDA_ERROR_INVALID_VALUE);
+    }
+    initialised()?.begin_capture(stream, mode)
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuStreamBeginCapture(hStream: CUstream) -> CUresult {
-    cu(|| begin_capture(hStream))
+    cu(|| begin_capture(hStream, CU_STREAM_CAPTURE_MODE_GLOBAL))
 }
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuStreamBeginCapture_ptsz(hStream: CUstream) -> CUresult {
-    cu(|| begin_capture(hStream))
+    cu(|| begin_capture(hStream, CU_STREAM_CAPTURE_MODE_GLOBAL))
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamBeginCapture_v2(hStream: CUstream, _mode: CUstreamCaptureMode) -> CUresult {
-    cu(|| begin_capture(hStream))
+pub unsafe extern "C" fn cuStreamBeginCapture_v2(hStream: CUstream, mode: CUstreamCaptureMode) -> CUresult {
+    cu(|| begin_capture(hStream, mode))
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuStreamBeginCapture_v2_ptsz(hStream: CUstream, _mode: CUstreamCaptureMode) -> CUresult {
-    cu(|| begin_capture(hStream))
+pub unsafe extern "C" fn cuStreamBeginCapture_v2_ptsz(hStream: CUstream, mode: CUstreamCaptureMode) -> CUresult {
+    cu(|| begin_capture(hStream, mode))
 }
 
 fn end_capture(stream: CUstream, phGraph: *mut CUgraph) -> CuResult {

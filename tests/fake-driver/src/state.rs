@@ -55,9 +55,14 @@ pub struct Capture {
     pub deps: Vec<usize>,
     /// Default edge data, one word per dependency.
     pub edges: Vec<u64>,
-    /// A call the capture does not allow was made on the stream (`cuStreamQuery`): ending the
-    /// capture fails with `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`, as on a real driver.
+    /// A call the capture does not allow was made on the stream (`cuStreamQuery`), or a
+    /// potentially unsafe call where its mode forbids one: ending the capture fails with
+    /// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`, as on a real driver.
     pub invalidated: bool,
+    /// The mode it began with (`cuStreamBeginCapture_v2`; global without one).
+    pub mode: CUstreamCaptureMode,
+    /// The thread that began it.
+    pub thread: std::thread::ThreadId,
 }
 
 pub struct Event {

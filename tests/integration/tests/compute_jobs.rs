@@ -488,6 +488,35 @@ fn a_capture_after_queued_launches_is_never_invalidated() {
     );
 }
 
+/// A graph captured in global mode (PyTorch's default) on one thread while another thread of the
+/// process launches limited kernels on a stream of its own: the library's calls on the launching
+/// thread (the stream queries of its samples and pairs) are potentially unsafe calls, which a
+/// global capture forbids to every thread in global mode. They must not invalidate it.
+#[test]
+fn a_global_capture_survives_limited_launches_on_another_thread() {
+    let dir = ScratchDir::new("compute-jobs-capture-other-thread");
+    let env = [("CUDA_DEVICE_SM_LIMIT", "50")];
+    let args = "capture seconds=3 us=20 per_iteration=2 hold_us=2000 other_thread=1";
+    let [report] = run_together([job(&dir, &env, args)]);
+    let done = report.done();
+    eprintln!("global capture beside another thread's launches: {done:?}");
+    assert!(
+        done.get("iterations") >= 100.0 && done.get("other_launches") >= 10_000.0,
+        "too little of either thread to say anything: {done:?}"
+    );
+    assert_eq!(
+        done.get("other_errors"),
+        0.0,
+        "the other thread's launches failed: {done:?}"
+    );
+    assert_eq!(
+        done.get("captures_failed") + done.get("errors"),
+        0.0,
+        "captures failed (first status {}): {done:?}",
+        done.get("first_error")
+    );
+}
+
 /// Kernels that start 2 us after the work queued before them (the GPU's front end between
 /// kernels): a bracket reads that gap with the kernel, a pair cannot tell it from the kernel, and
 /// NVML does not count it busy (on the H200 a training step was charged 3-4% more than NVML saw,

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Graph capture beside another thread's limited launches (tests/gpu/capture_other_thread.py):
+# natively, with the hook and no limit, and at limit 50, with the library in .device/ and, when
+# scripts/gpu-prepare.sh --candidate built one, .device/candidate/. Run from the repository root
+# on the GPU machine; the report is also written to $OUT/capture.txt.
+set -u -o pipefail
+root=$(pwd)
+out="${OUT:-/tmp/vgpu-out}"; mkdir -p "$out"
+work=/tmp/vgpu-capture; rm -rf "$work"; mkdir -p "$work"
+seconds="${CAPTURE_SECONDS:-5}"
+libraries=("$root/.device/libvgpu.so")
+[ -f "$root/.device/candidate/libvgpu.so" ] && libraries+=("$root/.device/candidate/libvgpu.so")
+[ -f "${libraries[0]}" ] || { echo "capture.sh: ${libraries[0]} is missing (run scripts/gpu-prepare.sh here first)" >&2; exit 1; }
+run() {  # <label> <env...>
+  local label=$1; shift
+  printf '%-40s ' "$label"
+  env "$@" python3 tests/gpu/capture_other_thread.py "$seconds" 2>"$work/err" | tail -1
+  [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "FAILED:"; tail -5 "$work/err"; }
+}
+{
+  echo "# graph capture beside another thread's launches, $(date -u '+%F %T') UTC, $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+  run native
+  for library in "${libraries[@]}"; do
+    name=${library#"$root/"}
+    rm -f "$work"/*.cache
+    run "$name, no limit" LD_PRELOAD="$library" CUDA_DEVICE_MEMORY_SHARED_CACHE="$work/unset.cache"
+    run "$name, limit 50" LD_PRELOAD="$library" CUDA_DEVICE_MEMORY_SHARED_CACHE="$work/50.cache" CUDA_DEVICE_SM_LIMIT=50
+  done
+} 2>&1 | tee "$out/capture.txt"
