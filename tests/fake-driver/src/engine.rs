@@ -571,10 +571,8 @@ fn event_done_at(event: CUevent) -> CuResult<Option<u64>> {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuEventQuery(hEvent: CUevent) -> CUresult {
     cu(|| {
-        match {
-            initialised()?.refuse_unsafe_call()?;
-            event_done_at(hEvent)?
-        } {
+        initialised()?.refuse_unsafe_call()?;
+        match event_done_at(hEvent)? {
             Some(done) if now_ns() < done => Err(CUDA_ERROR_NOT_READY),
             _ => Ok(()),
         }
