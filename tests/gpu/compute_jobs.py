@@ -7,7 +7,11 @@ warm-up, and prints one JSON line: the job, the iterations completed in each sec
 first launch ("per_second"), and the mean rate. Set-up that launches nothing (imports, context
 creation, allocations) comes before the clock starts; everything that launches a kernel (filling
 the inputs, cuBLAS and Triton's first calls, module loading) is inside the measured time. The
-optional start_at makes several processes start their clocks together.
+optional start_at makes several processes start their clocks together. Also in the JSON line,
+per second, for the thread that runs the job: the CPU it was on as the second began
+("cpu_per_second") and how often the kernel preempted it in that second
+("preempted_per_second"), from /proc (empty where /proc cannot be read): a host-bound loop's rate
+follows where and how undisturbed its thread runs.
 
 Jobs (each synchronises at least every few milliseconds of GPU work, as real loops do when they
 read a loss or a flag, so that completed iterations are counted when they complete):
@@ -172,12 +176,28 @@ JOBS = {
 }
 
 
-def measure(first, step, sync_every, seconds, iterations=None):
+def thread_state():
+    """The calling thread's CPU and its count of involuntary context switches, or None."""
+    try:
+        with open("/proc/thread-self/stat") as f:
+            # Fields after the command's closing parenthesis; the CPU is field 39 of the line.
+            cpu = int(f.read().rsplit(")", 1)[1].split()[36])
+        with open("/proc/thread-self/status") as f:
+            preempted = next(int(line.split()[1]) for line in f if line.startswith("nonvoluntary_ctxt_switches"))
+        return cpu, preempted
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def measure(first, step, sync_every, seconds, iterations=None, states=None):
     """Runs first(), then step() with a synchronisation every sync_every steps, until `seconds`
     have passed since the first launch (or, given `iterations`, until that many are done).
     Returns the marks: (time from the first launch, iterations completed by then) at every
-    synchronisation, starting with (0, 0)."""
+    synchronisation, starting with (0, 0). Given a list `states`, appends thread_state() at the
+    start and at the first synchronisation after each whole second."""
     t0 = time.perf_counter()
+    if states is not None:
+        states.append(thread_state())
     first()
     marks = [(0.0, 0)]
     done = 0
@@ -187,9 +207,21 @@ def measure(first, step, sync_every, seconds, iterations=None):
         torch.cuda.synchronize()
         done += sync_every
         elapsed = time.perf_counter() - t0
+        if states is not None and int(elapsed) >= len(states):
+            states.append(thread_state())
         marks.append((elapsed, done))
         if (done >= iterations) if iterations is not None else (elapsed >= seconds):
             return marks
+
+
+def per_second_states(states, seconds):
+    """The CPU each second began on, and the preemptions in it (the next state's count less its own)."""
+    if any(state is None for state in states):
+        return [], []
+    cpus = [cpu for cpu, _ in states[: int(seconds)]]
+    counts = [count for _, count in states]
+    preempted = [b - a for a, b in zip(counts, counts[1:])][: int(seconds)]
+    return cpus, preempted
 
 
 def per_second(marks, seconds):
@@ -217,10 +249,15 @@ def main():
     torch.cuda.synchronize()
     while time.time() < start_at:
         time.sleep(0.001)
-    marks = measure(first, step, sync_every, seconds)
+    states = []
+    marks = measure(first, step, sync_every, seconds, states=states)
     elapsed, done = marks[-1]
+    cpus, preempted = per_second_states(states, seconds)
     print(
-        json.dumps({"job": job, "per_second": per_second(marks, seconds), "mean": done / elapsed, "seconds": elapsed}),
+        json.dumps({
+            "job": job, "per_second": per_second(marks, seconds), "mean": done / elapsed, "seconds": elapsed,
+            "cpu_per_second": cpus, "preempted_per_second": preempted,
+        }),
         flush=True,
     )
 

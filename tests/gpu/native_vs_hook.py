@@ -8,9 +8,11 @@ limited runs of a job and one after. A job whose rate differs from process to pr
 host-bound Python loop) then shows an error that no limiter made. Here each round runs the job
 natively, then at each setting of AB_SETTINGS (default "unset 50"), for AB_ROUNDS rounds (default
 3), each run COMPUTE_SECONDS long from its first launch, for each job of AB_JOBS (default
-"smallops train"). Printed per run: its mean rate, NVML's utilisation, SM clock and power; per setting: its mean
-rate over the native runs' mean rate, and the range of that ratio over the rounds (each round's
-run against that round's native run); per run, its error and worst second from the 2nd as
+"smallops train"). Printed per run: its mean rate, NVML's utilisation, SM clock and power, and
+the CPU the job's thread began each second on and how often it was preempted in it (to tell what
+moves a host-bound loop's rate); per setting: its mean rate over the native runs' mean rate, and
+the range of that ratio over the rounds (each round's run against that round's native run); per
+run, its error and worst second from the 2nd as
 compute_jobs_bench.py scores a point (share against min(setting, natural share)), with the mean of
 the other rounds' native runs as reference: on the native runs themselves that is the job's own
 spread in the matrix's terms.
@@ -54,6 +56,10 @@ def main():
                     f"round {round_} {label(setting)}: mean {run.result['mean']:.1f} it/s{nvml_text} | {series}",
                     flush=True,
                 )
+                if run.result.get("cpu_per_second"):
+                    cpus = " ".join(str(cpu) for cpu in run.result["cpu_per_second"])
+                    preempted = " ".join(str(count) for count in run.result.get("preempted_per_second", []))
+                    print(f"    its thread's CPU per second: {cpus} | preempted per second: {preempted}", flush=True)
                 means[label(setting)].append(run.result["mean"])
                 runs[label(setting)].append(run)
         natives = [m for m in means["native"] if m is not None]
