@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Graph capture beside another thread's limited launches (tests/gpu/capture_other_thread.py):
-# natively, with the hook and no limit, and at limit 50, with the library in .device/ and, when
+# natively, with the hook and no limit, and at limit 50 with a memory limit of 8g, for PyTorch's
+# default allocator and for cudaMallocAsync, with the library in .device/ and, when
 # scripts/gpu-prepare.sh --candidate built one, .device/candidate/. Run from the repository root
 # on the GPU machine; the report is also written to $OUT/capture.txt.
 set -u -o pipefail
@@ -19,11 +20,17 @@ run() {  # <label> <env...>
 }
 {
   echo "# graph capture beside another thread's launches, $(date -u '+%F %T') UTC, $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
-  run native
-  for library in "${libraries[@]}"; do
-    name=${library#"$root/"}
-    rm -f "$work"/*.cache
-    run "$name, no limit" LD_PRELOAD="$library" CUDA_DEVICE_MEMORY_SHARED_CACHE="$work/unset.cache"
-    run "$name, limit 50" LD_PRELOAD="$library" CUDA_DEVICE_MEMORY_SHARED_CACHE="$work/50.cache" CUDA_DEVICE_SM_LIMIT=50
+  for allocator in native backend:cudaMallocAsync; do
+    alloc=()
+    [ "$allocator" = native ] || alloc=(PYTORCH_CUDA_ALLOC_CONF="$allocator")
+    echo "## PyTorch allocator: $allocator"
+    run native "${alloc[@]}"
+    for library in "${libraries[@]}"; do
+      name=${library#"$root/"}
+      rm -f "$work"/*.cache
+      run "$name, no limit" "${alloc[@]}" LD_PRELOAD="$library" CUDA_DEVICE_MEMORY_SHARED_CACHE="$work/unset.cache"
+      run "$name, limit 50, 8g" "${alloc[@]}" LD_PRELOAD="$library" CUDA_DEVICE_MEMORY_SHARED_CACHE="$work/50.cache" \
+        CUDA_DEVICE_SM_LIMIT=50 CUDA_DEVICE_MEMORY_LIMIT=8g
+    done
   done
 } 2>&1 | tee "$out/capture.txt"

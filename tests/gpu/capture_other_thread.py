@@ -6,7 +6,8 @@ launches small kernels on a stream of its own, for a few seconds (run by tests/g
 In global mode the driver refuses potentially unsafe calls (a stream or event query, a pinned
 allocation) from every thread in global mode while the capture is open, and invalidates the
 capture. Under a compute limit the library samples the other thread's launches; its calls there
-must not break the capture. Prints one JSON line: captures tried and failed, the first failure,
+must not break the capture. Every 100 captured ops one allocates (a temporary), so the allocator's
+calls (and the library's memory accounting) run inside the capture too. Prints one JSON line: captures tried and failed, the first failure,
 the other thread's launches and errors.
 """
 import json
@@ -50,8 +51,12 @@ def main():
         tried += 1
         try:
             with torch.cuda.graph(graph):
-                for _ in range(400):
+                for i in range(400):
                     y.mul_(1.0000001)
+                    if i % 100 == 0:
+                        # An allocation inside the capture: the allocator's own calls, and the
+                        # library's memory accounting, run while the capture is open.
+                        y.add_(y * 1e-7)
             graph.replay()
         except RuntimeError as error:
             failed += 1
