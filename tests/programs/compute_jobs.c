@@ -40,6 +40,7 @@
 // Prints
 //     done iterations=<n> errors=<failed captured launches> captures_failed=<failed ends>
 //          first_error=<status of the first failure of either> other_launches=<n> other_errors=<n>
+//          other_mode_after=<the other thread's capture mode at its end; -1 without it>
 //
 // A failed set-up call prints "setup-failed <call> <status>" and exits with 1.
 #define _GNU_SOURCE
@@ -274,6 +275,7 @@ struct OtherThread {
     CUfunction function;
     atomic_int stop;
     unsigned long long launches, errors;
+    int mode_after;
 };
 
 /// capture's other thread: launches on its own stream until told to stop.
@@ -288,6 +290,10 @@ static void *other_thread(void *argument) {
     }
     CHECK(cuStreamSynchronize(stream));
     CHECK(cuStreamDestroy(stream));
+    // The thread's capture mode after all its launches: still the default, global.
+    CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
+    CHECK(cuThreadExchangeStreamCaptureMode(&mode));
+    other->mode_after = (int)mode;
     return NULL;
 }
 
@@ -303,7 +309,7 @@ static int capture_job(int argc, char **argv) {
     CHECK(cuModuleGetFunction(&function, open_device(0), name));
     CHECK(cuStreamCreate(&stream, 0));
     long hold = (long)arg(argc, argv, "hold_us", 0);
-    struct OtherThread other = {NULL, function, 0, 0, 0};
+    struct OtherThread other = {NULL, function, 0, 0, 0, -1};
     pthread_t other_id;
     int with_other = arg(argc, argv, "other_thread", 0) != 0;
     if (with_other) {
@@ -334,8 +340,8 @@ static int capture_job(int argc, char **argv) {
         pthread_join(other_id, NULL);
     }
     printf("done iterations=%llu errors=%llu captures_failed=%llu first_error=%d other_launches=%llu "
-           "other_errors=%llu\n",
-           iterations, errors, failed, first_error, other.launches, other.errors);
+           "other_errors=%llu other_mode_after=%d\n",
+           iterations, errors, failed, first_error, other.launches, other.errors, other.mode_after);
     return 0;
 }
 

@@ -268,12 +268,29 @@ fn exchange_capture_mode(mode: CUstreamCaptureMode) -> Option<CUstreamCaptureMod
 /// be refused, and would invalidate the capture, while any thread of the process captures a graph
 /// in global mode (PyTorch's default), or while this thread captures one on another stream.
 fn in_relaxed_capture_mode<T>(call: impl FnOnce() -> T) -> T {
-    let previous = exchange_capture_mode(crate::sys::cuda::CU_STREAM_CAPTURE_MODE_RELAXED);
-    let result = call();
-    if let Some(previous) = previous {
-        exchange_capture_mode(previous);
+    let _relaxed = RelaxedCaptureMode::enter();
+    call()
+}
+
+/// The calling thread in relaxed capture mode until dropped, which gives it its mode back.
+struct RelaxedCaptureMode {
+    previous: Option<CUstreamCaptureMode>,
+}
+
+impl RelaxedCaptureMode {
+    fn enter() -> Self {
+        Self {
+            previous: exchange_capture_mode(crate::sys::cuda::CU_STREAM_CAPTURE_MODE_RELAXED),
+        }
     }
-    result
+}
+
+impl Drop for RelaxedCaptureMode {
+    fn drop(&mut self) {
+        if let Some(previous) = self.previous {
+            exchange_capture_mode(previous);
+        }
+    }
 }
 
 fn current_context() -> Option<CUcontext> {

@@ -491,7 +491,8 @@ fn a_capture_after_queued_launches_is_never_invalidated() {
 /// A graph captured in global mode (PyTorch's default) on one thread while another thread of the
 /// process launches limited kernels on a stream of its own: the library's calls on the launching
 /// thread (the stream queries of its samples and pairs) are potentially unsafe calls, which a
-/// global capture forbids to every thread in global mode. They must not invalidate it.
+/// global capture forbids to every thread in global mode. They must not invalidate it, and the
+/// thread keeps its own mode.
 #[test]
 fn a_global_capture_survives_limited_launches_on_another_thread() {
     let dir = ScratchDir::new("compute-jobs-capture-other-thread");
@@ -508,6 +509,11 @@ fn a_global_capture_survives_limited_launches_on_another_thread() {
         done.get("other_errors"),
         0.0,
         "the other thread's launches failed: {done:?}"
+    );
+    assert_eq!(
+        done.get("other_mode_after"),
+        0.0,
+        "the launching thread's capture mode was not given back (0: global): {done:?}"
     );
     assert_eq!(
         done.get("captures_failed") + done.get("errors"),
