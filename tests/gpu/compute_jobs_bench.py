@@ -170,6 +170,7 @@ CLEAN_ENV["PYTHONUNBUFFERED"] = "1"
 DEBUG_LOG = os.environ.get("LIBCUDA_LOG_LEVEL") == "4"
 
 MISSES = []  # what missed its target, for the summary
+OWN_SPREAD = {}  # per job, its two native runs scored against each other (two Comparisons)
 FAILURES = []  # runs that crashed or gave no result
 OVERHEADS = []  # each single run's wall time outside its measured time
 
@@ -479,6 +480,7 @@ def measure_job(job):
     if len(ran) == 2:
         # The job's own spread, in the limited points' terms: each native run against the other.
         own = [Comparison(a.result["per_second"], b.result["per_second"], natural, natural) for a, b in (ran, ran[::-1])]
+        OWN_SPREAD[job] = own
         print(
             f"{job} native against native (no hook, the job's own spread): "
             + "; ".join(f"err {c.error:+.1f}, worst second from the 2nd {c.worst:+.1f}" for c in own),
@@ -697,6 +699,14 @@ def summary(rows):
             print(
                 f"largest per-second error from the 2nd second: {c.worst:+.1f} points"
                 f" ({job} {setting}, second {c.worst_second})"
+            )
+        if OWN_SPREAD:
+            print(
+                "each job's native runs against each other (its own spread; error of the mean / worst second): "
+                + "; ".join(
+                    f"{job} " + " and ".join(f"{c.error:+.1f}/{c.worst:+.1f}" for c in own) + ("" if all(c.passed for c in own) else " (MISS)")
+                    for job, own in OWN_SPREAD.items()
+                )
             )
         misses = sum(not c.passed for _, _, c in measured)
         print(
