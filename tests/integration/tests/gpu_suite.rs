@@ -1,0 +1,135 @@
+//! The GPU suite's own logic, which CI cannot run on a GPU: the parser of the limiter's debug log
+//! (`tests/gpu/limiter_log.py`) reads what the hook really writes, and the jobs benchmark
+//! (`tests/gpu/compute_jobs_bench.py`) scores a matrix, with `compute_jobs_fake.py` standing in
+//! for PyTorch. A drift of the log's format, or a bench that crashes in its summary, would
+//! otherwise first show on the GPU machine, after its time was spent.
+
+use std::path::Path;
+use std::process::Command;
+
+use vgpu_integration::{Run, ScratchDir, compiled_program, hook_library, one_at_a_time, workspace_root};
+
+fn python(script: &str) -> Command {
+    let mut command = Command::new("python3");
+    command.arg(workspace_root().join("tests").join("gpu").join(script));
+    command
+}
+
+/// Runs a command to completion and returns its stdout; fails the test with its output otherwise.
+fn stdout_of(command: &mut Command) -> String {
+    let output = vgpu_test_spawn::output_started(command).expect("run python3 (is it installed?)");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{command:?} failed ({}): {stdout}{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+/// A limited job's debug log, as the hook writes it, summarised by limiter_log.py: the keys and
+/// their measurements, and the per-period share the bucket charged (the limit).
+#[test]
+fn the_log_summary_reads_the_hooks_debug_lines() {
+    let _alone = one_at_a_time();
+    let dir = ScratchDir::new("gpu-suite-log");
+    let output = Run::new(&compiled_program("compute_jobs"))
+        .hooked()
+        .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.region())
+        .env("CUDA_DEVICE_SM_LIMIT", "50")
+        .env("LIBCUDA_LOG_LEVEL", "4")
+        .args("loop seconds=4 kernels=2 us=50 per_iteration=8 sync=1 window_ms=1000".split_whitespace())
+        .output();
+    assert!(
+        output.status.success(),
+        "the job failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let log = dir.join("job.err");
+    std::fs::write(&log, &output.stderr).expect("write the log");
+    let summary = stdout_of(python("limiter_log.py").arg(&log));
+    eprintln!("{summary}");
+
+    let first = summary.lines().next().unwrap_or_default();
+    let measurements: u64 = first
+        .split_once(" keys, ")
+        .and_then(|(_, rest)| rest.split_whitespace().next())
+        .and_then(|count| count.parse().ok())
+        .unwrap_or_else(|| panic!("no count of measurements in the summary's first line: {summary}"));
+    assert!(measurements >= 20, "too few measurements read: {summary}");
+    let charged = summary
+        .lines()
+        .find(|line| line.starts_with("device 0 charged % per period:"))
+        .unwrap_or_else(|| panic!("no per-period line: {summary}"));
+    let mean: f64 = charged
+        .split("mean from the 2nd ")
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|mean| mean.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no mean in {charged}"));
+    assert!(
+        (mean - 50.0).abs() <= 5.0,
+        "charged {mean}% a period at limit 50: {summary}"
+    );
+    assert!(
+        summary
+            .lines()
+            .any(|line| line.starts_with("device 0 trim per period:")),
+        "no trim line: {summary}"
+    );
+}
+
+/// A matrix on the stand-in worker: the points a perfect limiter holds pass, the job the stand-in
+/// makes overshoot by 3 points misses on its mean, and each job's native runs are scored against
+/// each other in the summary.
+#[test]
+fn the_jobs_benchmark_scores_a_matrix() {
+    let dir = ScratchDir::new("gpu-suite-bench");
+    let gpu = workspace_root().join("tests").join("gpu");
+    let worker = gpu.join("compute_jobs_fake.py");
+    let mut command = python("compute_jobs_bench.py");
+    command
+        .arg(hook_library())
+        .arg(dir.path())
+        .current_dir(&gpu)
+        .env_remove("COMPUTE_PART")
+        .env_remove("LIBCUDA_LOG_LEVEL")
+        .env("COMPUTE_WORKER", &worker)
+        .env("COMPUTE_JOBS", "smallops paused")
+        .env("COMPUTE_LIMITS", "10 50")
+        .env("COMPUTE_SECONDS", "5")
+        .env("COMPUTE_MULTI", "0")
+        .env("COMPUTE_GPUS", "1")
+        .env("COMPUTE_NATURAL", "smallops=40 paused=20")
+        // No nvidia-smi sampling: the natural shares are given.
+        .env("PATH", Path::new("/usr/bin:/bin"));
+    let report = stdout_of(&mut command);
+    eprintln!("{report}");
+
+    let result = |job: &str, limit: &str| -> String {
+        let prefix = format!("| {job} | {limit} |");
+        let row = report
+            .lines()
+            .find(|line| line.starts_with(&prefix))
+            .unwrap_or_else(|| panic!("no summary row for {job} at {limit}: {report}"));
+        row.trim_end_matches('|')
+            .rsplit('|')
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    };
+    assert_eq!(result("smallops", "10"), "PASS");
+    assert_eq!(result("smallops", "50"), "PASS");
+    assert_eq!(result("paused", "10"), "MISS", "the stand-in overshoots 3 points at 10");
+    assert!(
+        report.contains("missed targets: paused 10 (mean +"),
+        "the miss is not named with its mean: {report}"
+    );
+    let spread = report
+        .lines()
+        .find(|line| line.starts_with("each job's native runs against each other"))
+        .unwrap_or_else(|| panic!("no line on the jobs' own spread: {report}"));
+    assert!(spread.contains("smallops ") && spread.contains("paused "), "{spread}");
+}
