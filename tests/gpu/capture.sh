@@ -24,12 +24,12 @@ run() {  # <label> <env...>
     alloc=()
     [ "$allocator" = native ] || alloc=(PYTORCH_CUDA_ALLOC_CONF="$allocator")
     echo "## PyTorch allocator: $allocator"
-    run native "${alloc[@]}"
+    run native ${alloc[@]+"${alloc[@]}"}
     for library in "${libraries[@]}"; do
       name=${library#"$root/"}
       rm -f "$work"/*.cache
-      run "$name, no limit" "${alloc[@]}" LD_PRELOAD="$library" CUDA_DEVICE_MEMORY_SHARED_CACHE="$work/unset.cache"
-      run "$name, limit 50, 8g" "${alloc[@]}" LD_PRELOAD="$library" CUDA_DEVICE_MEMORY_SHARED_CACHE="$work/50.cache" \
+      run "$name, no limit" ${alloc[@]+"${alloc[@]}"} LD_PRELOAD="$library" CUDA_DEVICE_MEMORY_SHARED_CACHE="$work/unset.cache"
+      run "$name, limit 50, 8g" ${alloc[@]+"${alloc[@]}"} LD_PRELOAD="$library" CUDA_DEVICE_MEMORY_SHARED_CACHE="$work/50.cache" \
         CUDA_DEVICE_SM_LIMIT=50 CUDA_DEVICE_MEMORY_LIMIT=8g
     done
   done

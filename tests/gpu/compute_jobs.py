@@ -10,7 +10,8 @@ the inputs, cuBLAS and Triton's first calls, module loading) is inside the measu
 optional start_at makes several processes start their clocks together. Also in the JSON line,
 per second, for the thread that runs the job: the CPU it was on as the second began
 ("cpu_per_second") and how often the kernel preempted it in that second
-("preempted_per_second"), from /proc (empty where /proc cannot be read): a host-bound loop's rate
+("preempted_per_second"), from /proc (null for a second that began during a longer gap between
+synchronisations, or where /proc cannot be read): a host-bound loop's rate
 follows where and how undisturbed its thread runs.
 
 Jobs (each synchronises at least every few milliseconds of GPU work, as real loops do when they
@@ -208,6 +209,9 @@ def measure(first, step, sync_every, seconds, iterations=None, states=None):
         done += sync_every
         elapsed = time.perf_counter() - t0
         if states is not None and int(elapsed) >= len(states):
+            # Seconds that began during a longer gap between synchronisations are unknown.
+            while int(elapsed) > len(states):
+                states.append(None)
             states.append(thread_state())
         marks.append((elapsed, done))
         if (done >= iterations) if iterations is not None else (elapsed >= seconds):
@@ -215,12 +219,13 @@ def measure(first, step, sync_every, seconds, iterations=None, states=None):
 
 
 def per_second_states(states, seconds):
-    """The CPU each second began on, and the preemptions in it (the next state's count less its own)."""
-    if any(state is None for state in states):
-        return [], []
-    cpus = [cpu for cpu, _ in states[: int(seconds)]]
-    counts = [count for _, count in states]
-    preempted = [b - a for a, b in zip(counts, counts[1:])][: int(seconds)]
+    """The CPU each second began on, and the preemptions in it (the next state's count less its
+    own); None for a second whose state, or the next one's, is unknown."""
+    states = states[: int(seconds) + 1]
+    cpus = [None if state is None else state[0] for state in states[: int(seconds)]]
+    preempted = [
+        None if a is None or b is None else b[1] - a[1] for a, b in zip(states, states[1:])
+    ]
     return cpus, preempted
 
 

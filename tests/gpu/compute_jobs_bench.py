@@ -137,6 +137,9 @@ def cpus_from(variable):
         if not first.isdigit() or (last and not last.isdigit()):
             raise SystemExit(f"{variable}={text}: expected a CPU list such as 0-3,8")
         cpus.update(range(int(first), int(last or first) + 1))
+    allowed = os.sched_getaffinity(0)
+    if not cpus or not cpus <= allowed:
+        raise SystemExit(f"{variable}={text}: not a set of CPUs this process may use ({sorted(allowed)})")
     return cpus
 
 
@@ -265,7 +268,8 @@ class Run:
             self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
         if CPUS is not None:
             # Before the interpreter has started a thread: the threads it starts inherit the set.
-            os.sched_setaffinity(self.proc.pid, CPUS)
+            with contextlib.suppress(ProcessLookupError):  # it has exited already: finish() says why
+                os.sched_setaffinity(self.proc.pid, CPUS)
         self.lines = []  # (arrival time, line)
         self.reader = threading.Thread(target=self._read)
         self.reader.start()
@@ -686,6 +690,16 @@ def summary(rows):
             f"| {job} | {setting} | {natural_text} | {c.mean:.1f} | {c.share:.1f} | {c.target:.1f} | {c.error:+.1f}"
             f" | {worst} | {nvml_text} | {verdict(c.passed)} |"
         )
+    if OWN_SPREAD:
+        print(
+            "\neach job's native runs against each other (its own spread; error of the mean / worst second): "
+            + "; ".join(
+                f"{job} "
+                + " and ".join(f"{c.error:+.1f}/{c.worst:+.1f}" for c in own)
+                + ("" if all(c.passed for c in own) else " (MISS)")
+                for job, own in OWN_SPREAD.items()
+            )
+        )
     measured = [(job, setting, c) for job, setting, _, c, _, _ in rows if c is not None]
     if measured:
         mae = sum(abs(c.error) for _, _, c in measured) / len(measured)
@@ -699,14 +713,6 @@ def summary(rows):
             print(
                 f"largest per-second error from the 2nd second: {c.worst:+.1f} points"
                 f" ({job} {setting}, second {c.worst_second})"
-            )
-        if OWN_SPREAD:
-            print(
-                "each job's native runs against each other (its own spread; error of the mean / worst second): "
-                + "; ".join(
-                    f"{job} " + " and ".join(f"{c.error:+.1f}/{c.worst:+.1f}" for c in own) + ("" if all(c.passed for c in own) else " (MISS)")
-                    for job, own in OWN_SPREAD.items()
-                )
             )
         misses = sum(not c.passed for _, _, c in measured)
         print(

@@ -57,8 +57,10 @@ def main():
                     flush=True,
                 )
                 if run.result.get("cpu_per_second"):
-                    cpus = " ".join(str(cpu) for cpu in run.result["cpu_per_second"])
-                    preempted = " ".join(str(count) for count in run.result.get("preempted_per_second", []))
+                    cpus = " ".join("?" if cpu is None else str(cpu) for cpu in run.result["cpu_per_second"])
+                    preempted = " ".join(
+                        "?" if count is None else str(count) for count in run.result.get("preempted_per_second", [])
+                    )
                     print(f"    its thread's CPU per second: {cpus} | preempted per second: {preempted}", flush=True)
                 means[label(setting)].append(run.result["mean"])
                 runs[label(setting)].append(run)

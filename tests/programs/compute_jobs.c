@@ -314,7 +314,10 @@ static int capture_job(int argc, char **argv) {
     int with_other = arg(argc, argv, "other_thread", 0) != 0;
     if (with_other) {
         CHECK(cuCtxGetCurrent(&other.context));
-        pthread_create(&other_id, NULL, other_thread, &other);
+        if (pthread_create(&other_id, NULL, other_thread, &other) != 0) {
+            fprintf(stderr, "setup-failed pthread_create\n");
+            return 1;
+        }
     }
     unsigned long long iterations = 0, errors = 0, failed = 0;
     int first_error = 0;

@@ -301,11 +301,13 @@ fn current_context() -> Option<CUcontext> {
     (status == CUDA_SUCCESS && !context.is_null()).then_some(context)
 }
 
+/// A timing event of the current context, created in relaxed capture mode (on the launching
+/// thread, as the pinned word is).
 fn create_event() -> Option<usize> {
     let create = real::cuEventCreate()?;
     let mut event: CUevent = std::ptr::null_mut();
     // SAFETY: a valid out-pointer; default flags keep timing enabled.
-    let status = unsafe { create(&mut event, CU_EVENT_DEFAULT as c_uint) };
+    let status = in_relaxed_capture_mode(|| unsafe { create(&mut event, CU_EVENT_DEFAULT as c_uint) });
     (status == CUDA_SUCCESS && !event.is_null()).then_some(event as usize)
 }
 

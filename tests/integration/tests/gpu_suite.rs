@@ -4,20 +4,31 @@
 //! for PyTorch. A drift of the log's format, or a bench that crashes in its summary, would
 //! otherwise first show on the GPU machine, after its time was spent.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use vgpu_integration::{Run, ScratchDir, compiled_program, hook_library, one_at_a_time, workspace_root};
 
+/// `python3` as the test's own PATH finds it: a command whose PATH is changed would look there.
+fn python3() -> PathBuf {
+    std::env::var_os("PATH")
+        .and_then(|path| {
+            std::env::split_paths(&path)
+                .map(|dir| dir.join("python3"))
+                .find(|candidate| candidate.is_file())
+        })
+        .expect("python3 on PATH (the GPU suite's scripts need it)")
+}
+
 fn python(script: &str) -> Command {
-    let mut command = Command::new("python3");
+    let mut command = Command::new(python3());
     command.arg(workspace_root().join("tests").join("gpu").join(script));
     command
 }
 
 /// Runs a command to completion and returns its stdout; fails the test with its output otherwise.
 fn stdout_of(command: &mut Command) -> String {
-    let output = vgpu_test_spawn::output_started(command).expect("run python3 (is it installed?)");
+    let output = vgpu_test_spawn::output_started(command).expect("run python3");
     let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
     assert!(
         output.status.success(),
@@ -85,6 +96,7 @@ fn the_log_summary_reads_the_hooks_debug_lines() {
 /// each other in the summary.
 #[test]
 fn the_jobs_benchmark_scores_a_matrix() {
+    let _alone = one_at_a_time();
     let dir = ScratchDir::new("gpu-suite-bench");
     let gpu = workspace_root().join("tests").join("gpu");
     let worker = gpu.join("compute_jobs_fake.py");
