@@ -445,6 +445,21 @@ def series_text(values):
     return " ".join(f"{value:.0f}" for value in values)
 
 
+def thread_text(run):
+    """The CPU the job's thread began each second on and its preemptions in it (compute_jobs.py
+    records them), as one line, or "" where the worker did not."""
+    cpus = run.result.get("cpu_per_second") if run.ok else None
+    if not cpus:
+        return ""
+    preempted = run.result.get("preempted_per_second") or []
+    return f"its thread's CPU per second: {known_text(cpus)} | preempted: {known_text(preempted)}"
+
+
+def known_text(values):
+    """Numbers as text, "?" for an unknown one."""
+    return " ".join("?" if value is None else str(value) for value in values)
+
+
 def failed(what, run):
     print(f"{what}: FAILED ({run.failure})", flush=True)
 
@@ -479,6 +494,9 @@ def measure_job(job):
         a, b = (run.result["mean"] for run in ran)
         spread = f", {abs(a - b) / max(a, b, 1e-9) * 100:.1f}% apart"
     print(f"{job} native: {series_text(reference)} it/s per second (mean of {len(ran)} runs; run means {means} it/s{spread})")
+    for position, run in enumerate(natives, 1):
+        if thread_text(run):
+            print(f"    native run {position}: {series_text(run.result['per_second'])} it/s; {thread_text(run)}")
     gpu = "; ".join(text for text in (run.clock_power() for run in ran) if text)
     print(f"{job} natural share: {natural:.1f}% ({source}){f'; {gpu}' if gpu else ''}", flush=True)
     if len(ran) == 2:
@@ -506,6 +524,8 @@ def measure_job(job):
         if clock_power:
             nvml_text += f", {clock_power}"
         print(f"{job} {setting}: {comparison.text()}{nvml_text} | {verdict(comparison.passed)}", flush=True)
+        if thread_text(run):
+            print(f"    {thread_text(run)}")
         if DEBUG_LOG:
             for line in limiter_log.summary([run.stderr_path]):
                 print(f"    {line}")

@@ -5,9 +5,10 @@ cases, failures, the summary) on any machine. Not a measurement. See tests/gpu/R
     compute_jobs_fake.py <job> <seconds> [start_at]                  (as compute_jobs.py)
     compute_jobs_fake.py two-gpus gemm|smallops <seconds>|--work <n>  (as compute_two_gpus.py)
 
-It prints at once what the real worker prints at the end of its run. A job has a made-up
-unlimited rate and natural share; with LD_PRELOAD and CUDA_DEVICE_SM_LIMIT(_<device>) set it runs
-at min(limit, natural) / natural of that rate, as a perfect limiter would hold it, except: the
+It prints at once what the real worker prints at the end of its run (its thread's CPUs and
+preemptions per second made up too). A job has a made-up unlimited rate and natural share; with
+LD_PRELOAD and CUDA_DEVICE_SM_LIMIT(_<device>) set it runs at min(limit, natural) / natural of
+that rate, as a perfect limiter would hold it, except: the
 first second runs at 60% (start-up) and a limited one 1.5 times faster (a burst), every second
 has 1.5% of noise, processes of one region file share its limit (each appends its pid to the
 file and counts the pids at its start time), and the paused job overshoots its target by 3
@@ -93,7 +94,14 @@ def main():
     held = fraction(job, limit_of(0), sharers(start_at))
     time.sleep(max(0.0, start_at - time.time()))
     per_second = series(RATES[job], held, seconds)
-    print(json.dumps({"job": job, "per_second": per_second, "mean": sum(per_second) / seconds, "seconds": seconds + 0.003}))
+    # As compute_jobs.py records them: the first second's preemptions unknown, as after a long
+    # first call.
+    cpus = [s % 2 for s in range(int(seconds))]
+    preempted = [None] + [s + 1 for s in range(int(seconds) - 1)]
+    print(json.dumps({
+        "job": job, "per_second": per_second, "mean": sum(per_second) / seconds, "seconds": seconds + 0.003,
+        "cpu_per_second": cpus, "preempted_per_second": preempted,
+    }))
 
 
 if __name__ == "__main__":

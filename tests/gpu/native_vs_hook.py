@@ -56,12 +56,8 @@ def main():
                     f"round {round_} {label(setting)}: mean {run.result['mean']:.1f} it/s{nvml_text} | {series}",
                     flush=True,
                 )
-                if run.result.get("cpu_per_second"):
-                    cpus = " ".join("?" if cpu is None else str(cpu) for cpu in run.result["cpu_per_second"])
-                    preempted = " ".join(
-                        "?" if count is None else str(count) for count in run.result.get("preempted_per_second", [])
-                    )
-                    print(f"    its thread's CPU per second: {cpus} | preempted per second: {preempted}", flush=True)
+                if bench.thread_text(run):
+                    print(f"    {bench.thread_text(run)}", flush=True)
                 means[label(setting)].append(run.result["mean"])
                 runs[label(setting)].append(run)
         natives = [m for m in means["native"] if m is not None]

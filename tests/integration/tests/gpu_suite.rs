@@ -92,8 +92,8 @@ fn the_log_summary_reads_the_hooks_debug_lines() {
 }
 
 /// A matrix on the stand-in worker: the points a perfect limiter holds pass, the job the stand-in
-/// makes overshoot by 3 points misses on its mean, and each job's native runs are scored against
-/// each other in the summary.
+/// makes overshoot by 3 points misses on its mean, each job's native runs are scored against
+/// each other in the summary, and the worker's per-second record of its thread is printed.
 #[test]
 fn the_jobs_benchmark_scores_a_matrix() {
     let _alone = one_at_a_time();
@@ -144,4 +144,8 @@ fn the_jobs_benchmark_scores_a_matrix() {
         .find(|line| line.starts_with("each job's native runs against each other"))
         .unwrap_or_else(|| panic!("no line on the jobs' own spread: {report}"));
     assert!(spread.contains("smallops ") && spread.contains("paused "), "{spread}");
+    assert!(
+        report.contains("its thread's CPU per second: 0 1 0 1 0 | preempted: ? 1 2 3 4"),
+        "no line on the job's thread per second: {report}"
+    );
 }
