@@ -3,12 +3,12 @@
 # the release libvgpu.so in .device/ (scripts/gpu-prepare.sh; VGPU_HOOK names another library).
 # Each job of tests/gpu/compute_jobs.py (small ops, small ops with host pauses, GEMM, a CUDA graph,
 # a GPT-style training step, a Triton kernel) runs from its first launch, with no warm-up in the
-# measured process, at limits 10 25 50 75 90 and with the hook but no limit, against two native
+# measured process, at limits 10 25 50 75 90 and with the hook but no limit, against three native
 # runs; each point prints its per-second throughput, GPU share and error against
 # min(limit, natural share), then a summary table with pass/fail. Then two processes of one region
 # at 50, two regions at 30 and 70, and one process on two GPUs (compute_two_gpus.py). See
 # compute_jobs_bench.py for what is measured and its settings. The default matrix takes about
-# 15 minutes: run COMPUTE_PART=1 (about 7) and COMPUTE_PART=2 (about 8.5) in two calls.
+# 16 minutes: run COMPUTE_PART=1 (about 8) and COMPUTE_PART=2 (about 8.5) in two calls.
 # The report is also written to $OUT/compute-jobs.txt (compute-jobs-part<n>.txt for a part).
 set -u -o pipefail
 root=$(pwd)

@@ -12,16 +12,18 @@ For each job in COMPUTE_JOBS and each setting in COMPUTE_LIMITS (a percent, or "
 preloaded without CUDA_DEVICE_SM_LIMIT) the job runs COMPUTE_SECONDS seconds:
 - once untimed (3 s, discarded), so that the on-disk JIT caches (Triton's ~/.triton, the CUDA
   compute cache) are warm: on a cold cache the first native run would include compilation;
-- natively (no hook) before and after the limited runs: for each second s the mean of the two
-  native runs' second s is the reference for second s, so the start-up costs are in the reference
-  as they are in the limited run;
+- natively (no hook) before, between the two halves of, and after the limited runs: for each
+  second s the mean of the three native runs' second s is the reference for second s, so the
+  start-up costs are in the reference as they are in the limited run, and a drift of the job's
+  rate over the series is followed; each native run is also scored against the others as a
+  limited point is (the job's own spread);
 - with the hook at each setting: LD_PRELOAD, CUDA_DEVICE_SM_LIMIT, a fresh region file
   (CUDA_DEVICE_MEMORY_SHARED_CACHE, deleted before the run) and GPU_CORE_UTILIZATION_POLICY from
   COMPUTE_POLICY if set; CUDA_DEVICE_SM_LIMIT*, CUDA_DEVICE_MEMORY*, GPU_CORE_UTILIZATION* and
   LD_PRELOAD are never inherited.
 
 The natural share N of a job is the GPU utilisation NVML reports while the job runs unlimited
-(nvidia-smi every 100 ms, averaged over seconds 2..end of both native runs; the first second is
+(nvidia-smi every 100 ms, averaged over seconds 2..end of the native runs; the first second is
 start-up): the fraction of time the GPU spends on the job when nothing holds it back, about 100
 for a GPU-bound GEMM, less for host-bound loops. The limit caps that fraction, so for a limited
 second s: throughput = rate_s / reference_s (%), GPU share = throughput x N / 100, target =
@@ -173,7 +175,7 @@ CLEAN_ENV["PYTHONUNBUFFERED"] = "1"
 DEBUG_LOG = os.environ.get("LIBCUDA_LOG_LEVEL") == "4"
 
 MISSES = []  # what missed its target, for the summary
-OWN_SPREAD = {}  # per job, its two native runs scored against each other (two Comparisons)
+OWN_SPREAD = {}  # per job, each native run scored against the others (a Comparison each)
 FAILURES = []  # runs that crashed or gave no result
 OVERHEADS = []  # each single run's wall time outside its measured time
 
@@ -476,8 +478,13 @@ def measure_job(job):
         failed(f"{job} native", natives[0])
         print(f"{job}: fails without the hook, its limited runs are skipped", flush=True)
         return [(job, setting, None, None, "native failed", None) for setting in SETTINGS], None, None
-    limited = {setting: run_job(job, setting) for setting in SETTINGS}
+    # A native run between the two halves of the settings too: the reference then follows a drift
+    # of the job's rate over the series (the GPU warming, say) instead of only its two ends.
+    half = (len(SETTINGS) + 1) // 2
+    limited = {setting: run_job(job, setting) for setting in SETTINGS[:half]}
     natives.append(run_job(job, name="native-2"))
+    limited.update({setting: run_job(job, setting) for setting in SETTINGS[half:]})
+    natives.append(run_job(job, name="native-3"))
 
     for position, run in enumerate(natives, 1):
         if not run.ok:
@@ -488,23 +495,31 @@ def measure_job(job):
         print(f"{job}: no native run, no reference", flush=True)
         return [(job, setting, None, None, "native failed", None) for setting in SETTINGS], None, None
     natural, source = natural_of(job, [run.utilisation() for run in ran])
-    means = " and ".join(f"{run.result['mean']:.1f}" for run in ran)
+    run_means = [run.result["mean"] for run in ran]
+    means = ", ".join(f"{mean:.1f}" for mean in run_means)
     spread = ""
-    if len(ran) == 2:
-        a, b = (run.result["mean"] for run in ran)
-        spread = f", {abs(a - b) / max(a, b, 1e-9) * 100:.1f}% apart"
+    if len(ran) >= 2:
+        spread = f", {(max(run_means) - min(run_means)) / max(max(run_means), 1e-9) * 100:.1f}% apart at most"
     print(f"{job} native: {series_text(reference)} it/s per second (mean of {len(ran)} runs; run means {means} it/s{spread})")
     for position, run in enumerate(natives, 1):
         if thread_text(run):
             print(f"    native run {position}: {series_text(run.result['per_second'])} it/s; {thread_text(run)}")
     gpu = "; ".join(text for text in (run.clock_power() for run in ran) if text)
     print(f"{job} natural share: {natural:.1f}% ({source}){f'; {gpu}' if gpu else ''}", flush=True)
-    if len(ran) == 2:
-        # The job's own spread, in the limited points' terms: each native run against the other.
-        own = [Comparison(a.result["per_second"], b.result["per_second"], natural, natural) for a, b in (ran, ran[::-1])]
+    if len(ran) >= 2:
+        # The job's own spread, in the limited points' terms: each native run against the others.
+        own = [
+            Comparison(
+                run.result["per_second"],
+                reference_of([other.result["per_second"] for other in ran if other is not run]),
+                natural,
+                natural,
+            )
+            for run in ran
+        ]
         OWN_SPREAD[job] = own
         print(
-            f"{job} native against native (no hook, the job's own spread): "
+            f"{job} native against native (no hook, the job's own spread; each run against the others): "
             + "; ".join(f"err {c.error:+.1f}, worst second from the 2nd {c.worst:+.1f}" for c in own),
             flush=True,
         )
@@ -682,7 +697,7 @@ def two_gpus(count):
 def planned_s(jobs, multi_cases, two):
     """Wall time of a plan, START_UP per process outside its measured time."""
     run = SECONDS + START_UP
-    total = len(jobs) * (WARM_SECONDS + START_UP + (2 + len(SETTINGS)) * run)
+    total = len(jobs) * (WARM_SECONDS + START_UP + (3 + len(SETTINGS)) * run)
     if multi_cases:
         if "gemm" not in jobs:
             total += WARM_SECONDS + START_UP + 2 * run
