@@ -244,10 +244,21 @@ mod tests {
         let started = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             spawn_started_within(&mut command, Duration::from_secs(1))
         }));
-        let message = started
-            .err()
-            .and_then(|panic| panic.downcast::<String>().ok())
-            .expect("a panic with a message");
+        let message = match started {
+            Err(panic) => panic.downcast::<String>().map(|message| *message).unwrap_or_default(),
+            // Said as they are, so that a failure says which way it went.
+            Ok(Ok(mut child)) => {
+                let line = std::fs::read(format!("/proc/{}/cmdline", child.id())).unwrap_or_default();
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "counted as started: command line {:?}, this process's {:?}",
+                    String::from_utf8_lossy(&line),
+                    String::from_utf8_lossy(own_command_line())
+                );
+            }
+            Ok(Err(error)) => panic!("spawn failed: {error}"),
+        };
         let runs = std::fs::read_to_string(&marks).unwrap_or_default().lines().count();
         let _ = std::fs::remove_file(&marks);
         assert!(
