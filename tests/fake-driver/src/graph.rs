@@ -614,27 +614,25 @@ thread_local! {
 pub unsafe extern "C" fn cuThreadExchangeStreamCaptureMode(mode: *mut CUstreamCaptureMode) -> CUresult {
     cu(|| {
         // SAFETY: the caller's in/out pointer (null is rejected).
-        let wanted = unsafe { get(mode.cast_const()) }?;
-        if !matches!(
-            wanted,
-            CU_STREAM_CAPTURE_MODE_GLOBAL | CU_STREAM_CAPTURE_MODE_THREAD_LOCAL | CU_STREAM_CAPTURE_MODE_RELAXED
-        ) {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
+        let wanted = known_mode(unsafe { get(mode.cast_const()) }?)?;
         let previous = THREAD_CAPTURE_MODE.with(|current| current.replace(wanted));
         // SAFETY: the same pointer, read above.
         unsafe { put(mode, previous) }
     })
 }
 
-fn begin_capture(stream: CUstream, mode: CUstreamCaptureMode) -> CuResult {
-    if !matches!(
-        mode,
-        CU_STREAM_CAPTURE_MODE_GLOBAL | CU_STREAM_CAPTURE_MODE_THREAD_LOCAL | CU_STREAM_CAPTURE_MODE_RELAXED
-    ) {
-        return Err(CUDA_ERROR_INVALID_VALUE);
+/// `mode` when it is one of the three capture modes, else `CUDA_ERROR_INVALID_VALUE`.
+fn known_mode(mode: CUstreamCaptureMode) -> CuResult<CUstreamCaptureMode> {
+    match mode {
+        CU_STREAM_CAPTURE_MODE_GLOBAL | CU_STREAM_CAPTURE_MODE_THREAD_LOCAL | CU_STREAM_CAPTURE_MODE_RELAXED => {
+            Ok(mode)
+        }
+        _ => Err(CUDA_ERROR_INVALID_VALUE),
     }
-    initialised()?.begin_capture(stream, mode)
+}
+
+fn begin_capture(stream: CUstream, mode: CUstreamCaptureMode) -> CuResult {
+    initialised()?.begin_capture(stream, known_mode(mode)?)
 }
 
 #[unsafe(no_mangle)]
