@@ -439,6 +439,13 @@ class Comparison:
         return ", ".join(parts)
 
 
+def against_natives(run, natives, natural, target):
+    """`run` scored as a point, against the per-second mean of the native runs other than itself;
+    None when no other native run is there."""
+    reference = reference_of([other.result["per_second"] for other in natives if other is not run])
+    return None if reference is None else Comparison(run.result["per_second"], reference, natural, target)
+
+
 def verdict(ok):
     return "PASS" if ok else "MISS"
 
@@ -508,15 +515,7 @@ def measure_job(job):
     print(f"{job} natural share: {natural:.1f}% ({source}){f'; {gpu}' if gpu else ''}", flush=True)
     if len(ran) >= 2:
         # The job's own spread, in the limited points' terms: each native run against the others.
-        own = [
-            Comparison(
-                run.result["per_second"],
-                reference_of([other.result["per_second"] for other in ran if other is not run]),
-                natural,
-                natural,
-            )
-            for run in ran
-        ]
+        own = [against_natives(run, ran, natural, natural) for run in ran]
         OWN_SPREAD[job] = own
         print(
             f"{job} native against native (no hook, the job's own spread; each run against the others): "

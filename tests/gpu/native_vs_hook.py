@@ -92,12 +92,9 @@ def scores(job, runs):
         target = natural if setting in ("native", "unset") else min(float(setting), natural)
         texts = []
         for run in of_setting:
-            others = [other.result["per_second"] for other in natives if other is not run]
-            reference = bench.reference_of(others)
-            if reference is None:
-                continue
-            c = bench.Comparison(run.result["per_second"], reference, natural, target)
-            texts.append(f"{c.error:+.1f}/{c.worst:+.1f}")
+            c = bench.against_natives(run, natives, natural, target)
+            if c is not None:
+                texts.append(f"{c.error:+.1f}/{c.worst:+.1f}")
         if texts:
             print(f"  {setting}: err/worst second per round {' '.join(texts)}", flush=True)
 
