@@ -4,6 +4,7 @@
 //!
 //! Nothing runs at load time: every piece initialises on first use.
 
+mod capture;
 mod exit;
 mod hooks;
 mod init;

@@ -20,6 +20,22 @@ run() {  # <label> <env...>
 }
 {
   echo "# graph capture beside another thread's launches, $(date -u '+%F %T') UTC, $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
+  echo "## driver calls alone inside a global capture (capture_probe.py)"
+  echo "### native"; python3 tests/gpu/capture_probe.py 2>&1
+  for library in "${libraries[@]}"; do
+    echo "### ${library#"$root/"}, no limit"
+    LD_PRELOAD="$library" CUDA_DEVICE_MEMORY_SHARED_CACHE="$work/probe-unset.cache" python3 tests/gpu/capture_probe.py "$library" 2>&1
+    echo "### ${library#"$root/"}, 8g"
+    LD_PRELOAD="$library" CUDA_DEVICE_MEMORY_SHARED_CACHE="$work/probe-8g.cache" CUDA_DEVICE_MEMORY_LIMIT=8g python3 tests/gpu/capture_probe.py "$library" 2>&1
+  done
+  echo "## a graph's own memory, PyTorch cudaMallocAsync (capture_memory.py)"
+  echo "### native"; PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync python3 tests/gpu/capture_memory.py 2>&1
+  for library in "${libraries[@]}"; do
+    echo "### ${library#"$root/"}, 8g"
+    PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync LD_PRELOAD="$library" \
+      CUDA_DEVICE_MEMORY_SHARED_CACHE="$work/memory-8g.cache" CUDA_DEVICE_MEMORY_LIMIT=8g \
+      python3 tests/gpu/capture_memory.py 2>&1
+  done
   for allocator in native backend:cudaMallocAsync; do
     alloc=()
     [ "$allocator" = native ] || alloc=(PYTORCH_CUDA_ALLOC_CONF="$allocator")

@@ -24,6 +24,7 @@ read a loss or a flag, so that completed iterations are counted when they comple
   triton    a Triton kernel (fused multiply-add over 16M floats), sync every 10
 """
 import json
+import os
 import sys
 import time
 
@@ -178,14 +179,18 @@ JOBS = {
 
 
 def thread_state():
-    """The calling thread's CPU and its count of involuntary context switches, or None."""
+    """The calling thread's CPU, its count of involuntary context switches and its CPU time in
+    seconds (user and system), with the wall-clock time they were read at; or None."""
     try:
         with open("/proc/thread-self/stat") as f:
-            # Fields after the command's closing parenthesis; the CPU is field 39 of the line.
-            cpu = int(f.read().rsplit(")", 1)[1].split()[36])
+            # Fields after the command's closing parenthesis: utime and stime are fields 14 and
+            # 15 of the line, the CPU field 39.
+            fields = f.read().rsplit(")", 1)[1].split()
+        cpu = int(fields[36])
+        on_cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         with open("/proc/thread-self/status") as f:
             preempted = next(int(line.split()[1]) for line in f if line.startswith("nonvoluntary_ctxt_switches"))
-        return cpu, preempted
+        return cpu, preempted, on_cpu, time.perf_counter()
     except (OSError, ValueError, IndexError, StopIteration):
         return None
 
@@ -219,14 +224,18 @@ def measure(first, step, sync_every, seconds, iterations=None, states=None):
 
 
 def per_second_states(states, seconds):
-    """The CPU each second began on, and the preemptions in it (the next state's count less its
-    own); None for a second whose state, or the next one's, is unknown."""
+    """The CPU each second began on, the preemptions in it (the next state's count less its own)
+    and the % of it the thread was on a CPU; None for a second whose state, or the next one's, is
+    unknown. (CPU time is counted in clock ticks, so the % is good to a few points.)"""
     states = states[: int(seconds) + 1]
     cpus = [None if state is None else state[0] for state in states[: int(seconds)]]
-    preempted = [
-        None if a is None or b is None else b[1] - a[1] for a, b in zip(states, states[1:])
+    pairs = list(zip(states, states[1:]))
+    preempted = [None if a is None or b is None else b[1] - a[1] for a, b in pairs]
+    busy = [
+        None if a is None or b is None else round(100 * (b[2] - a[2]) / max(b[3] - a[3], 1e-9))
+        for a, b in pairs
     ]
-    return cpus, preempted
+    return cpus, preempted, busy
 
 
 def per_second(marks, seconds):
@@ -257,11 +266,12 @@ def main():
     states = []
     marks = measure(first, step, sync_every, seconds, states=states)
     elapsed, done = marks[-1]
-    cpus, preempted = per_second_states(states, seconds)
+    cpus, preempted, busy = per_second_states(states, seconds)
     print(
         json.dumps({
             "job": job, "per_second": per_second(marks, seconds), "mean": done / elapsed, "seconds": elapsed,
             "cpu_per_second": cpus, "preempted_per_second": preempted,
+            "on_cpu_per_second": busy,
         }),
         flush=True,
     )

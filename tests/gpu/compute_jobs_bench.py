@@ -455,13 +455,17 @@ def series_text(values):
 
 
 def thread_text(run):
-    """The CPU the job's thread began each second on and its preemptions in it (compute_jobs.py
-    records them), as one line, or "" where the worker did not."""
+    """The CPU the job's thread began each second on, its preemptions in it and the % of it on a
+    CPU (compute_jobs.py records them), as one line, or "" where the worker did not."""
     cpus = run.result.get("cpu_per_second") if run.ok else None
     if not cpus:
         return ""
     preempted = run.result.get("preempted_per_second") or []
-    return f"its thread's CPU per second: {known_text(cpus)} | preempted: {known_text(preempted)}"
+    on_cpu = run.result.get("on_cpu_per_second") or []
+    return (
+        f"its thread's CPU per second: {known_text(cpus)} | preempted: {known_text(preempted)}"
+        f" | % on a CPU: {known_text(on_cpu)}"
+    )
 
 
 def known_text(values):

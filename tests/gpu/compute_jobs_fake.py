@@ -98,9 +98,10 @@ def main():
     # first call.
     cpus = [s % 2 for s in range(int(seconds))]
     preempted = [None] + [s + 1 for s in range(int(seconds) - 1)]
+    on_cpu = [None] + [100 - s for s in range(int(seconds) - 1)]
     print(json.dumps({
         "job": job, "per_second": per_second, "mean": sum(per_second) / seconds, "seconds": seconds + 0.003,
-        "cpu_per_second": cpus, "preempted_per_second": preempted,
+        "cpu_per_second": cpus, "preempted_per_second": preempted, "on_cpu_per_second": on_cpu,
     }))
 
 

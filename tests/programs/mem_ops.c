@@ -22,6 +22,17 @@
 //                                                                 cuMemAlloc_v2, keeps them and calls exit(0)
 //                                                                 (3 when the allocation failed); the parent
 //                                                                 waits for it (code -1: it did not exit)
+//     capture <mode>       -> capture <status>                    cuStreamBeginCapture_v2 on the program's own
+//                                                                 stream (made on first use, non-blocking)
+//     capalloc <bytes>     -> capalloc <status> <pointer>         cuMemAllocAsync on that stream
+//     capfree <pointer>    -> capfree <status>                    cuMemFreeAsync on that stream
+//     capquery             -> capquery <status>                   cuStreamQuery of that stream (refused while
+//                                                                 it captures, which invalidates the capture)
+//     endcapture           -> endcapture <status> <graph>         cuStreamEndCapture of that stream
+//     graphdestroy <graph> -> graphdestroy <status>               cuGraphDestroy
+//     otherasync <bytes>   -> otherasync <status> <status>        another thread, in its default capture mode,
+//                                                                 with the context current: cuMemAllocAsync and
+//                                                                 cuMemFreeAsync on a stream of its own
 //     exit <code>          -> (calls exit(code))
 //     quit                 -> (returns from main)
 // Numbers are decimal; sizes go through strtoull, so 18446744073709551615 is SIZE_MAX.
@@ -29,7 +40,9 @@
 #include <cuda.h>
 #include <dlfcn.h>
 #include <nvml.h>
+#include <pthread.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,6 +51,32 @@
 #include <unistd.h>
 
 #include "commands.h"
+
+// The stream the capture commands use, made on first use.
+static CUstream capture_stream(void) {
+    static CUstream stream = NULL;
+    if (stream == NULL && cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) stream = NULL;
+    return stream;
+}
+
+struct other_async {
+    CUcontext context;
+    size_t bytes;
+    CUresult alloc_status;
+    CUresult free_status;
+};
+
+static void *other_async_thread(void *arg) {
+    struct other_async *job = arg;
+    CUstream stream = NULL;
+    CUdeviceptr p = 0;
+    job->alloc_status = cuCtxSetCurrent(job->context);
+    if (job->alloc_status == CUDA_SUCCESS) job->alloc_status = cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING);
+    if (job->alloc_status == CUDA_SUCCESS) job->alloc_status = cuMemAllocAsync(&p, job->bytes, stream);
+    job->free_status = job->alloc_status == CUDA_SUCCESS ? cuMemFreeAsync(p, stream) : CUDA_ERROR_INVALID_VALUE;
+    if (stream != NULL) cuStreamDestroy(stream);
+    return NULL;
+}
 
 int main(void) {
     char line[256];
@@ -54,6 +93,30 @@ int main(void) {
             printf("asyncalloc %d %llu\n", (int)status, (unsigned long long)p);
         } else if (strcmp(command, "asyncfree") == 0) {
             printf("asyncfree %d\n", (int)cuMemFreeAsync((CUdeviceptr)number, 0));
+        } else if (strcmp(command, "capture") == 0) {
+            printf("capture %d\n", (int)cuStreamBeginCapture_v2(capture_stream(), (CUstreamCaptureMode)number));
+        } else if (strcmp(command, "capalloc") == 0) {
+            CUdeviceptr p = 0;
+            CUresult status = cuMemAllocAsync(&p, (size_t)number, capture_stream());
+            printf("capalloc %d %llu\n", (int)status, (unsigned long long)p);
+        } else if (strcmp(command, "capfree") == 0) {
+            printf("capfree %d\n", (int)cuMemFreeAsync((CUdeviceptr)number, capture_stream()));
+        } else if (strcmp(command, "capquery") == 0) {
+            printf("capquery %d\n", (int)cuStreamQuery(capture_stream()));
+        } else if (strcmp(command, "endcapture") == 0) {
+            CUgraph graph = NULL;
+            CUresult status = cuStreamEndCapture(capture_stream(), &graph);
+            printf("endcapture %d %llu\n", (int)status, (unsigned long long)(uintptr_t)graph);
+        } else if (strcmp(command, "graphdestroy") == 0) {
+            printf("graphdestroy %d\n", (int)cuGraphDestroy((CUgraph)(uintptr_t)number));
+        } else if (strcmp(command, "otherasync") == 0) {
+            struct other_async job = {NULL, (size_t)number, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_INVALID_VALUE};
+            pthread_t thread;
+            if (cuCtxGetCurrent(&job.context) == CUDA_SUCCESS &&
+                pthread_create(&thread, NULL, other_async_thread, &job) == 0) {
+                pthread_join(thread, NULL);
+            }
+            printf("otherasync %d %d\n", (int)job.alloc_status, (int)job.free_status);
         } else if (strcmp(command, "sync") == 0) {
             printf("sync %d\n", (int)cuCtxSynchronize());
         } else if (strcmp(command, "reset") == 0) {

@@ -18,6 +18,7 @@
 #define MANAGED_BYTES (32 * MIB + 1)
 #define POOL_BYTES (6 * MIB)
 #define FROM_POOL_BYTES (4 * MIB)
+#define CAPTURED_BYTES (5 * MIB)
 #define VMM_BYTES (6 * MIB)
 #define GRAPH_BYTES (8 * MIB)
 
@@ -28,6 +29,7 @@ typedef CUresult (*managed_fn)(CUdeviceptr *, size_t, unsigned int);
 typedef CUresult (*async_fn)(CUdeviceptr *, size_t, CUstream);
 typedef CUresult (*pool_async_fn)(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
 typedef CUresult (*free_async_fn)(CUdeviceptr, CUstream);
+typedef CUresult (*end_capture_fn)(CUstream, CUgraph *);
 typedef CUresult (*array_fn)(CUarray *, const CUDA_ARRAY_DESCRIPTOR *);
 typedef CUresult (*array3d_fn)(CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *);
 typedef CUresult (*ctx_create_fn)(CUcontext *, unsigned int, CUdevice);
@@ -145,6 +147,28 @@ static void stream_ordered(const char *name) {
     step(name, CALL(pool_async_fn, name, &p, FROM_POOL_BYTES, pool, stream));
     step(free_name, CALL(free_async_fn, free_name, p, stream));
     step("cuMemPoolDestroy", cuMemPoolDestroy(pool));
+}
+
+// An allocation recorded into a global capture (charged to its graph until the graph is
+// destroyed), then one into a capture that a query of the capturing stream invalidates (the
+// driver destroys its graph at the named end of capture).
+static void captured(const char *name) {
+    CUstream stream = NULL;
+    CUdeviceptr p = 0;
+    CUgraph graph = NULL;
+    if (cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) {
+        step("cuStreamCreate", 999);
+        return;
+    }
+    step("cuStreamBeginCapture_v2", cuStreamBeginCapture_v2(stream, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    step("cuMemAllocAsync", cuMemAllocAsync(&p, CAPTURED_BYTES, stream));
+    step("cuMemFreeAsync", cuMemFreeAsync(p, stream));
+    step(name, CALL(end_capture_fn, name, stream, &graph));
+    step("cuGraphDestroy", cuGraphDestroy(graph));
+    step("cuStreamBeginCapture_v2", cuStreamBeginCapture_v2(stream, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    step("cuMemAllocAsync", cuMemAllocAsync(&p, CAPTURED_BYTES, stream));
+    step("cuStreamQuery", cuStreamQuery(stream));
+    step(name, CALL(end_capture_fn, name, stream, &graph));
 }
 
 // A stream-ordered block freed, then given back to the device by the named synchronisation.
@@ -380,6 +404,8 @@ int main(int argc, char **argv) {
         arrays(name);
     } else if (strcmp(name, "cuMipmappedArrayCreate") == 0) {
         mipmapped();
+    } else if (strncmp(name, "cuStreamEndCapture", 18) == 0) {
+        captured(name);
     } else if (strncmp(name, "cuGraphAdd", 10) == 0) {
         graph(name);
     } else if (strncmp(name, "cuModuleLoad", 12) == 0 || strncmp(name, "cuLibraryLoad", 13) == 0) {

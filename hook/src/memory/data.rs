@@ -270,3 +270,24 @@ pub fn graph_add_node(
 pub fn graph_destroy(call: impl FnOnce() -> CUresult, h_graph: CUgraph) -> CUresult {
     released(Family::Graph, h_graph as u64, call)
 }
+
+/// An allocation recorded into a capture's graph: charged to the graph, as an allocation node
+/// added to it is.
+pub(super) fn captured_alloc(
+    call: impl FnOnce() -> CUresult,
+    graph: CUgraph,
+    dptr: *mut CUdeviceptr,
+    bytes: usize,
+) -> CUresult {
+    if dptr.is_null() || bytes == 0 {
+        return call();
+    }
+    charged(None, MemoryKind::Data, bytes as u64, call, Family::Graph, || {
+        Some(graph as u64)
+    })
+}
+
+/// Releases a graph's charges once the driver has destroyed it by itself.
+pub(super) fn graph_released(graph: CUgraph) {
+    released(Family::Graph, graph as u64, || CUDA_SUCCESS);
+}

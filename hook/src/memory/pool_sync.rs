@@ -8,6 +8,7 @@ use vgpu_region::MemoryKind;
 
 use super::accounting::Accounting;
 use super::ledger::{Charge, Family};
+use crate::capture::in_relaxed_capture_mode;
 use crate::hooks::real;
 use crate::sys::cuda::*;
 
@@ -31,11 +32,13 @@ pub fn charge_or_refuse(
 /// Pools grow by at least this much.
 pub(super) const POOL_GROWTH_GRANULARITY: u64 = 2 << 20;
 
+/// A pool's attribute, asked in relaxed capture mode: the query is a potentially unsafe call,
+/// refused (and fatal to the capture) while any thread captures in global mode.
 pub(super) fn pool_attribute(pool: CUmemoryPool, attribute: CUmemPool_attribute) -> Option<u64> {
     let get_attribute = real::cuMemPoolGetAttribute()?;
     let mut value: u64 = 0;
     // SAFETY: both attributes asked for here are 64-bit values written into a local.
-    let status = unsafe { get_attribute(pool, attribute, (&mut value as *mut u64).cast()) };
+    let status = in_relaxed_capture_mode(|| unsafe { get_attribute(pool, attribute, (&mut value as *mut u64).cast()) });
     (status == CUDA_SUCCESS).then_some(value)
 }
 

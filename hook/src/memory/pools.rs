@@ -4,10 +4,11 @@
 use vgpu_region::MemoryKind;
 
 use super::accounting::{accounting, unaccounted};
-use super::data::{alloc, free_pointer};
+use super::data::{alloc, captured_alloc, free_pointer, graph_released};
 use super::ledger::Family;
 use super::pool_sync::{POOL_GROWTH_GRANULARITY, charge_or_refuse, device_pool, pool_attribute, sync_pool, sync_pools};
 use super::units::read;
+use crate::capture::capture_graph;
 use crate::session::current_ordinal;
 use crate::sys::cuda::*;
 
@@ -16,10 +17,17 @@ fn pooled_alloc(
     dptr: *mut CUdeviceptr,
     size: usize,
     pool: Option<CUmemoryPool>,
+    stream: CUstream,
+    per_thread: bool,
 ) -> CUresult {
     let Some(accounting) = accounting() else {
         return unaccounted(call);
     };
+    if let Some(graph) = capture_graph(stream, per_thread) {
+        // Recorded into the graph as an allocation node: the pool is not touched (the graph's
+        // memory comes from the device's graph pool when it runs).
+        return captured_alloc(call, graph, dptr, size);
+    }
     let Some(ordinal) = current_ordinal() else {
         return call();
     };
@@ -70,9 +78,16 @@ pub fn synchronized(call: impl FnOnce() -> CUresult) -> CUresult {
     result
 }
 
-/// `cuMemAllocAsync` and `_ptsz`: from the current device's pool.
-pub fn alloc_async(call: impl FnOnce() -> CUresult, dptr: *mut CUdeviceptr, bytesize: usize) -> CUresult {
-    pooled_alloc(call, dptr, bytesize, None)
+/// `cuMemAllocAsync` and `_ptsz`: from the current device's pool, or, on a capturing stream,
+/// the capture's graph.
+pub fn alloc_async(
+    call: impl FnOnce() -> CUresult,
+    dptr: *mut CUdeviceptr,
+    bytesize: usize,
+    h_stream: CUstream,
+    per_thread: bool,
+) -> CUresult {
+    pooled_alloc(call, dptr, bytesize, None, h_stream, per_thread)
 }
 
 /// `cuMemAllocFromPoolAsync` and `_ptsz`.
@@ -81,8 +96,23 @@ pub fn alloc_from_pool_async(
     dptr: *mut CUdeviceptr,
     bytesize: usize,
     pool: CUmemoryPool,
+    h_stream: CUstream,
+    per_thread: bool,
 ) -> CUresult {
-    pooled_alloc(call, dptr, bytesize, Some(pool))
+    pooled_alloc(call, dptr, bytesize, Some(pool), h_stream, per_thread)
+}
+
+/// `cuStreamEndCapture` and `_ptsz`: a capture that fails leaves no graph (the driver destroys
+/// it), so what its allocations were charged is released.
+pub fn end_capture(call: impl FnOnce() -> CUresult, h_stream: CUstream, per_thread: bool) -> CUresult {
+    let graph = capture_graph(h_stream, per_thread);
+    let result = call();
+    if result != CUDA_SUCCESS
+        && let Some(graph) = graph
+    {
+        graph_released(graph);
+    }
+    result
 }
 
 /// `cuMemFreeAsync` and `_ptsz`.

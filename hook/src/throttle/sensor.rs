@@ -42,11 +42,12 @@ use std::ffi::{c_uint, c_void};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use super::now_ns;
+use crate::capture::in_relaxed_capture_mode;
 use crate::hooks::real;
 use crate::sys::cuda::{
     CU_EVENT_DEFAULT, CU_MEMHOSTALLOC_DEVICEMAP, CU_MEMHOSTALLOC_PORTABLE, CU_STREAM_CAPTURE_STATUS_NONE,
     CU_STREAM_WAIT_VALUE_GEQ, CUDA_ERROR_NOT_READY, CUDA_SUCCESS, CUcontext, CUdeviceptr, CUevent, CUresult, CUstream,
-    CUstreamCaptureMode, CUstreamCaptureStatus,
+    CUstreamCaptureStatus,
 };
 
 /// Samples in flight at most; beyond, launches go unmeasured (their charges are corrected by the
@@ -246,51 +247,6 @@ fn context_id(context: CUcontext) -> u64 {
     // SAFETY: a live context (current on this thread) and a valid out-pointer.
     let status = unsafe { get_id(context, &mut id) };
     if status == CUDA_SUCCESS { id } else { 0 }
-}
-
-/// Lets the calling thread (the poller) make its calls while another thread captures a graph in
-/// global mode, where they would otherwise invalidate that capture.
-pub fn relax_capture_mode() {
-    exchange_capture_mode(crate::sys::cuda::CU_STREAM_CAPTURE_MODE_RELAXED);
-}
-
-/// Sets the calling thread's capture interaction mode; returns the one it had (`None` without
-/// the entry point, or when the driver refused).
-fn exchange_capture_mode(mode: CUstreamCaptureMode) -> Option<CUstreamCaptureMode> {
-    let exchange = real::quiet::cuThreadExchangeStreamCaptureMode()?;
-    let mut mode = mode;
-    // SAFETY: a valid in/out pointer to a local.
-    (unsafe { exchange(&mut mode) } == CUDA_SUCCESS).then_some(mode)
-}
-
-/// Runs `call`, a potentially unsafe call made on the application's launching thread, in relaxed
-/// capture mode, then gives the thread its mode back: in the default mode (global) the call would
-/// be refused, and would invalidate the capture, while any thread of the process captures a graph
-/// in global mode (PyTorch's default), or while this thread captures one on another stream.
-fn in_relaxed_capture_mode<T>(call: impl FnOnce() -> T) -> T {
-    let _relaxed = RelaxedCaptureMode::enter();
-    call()
-}
-
-/// The calling thread in relaxed capture mode until dropped, which gives it its mode back.
-struct RelaxedCaptureMode {
-    previous: Option<CUstreamCaptureMode>,
-}
-
-impl RelaxedCaptureMode {
-    fn enter() -> Self {
-        Self {
-            previous: exchange_capture_mode(crate::sys::cuda::CU_STREAM_CAPTURE_MODE_RELAXED),
-        }
-    }
-}
-
-impl Drop for RelaxedCaptureMode {
-    fn drop(&mut self) {
-        if let Some(previous) = self.previous {
-            exchange_capture_mode(previous);
-        }
-    }
 }
 
 fn current_context() -> Option<CUcontext> {

@@ -90,12 +90,14 @@ impl State {
         Ok((node, dptr))
     }
 
+    /// The graph a stream's capture builds; work captured into an invalidated capture is
+    /// refused, as the driver does.
     fn capture_graph(&self, stream: usize) -> CuResult<usize> {
-        self.streams
-            .get(&stream)
-            .and_then(|s| s.capture.as_ref())
-            .map(|c| c.graph)
-            .ok_or(CUDA_ERROR_ILLEGAL_STATE)
+        match self.streams.get(&stream).and_then(|s| s.capture.as_ref()) {
+            Some(capture) if capture.invalidated => Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED),
+            Some(capture) => Ok(capture.graph),
+            None => Err(CUDA_ERROR_ILLEGAL_STATE),
+        }
     }
 
     fn captured(&mut self, stream: usize, node: usize) {
@@ -209,7 +211,8 @@ impl State {
         }
     }
 
-    /// A potentially unsafe call (`cuStreamQuery`, `cuEventQuery`) made by this thread while
+    /// A potentially unsafe call (`cuStreamQuery`, `cuEventQuery`, `cuMemPoolGetAttribute`, as
+    /// the H200 answers them: `tests/gpu/capture_probe.py`) made by this thread while
     /// captures are under way: as `cuThreadExchangeStreamCaptureMode` documents, it is refused,
     /// and the captures whose mode forbids it are invalidated, unless this thread is in relaxed
     /// mode. A capture forbids it from its own thread unless it began relaxed, and from any other
@@ -271,6 +274,8 @@ impl State {
             .and_then(|s| s.capture.take())
             .ok_or(CUDA_ERROR_ILLEGAL_STATE)?;
         if capture.invalidated {
+            // The driver destroys the graph of a capture that failed, its allocation nodes too.
+            self.destroy_graph(capture.graph)?;
             return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
         }
         Ok(capture.graph)
@@ -675,11 +680,16 @@ pub unsafe extern "C" fn cuStreamEndCapture_ptsz(hStream: CUstream, phGraph: *mu
 }
 
 fn is_capturing(stream: CUstream, status: *mut CUstreamCaptureStatus) -> CuResult {
-    let capturing = initialised()?.stream_target(stream)?.capturing.is_some();
-    let value = if capturing {
-        CU_STREAM_CAPTURE_STATUS_ACTIVE
-    } else {
-        CU_STREAM_CAPTURE_STATUS_NONE
+    let state = initialised()?;
+    let capture = state
+        .stream_target(stream)?
+        .capturing
+        .and_then(|handle| state.streams.get(&handle))
+        .and_then(|s| s.capture.as_ref());
+    let value = match capture {
+        Some(capture) if capture.invalidated => CU_STREAM_CAPTURE_STATUS_INVALIDATED,
+        Some(_) => CU_STREAM_CAPTURE_STATUS_ACTIVE,
+        None => CU_STREAM_CAPTURE_STATUS_NONE,
     };
     // SAFETY: out-pointer from the caller.
     unsafe { put(status, value) }
@@ -723,7 +733,12 @@ fn capture_info(
         let Some(capture) = capture else {
             return put(status, CU_STREAM_CAPTURE_STATUS_NONE);
         };
-        put(status, CU_STREAM_CAPTURE_STATUS_ACTIVE)?;
+        let value = if capture.invalidated {
+            CU_STREAM_CAPTURE_STATUS_INVALIDATED
+        } else {
+            CU_STREAM_CAPTURE_STATUS_ACTIVE
+        };
+        put(status, value)?;
         if !id.is_null() {
             put(id, capture.id)?;
         }

@@ -343,7 +343,8 @@ pub unsafe extern "C" fn cuMemPoolGetAttribute(
         if value.is_null() {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        let state = initialised()?;
+        let mut state = initialised()?;
+        state.refuse_unsafe_call()?;
         let p = state.pools.get(&(pool as usize)).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         let word = match attr {
             CU_MEMPOOL_ATTR_RELEASE_THRESHOLD => p.threshold,

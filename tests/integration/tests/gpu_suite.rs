@@ -145,7 +145,7 @@ fn the_jobs_benchmark_scores_a_matrix() {
         .unwrap_or_else(|| panic!("no line on the jobs' own spread: {report}"));
     assert!(spread.contains("smallops ") && spread.contains("paused "), "{spread}");
     assert!(
-        report.contains("its thread's CPU per second: 0 1 0 1 0 | preempted: ? 1 2 3 4"),
+        report.contains("its thread's CPU per second: 0 1 0 1 0 | preempted: ? 1 2 3 4 | % on a CPU: ? 100 99 98 97"),
         "no line on the job's thread per second: {report}"
     );
 }

@@ -34,6 +34,8 @@ const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
 const CUDA_ERROR_NOT_INITIALIZED: i32 = 3;
 const CUDA_ERROR_INVALID_HANDLE: i32 = 400;
 const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;
+const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: i32 = 900;
+const CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: i32 = 901;
 
 use vgpu_integration::compiled_program as program;
 
@@ -319,6 +321,27 @@ fn cases() -> Vec<Case> {
             at("cuGraphDestroy", CUDA_SUCCESS, C, 0, C),
         ],
     );
+    // Captured allocations (mem_paths.c's CAPTURED_BYTES): charged to the capture's graph, as a
+    // node is; a capture invalidated by a query of its stream loses its graph at the end, and the
+    // charge with it.
+    let k = 5 * MIB;
+    for name in ["cuStreamEndCapture", "cuStreamEndCapture_ptsz"] {
+        add(
+            name,
+            vec![
+                ready,
+                at("cuStreamBeginCapture_v2", CUDA_SUCCESS, C, 0, C),
+                at("cuMemAllocAsync", CUDA_SUCCESS, C, k, C),
+                at("cuMemFreeAsync", CUDA_SUCCESS, C, k, C),
+                at(name, CUDA_SUCCESS, C, k, C),
+                at("cuGraphDestroy", CUDA_SUCCESS, C, 0, C),
+                at("cuStreamBeginCapture_v2", CUDA_SUCCESS, C, 0, C),
+                at("cuMemAllocAsync", CUDA_SUCCESS, C, k, C),
+                at("cuStreamQuery", CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, C, k, C),
+                at(name, CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, C, 0, C),
+            ],
+        );
+    }
     let mut add_node = vec!["cuGraphAddNode", "cuGraphAddNode_v2"];
     if cuda_version() >= 13050 {
         add_node.push("cuGraphAddNode_v3");
@@ -1093,6 +1116,92 @@ fn blocks_a_pool_keeps_after_a_free_count_against_the_limit() {
         truth.device(0).peak()
     );
     assert_eq!(device_used(&snapshot(&dir.region()), 0), truth.device(0).used());
+}
+
+/// A mem_ops session with a context on device 0, 4 GiB on the fake and a 1 GiB limit.
+fn capture_session(dir: &ScratchDir) -> Session {
+    let mut session = setup(Run::new(&program("mem_ops")).hooked(), dir)
+        .env("FAKE_CUDA_MEMORY", "4g")
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+        .spawn(Duration::from_secs(30));
+    assert_eq!(session.ask("init"), "init 0");
+    assert_eq!(session.ask("ctx 0"), "ctx 0");
+    session
+}
+
+/// PyTorch's cudaMallocAsync backend allocates inside `torch.cuda.graph`, a global capture: the
+/// library's own pool queries must not invalidate it (on the H200 they did: every capture failed).
+#[test]
+fn allocations_inside_a_global_capture_keep_it_and_are_charged_to_its_graph() {
+    let dir = ScratchDir::new("memory-capture-alloc");
+    let mut session = capture_session(&dir);
+    assert_eq!(session.ask("capture 0"), "capture 0");
+    let answer = session.ask(&format!("capalloc {}", 100 * MIB));
+    assert_eq!(
+        status(&answer),
+        CUDA_SUCCESS,
+        "the allocation inside the capture failed: {answer}"
+    );
+    assert_eq!(
+        device_used(&snapshot(&dir.region()), 0),
+        CONTEXT + 100 * MIB,
+        "the captured allocation is not charged"
+    );
+    let over = session.ask(&format!("capalloc {}", GIB));
+    assert_eq!(status(&over), CUDA_ERROR_OUT_OF_MEMORY, "{over}");
+    assert_eq!(session.ask(&format!("capfree {}", number(&answer, 2))), "capfree 0");
+    let ended = session.ask("endcapture");
+    assert_eq!(status(&ended), CUDA_SUCCESS, "the capture was lost: {ended}");
+    assert_eq!(
+        device_used(&snapshot(&dir.region()), 0),
+        CONTEXT + 100 * MIB,
+        "the graph's allocation is charged while the graph exists"
+    );
+    assert_eq!(
+        session.ask(&format!("graphdestroy {}", number(&ended, 2))),
+        "graphdestroy 0"
+    );
+    assert_eq!(device_used(&snapshot(&dir.region()), 0), CONTEXT);
+    assert_eq!(device_used(&snapshot(&dir.region()), 0), dir.truth().device(0).used());
+}
+
+#[test]
+fn a_failed_capture_gives_back_what_its_allocations_were_charged() {
+    let dir = ScratchDir::new("memory-capture-failed");
+    let mut session = capture_session(&dir);
+    assert_eq!(session.ask("capture 0"), "capture 0");
+    assert_eq!(status(&session.ask(&format!("capalloc {}", 100 * MIB))), CUDA_SUCCESS);
+    // Querying the capturing stream is refused and invalidates the capture; the driver then
+    // destroys its graph at the end.
+    assert_ne!(status(&session.ask("capquery")), CUDA_SUCCESS);
+    let ended = session.ask("endcapture");
+    assert_eq!(status(&ended), CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, "{ended}");
+    assert_eq!(
+        device_used(&snapshot(&dir.region()), 0),
+        CONTEXT,
+        "the failed capture's allocation is still charged"
+    );
+    assert_eq!(device_used(&snapshot(&dir.region()), 0), dir.truth().device(0).used());
+}
+
+#[test]
+fn another_threads_pooled_allocations_keep_a_global_capture() {
+    let dir = ScratchDir::new("memory-capture-other-thread");
+    let mut session = capture_session(&dir);
+    assert_eq!(session.ask("capture 0"), "capture 0");
+    assert_eq!(session.ask(&format!("otherasync {}", 10 * MIB)), "otherasync 0 0");
+    let ended = session.ask("endcapture");
+    assert_eq!(
+        status(&ended),
+        CUDA_SUCCESS,
+        "another thread's pooled allocation invalidated the capture: {ended}"
+    );
+    assert_eq!(
+        session.ask(&format!("graphdestroy {}", number(&ended, 2))),
+        "graphdestroy 0"
+    );
+    assert_eq!(session.ask("sync"), "sync 0");
+    assert_eq!(device_used(&snapshot(&dir.region()), 0), dir.truth().device(0).used());
 }
 
 #[test]

@@ -137,7 +137,7 @@ impl Runtime {
     }
 
     fn poll_loop(&'static self) {
-        crate::throttle::sensor::relax_capture_mode();
+        crate::capture::relax_capture_mode();
         let mut state = PollState::new();
         loop {
             let outstanding = self

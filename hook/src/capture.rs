@@ -1,0 +1,86 @@
+//! Stream capture as it bears on the library's own driver calls. While any thread captures a
+//! graph in global mode (PyTorch's default), the driver refuses a potentially unsafe call from
+//! any thread in global mode, and invalidates the capture; on the H200 that includes
+//! `cuStreamQuery`, `cuEventQuery` and `cuMemPoolGetAttribute` (`tests/gpu/capture_probe.py`).
+//! The library makes such calls on the application's threads, so it makes them in relaxed mode.
+//! Work on a capturing stream is recorded into the capture's graph, not run: what it allocates is
+//! the graph's.
+
+use crate::hooks::real;
+use crate::sys::cuda::{
+    CU_STREAM_CAPTURE_MODE_RELAXED, CU_STREAM_CAPTURE_STATUS_NONE, CUDA_SUCCESS, CUgraph, CUstream,
+    CUstreamCaptureMode, CUstreamCaptureStatus,
+};
+
+/// Sets the calling thread's capture interaction mode; returns the one it had (`None` without
+/// the entry point, or when the driver refused).
+fn exchange_capture_mode(mode: CUstreamCaptureMode) -> Option<CUstreamCaptureMode> {
+    let exchange = real::quiet::cuThreadExchangeStreamCaptureMode()?;
+    let mut mode = mode;
+    // SAFETY: a valid in/out pointer to a local.
+    (unsafe { exchange(&mut mode) } == CUDA_SUCCESS).then_some(mode)
+}
+
+/// Puts the calling thread, one of the library's own (the poller), in relaxed mode for good: it
+/// makes its calls while another thread captures a graph in global mode.
+pub fn relax_capture_mode() {
+    exchange_capture_mode(CU_STREAM_CAPTURE_MODE_RELAXED);
+}
+
+/// Runs `call`, a potentially unsafe call the library makes on an application's thread, in
+/// relaxed capture mode, then gives the thread its mode back: in the default mode (global) the
+/// call would be refused, and would invalidate the capture, while any thread of the process
+/// captures a graph in global mode, or while this thread captures one on another stream.
+pub fn in_relaxed_capture_mode<T>(call: impl FnOnce() -> T) -> T {
+    let _relaxed = RelaxedCaptureMode::enter();
+    call()
+}
+
+/// The calling thread in relaxed capture mode until dropped, which gives it its mode back.
+struct RelaxedCaptureMode {
+    previous: Option<CUstreamCaptureMode>,
+}
+
+impl RelaxedCaptureMode {
+    fn enter() -> Self {
+        Self {
+            previous: exchange_capture_mode(CU_STREAM_CAPTURE_MODE_RELAXED),
+        }
+    }
+}
+
+impl Drop for RelaxedCaptureMode {
+    fn drop(&mut self) {
+        if let Some(previous) = self.previous {
+            exchange_capture_mode(previous);
+        }
+    }
+}
+
+/// The graph that `stream`'s capture records into, or `None` when the stream is not capturing
+/// (or cannot be asked: the call on it will then fail by itself). An invalidated capture still
+/// names its graph: the call will fail, and the driver destroys the graph at its end.
+/// `per_thread`: the caller's entry point was a `_ptsz` variant, whose null stream is the calling
+/// thread's stream (which may capture), not the legacy one (which may not).
+pub fn capture_graph(stream: CUstream, per_thread: bool) -> Option<CUgraph> {
+    let info = if per_thread {
+        real::cuStreamGetCaptureInfo_v2_ptsz()?
+    } else {
+        real::cuStreamGetCaptureInfo_v2()?
+    };
+    let mut status: CUstreamCaptureStatus = CU_STREAM_CAPTURE_STATUS_NONE;
+    let mut graph: CUgraph = std::ptr::null_mut();
+    // SAFETY: the application's stream; the status and graph outputs are locals, the others are
+    // optional and passed null.
+    let result = unsafe {
+        info(
+            stream,
+            &mut status,
+            std::ptr::null_mut(),
+            &mut graph,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        )
+    };
+    (result == CUDA_SUCCESS && status != CU_STREAM_CAPTURE_STATUS_NONE && !graph.is_null()).then_some(graph)
+}
