@@ -7,7 +7,8 @@ executable graph lives.
     capture_memory.py
 
 Prints one line per stage: memory charged as the process sees it (total less free, from
-cudaMemGetInfo: the virtual device under the library) and the process's memory by NVML.
+cudaMemGetInfo: the virtual device under the library) and the process's memory by NVML. After the
+replay it asks for 6 GiB more, which an 8 GiB limit must refuse when the graph's memory counts.
 """
 import os
 import subprocess
@@ -51,6 +52,13 @@ def main():
     graph.replay()
     report("replayed")
     assert out.item() == 2 * 256 * (1 << 20)
+    # 6 GiB more: within an 8 GiB limit only if the graph's 2 GiB are not counted.
+    try:
+        extra = torch.empty(6 << 30, dtype=torch.uint8, device="cuda")
+        report("6 GiB more: allocated")
+        del extra
+    except torch.cuda.OutOfMemoryError:
+        report("6 GiB more: refused")
     del graph
     report("graph deleted")
     torch.cuda.empty_cache()

@@ -30,6 +30,10 @@
 //                                                                 it captures, which invalidates the capture)
 //     endcapture           -> endcapture <status> <graph>         cuStreamEndCapture of that stream
 //     graphdestroy <graph> -> graphdestroy <status>               cuGraphDestroy
+//     capgraph <bytes>     -> capgraph <status> <exec>            as PyTorch's cudaMallocAsync backend does: a
+//                                                                 global capture that allocates and frees <bytes>,
+//                                                                 instantiated, the graph destroyed, the instance
+//                                                                 launched (not synchronised)
 //     otherasync <bytes>   -> otherasync <status> <status>        another thread, in its default capture mode,
 //                                                                 with the context current: cuMemAllocAsync and
 //                                                                 cuMemFreeAsync on a stream of its own
@@ -109,6 +113,20 @@ int main(void) {
             printf("endcapture %d %llu\n", (int)status, (unsigned long long)(uintptr_t)graph);
         } else if (strcmp(command, "graphdestroy") == 0) {
             printf("graphdestroy %d\n", (int)cuGraphDestroy((CUgraph)(uintptr_t)number));
+        } else if (strcmp(command, "capgraph") == 0) {
+            CUstream stream = capture_stream();
+            CUdeviceptr p = 0;
+            CUgraph graph = NULL;
+            CUgraphExec exec = NULL;
+            CUresult status = cuStreamBeginCapture_v2(stream, CU_STREAM_CAPTURE_MODE_GLOBAL);
+            if (status == CUDA_SUCCESS) status = cuMemAllocAsync(&p, (size_t)number, stream);
+            if (status == CUDA_SUCCESS) status = cuMemFreeAsync(p, stream);
+            CUresult ended = cuStreamEndCapture(stream, &graph);
+            if (status == CUDA_SUCCESS) status = ended;
+            if (status == CUDA_SUCCESS) status = cuGraphInstantiateWithFlags(&exec, graph, 0);
+            if (graph != NULL) cuGraphDestroy(graph);
+            if (status == CUDA_SUCCESS) status = cuGraphLaunch(exec, stream);
+            printf("capgraph %d %llu\n", (int)status, (unsigned long long)(uintptr_t)exec);
         } else if (strcmp(command, "otherasync") == 0) {
             struct other_async job = {NULL, (size_t)number, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_INVALID_VALUE};
             pthread_t thread;

@@ -150,8 +150,9 @@ static void stream_ordered(const char *name) {
 }
 
 // An allocation recorded into a global capture (charged to its graph until the graph is
-// destroyed), then one into a capture that a query of the capturing stream invalidates (the
-// driver destroys its graph at the named end of capture).
+// destroyed, then as what the device holds for graphs once the instance has run, until a trim),
+// then one into a capture that a query of the capturing stream invalidates (the driver destroys
+// its graph at the named end of capture).
 static void captured(const char *name) {
     CUstream stream = NULL;
     CUdeviceptr p = 0;
@@ -164,7 +165,14 @@ static void captured(const char *name) {
     step("cuMemAllocAsync", cuMemAllocAsync(&p, CAPTURED_BYTES, stream));
     step("cuMemFreeAsync", cuMemFreeAsync(p, stream));
     step(name, CALL(end_capture_fn, name, stream, &graph));
+    // As PyTorch does: the graph destroyed once instantiated, the instance launched.
+    CUgraphExec exec = NULL;
+    step("cuGraphInstantiateWithFlags", cuGraphInstantiateWithFlags(&exec, graph, 0));
     step("cuGraphDestroy", cuGraphDestroy(graph));
+    step("cuGraphLaunch", cuGraphLaunch(exec, stream));
+    step("cuStreamSynchronize", cuStreamSynchronize(stream));
+    step("cuGraphExecDestroy", cuGraphExecDestroy(exec));
+    step("cuDeviceGraphMemTrim", cuDeviceGraphMemTrim(dev));
     step("cuStreamBeginCapture_v2", cuStreamBeginCapture_v2(stream, CU_STREAM_CAPTURE_MODE_GLOBAL));
     step("cuMemAllocAsync", cuMemAllocAsync(&p, CAPTURED_BYTES, stream));
     step("cuStreamQuery", cuStreamQuery(stream));
@@ -303,6 +311,7 @@ static void graph(const char *name) {
         step("cuGraphExecDestroy", cuGraphExecDestroy(exec));
     }
     step("cuGraphDestroy", cuGraphDestroy(g));
+    step("cuDeviceGraphMemTrim", cuDeviceGraphMemTrim(dev));
 }
 
 static CUresult create_context(const char *name, CUcontext *ctx) {

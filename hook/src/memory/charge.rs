@@ -51,7 +51,7 @@ fn owner_of(family: Family) -> u64 {
         Family::Pointer | Family::Array | Family::MipmappedArray | Family::Module | Family::Library => {
             current_context()
         }
-        Family::PhysicalHandle | Family::Context | Family::Graph | Family::Pool => 0,
+        Family::PhysicalHandle | Family::Context | Family::Graph | Family::Pool | Family::GraphPool => 0,
     }
 }
 

@@ -2,7 +2,7 @@
 //! exactly what its allocation charged.
 
 use parking_lot::Mutex;
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 
 use vgpu_region::MemoryKind;
 
@@ -30,6 +30,9 @@ pub enum Family {
     Graph,
     /// A stream-ordered memory pool's reserved memory, by pool.
     Pool,
+    /// What a device keeps for this process's graphs beyond what live graphs' allocation nodes
+    /// are charged, by device ordinal.
+    GraphPool,
 }
 
 /// What one handle was charged: almost always one charge, so no allocation for it.
@@ -112,7 +115,11 @@ pub struct Ledger {
     pool_pointers: Mutex<HandleMap<u64>>,
     /// The device ordinal of each pool that holds a charge.
     pool_devices: Mutex<HandleMap<i32>>,
+    /// Set once the process has a pool or graph memory: memory the driver gives back at
+    /// synchronisations, whose charges follow there.
     has_pools: std::sync::atomic::AtomicBool,
+    /// The devices this process has made graph allocations on.
+    graph_devices: Mutex<BTreeSet<i32>>,
     /// Primary contexts, by device ordinal.
     primary: Mutex<HashMap<i32, Primary>>,
 }
@@ -191,6 +198,29 @@ impl Ledger {
             .iter()
             .map(|((_, pool), ordinal)| (*pool, *ordinal))
             .collect()
+    }
+
+    /// Notes that a graph with memory was made on a device: its graph memory is followed from
+    /// now on.
+    pub fn note_graph_memory(&self, ordinal: i32) {
+        self.graph_devices.lock().insert(ordinal);
+        self.has_pools.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// The devices this process has made graph allocations on.
+    pub fn graph_devices(&self) -> Vec<i32> {
+        self.graph_devices.lock().iter().copied().collect()
+    }
+
+    /// The bytes charged under every handle of a family, on one device of the region.
+    pub fn family_bytes(&self, family: Family, region_index: usize) -> u64 {
+        self.charges()
+            .iter()
+            .filter(|((f, _), _)| *f == family)
+            .flat_map(|(_, entry)| entry.charges.iter())
+            .filter(|charge| charge.region_index == region_index)
+            .map(|charge| charge.bytes)
+            .sum()
     }
 
     /// Forgets a destroyed pool.

@@ -13,13 +13,17 @@ use crate::hooks::real;
 use crate::sys::cuda::*;
 
 /// Charges against the limit; before refusing, brings pool charges up to date (pools give memory
-/// back at synchronisations we do not see) and tries once more.
+/// back at synchronisations we do not see) and tries once more. Graph memory grows at graph
+/// launches, which are not followed: on a device with graphs it is brought up to date first.
 pub fn charge_or_refuse(
     accounting: Accounting,
     ordinal: CUdevice,
     kind: MemoryKind,
     bytes: u64,
 ) -> Result<Option<Charge>, CUresult> {
+    if accounting.ledger().has_pools() && accounting.ledger().graph_devices().contains(&ordinal) {
+        sync_graph_pool(accounting, ordinal);
+    }
     accounting.charge(ordinal, kind, bytes).or_else(|status| {
         if !accounting.ledger().has_pools() {
             return Err(status);
@@ -64,10 +68,50 @@ pub(super) fn sync_pool(accounting: Accounting, pool: u64, ordinal: CUdevice) {
     }
 }
 
-/// Brings every pool's charge up to date (pools return memory at synchronisation, which is not
-/// hooked): before a refusal, so stale pool charges never cause one.
+/// Brings every pool's charge, and every device's graph memory, up to date (pools return memory
+/// at synchronisation, which is not hooked): before a refusal, so stale pool charges never cause
+/// one.
 pub(super) fn sync_pools(accounting: Accounting) {
     for (pool, ordinal) in accounting.ledger().pools() {
         sync_pool(accounting, pool, ordinal);
+    }
+    for ordinal in accounting.ledger().graph_devices() {
+        sync_graph_pool(accounting, ordinal);
+    }
+}
+
+/// What the device holds for this process's graphs, asked in relaxed capture mode (as a pool's
+/// attribute is).
+fn graph_memory_reserved(ordinal: CUdevice) -> Option<u64> {
+    let get_attribute = real::cuDeviceGetGraphMemAttribute()?;
+    let mut value: u64 = 0;
+    // SAFETY: the attribute is a 64-bit value written into a local.
+    let status = in_relaxed_capture_mode(|| unsafe {
+        get_attribute(
+            ordinal,
+            CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT,
+            (&mut value as *mut u64).cast(),
+        )
+    });
+    (status == CUDA_SUCCESS).then_some(value)
+}
+
+/// Sets a device's graph memory charge: what the device holds for graphs (from their first
+/// launch until a trim, whether or not the graph or its executable still exists) beyond what
+/// live graphs' allocation nodes are charged already, so that the two together are the larger
+/// of what the graphs were promised and what the device holds.
+pub(super) fn sync_graph_pool(accounting: Accounting, ordinal: CUdevice) {
+    let (Some(reserved), Some(device)) = (graph_memory_reserved(ordinal), accounting.device(ordinal)) else {
+        return;
+    };
+    let ledger = accounting.ledger();
+    if let Some((charges, _)) = ledger.take_charges(Family::GraphPool, ordinal as u64) {
+        charges.iter().for_each(|charge| accounting.release(*charge));
+    }
+    let beyond = reserved.saturating_sub(ledger.family_bytes(Family::Graph, device.region_index));
+    if beyond > 0
+        && let Some(charge) = accounting.record(ordinal, MemoryKind::Data, beyond)
+    {
+        ledger.insert(Family::GraphPool, ordinal as u64, charge);
     }
 }

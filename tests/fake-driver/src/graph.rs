@@ -586,8 +586,11 @@ pub unsafe extern "C" fn cuGraphExecDestroy(hGraphExec: CUgraphExec) -> CUresult
         if !state.execs.contains_key(&(hGraphExec as usize)) {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        state.uncharge_exec(hGraphExec as usize);
-        state.execs.remove(&(hGraphExec as usize));
+        if let Some(exec) = state.execs.remove(&(hGraphExec as usize))
+            && exec.charged
+        {
+            state.retained_graph_memory.extend(exec.allocs);
+        }
         Ok(())
     })
 }
@@ -606,7 +609,50 @@ pub unsafe extern "C" fn cuDeviceGraphMemTrim(device: CUdevice) -> CUresult {
         for exec in execs {
             state.uncharge_exec(exec);
         }
+        let (trimmed, kept) = std::mem::take(&mut state.retained_graph_memory)
+            .into_iter()
+            .partition(|(p, _)| *p == phys);
+        state.retained_graph_memory = kept;
+        for (phys, bytes) in trimmed {
+            state.uncharge(phys, bytes);
+        }
         Ok(())
+    })
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuDeviceGetGraphMemAttribute(
+    device: CUdevice,
+    attr: CUgraphMem_attribute,
+    value: *mut std::ffi::c_void,
+) -> CUresult {
+    cu(|| {
+        if value.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let state = initialised()?;
+        let phys = state.device(device)?;
+        let in_execs: u64 = state
+            .execs
+            .values()
+            .filter(|e| e.charged)
+            .flat_map(|e| e.allocs.iter())
+            .filter(|(p, _)| *p == phys)
+            .map(|(_, bytes)| bytes)
+            .sum();
+        let retained: u64 = state
+            .retained_graph_memory
+            .iter()
+            .filter(|(p, _)| *p == phys)
+            .map(|(_, bytes)| bytes)
+            .sum();
+        let word = match attr {
+            CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT | CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH => in_execs + retained,
+            CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT | CU_GRAPH_MEM_ATTR_USED_MEM_HIGH => in_execs,
+            _ => return Err(CUDA_ERROR_INVALID_VALUE),
+        };
+        // SAFETY: out-pointer from the caller, checked non-null; these attributes are cuuint64_t.
+        unsafe { put(value.cast::<u64>(), word) }
     })
 }
 

@@ -111,6 +111,9 @@ pub struct State {
     pub graphs: HashMap<usize, Graph>,
     pub nodes: HashMap<usize, Node>,
     pub execs: HashMap<usize, Exec>,
+    /// Graph memory of destroyed executable graphs, (device, bytes): the device keeps it until
+    /// `cuDeviceGraphMemTrim`, as the H200 does (`tests/gpu/capture_memory.py`).
+    pub retained_graph_memory: Vec<(usize, u64)>,
     /// End of the work queued on each physical device's engine (ns).
     pub engine_end: [u64; MAX_DEVICES],
 }
@@ -268,6 +271,7 @@ impl State {
             graphs: HashMap::new(),
             nodes: HashMap::new(),
             execs: HashMap::new(),
+            retained_graph_memory: Vec::new(),
             engine_end: [0; MAX_DEVICES],
         }
     }

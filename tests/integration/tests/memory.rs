@@ -160,6 +160,7 @@ const COVERED_BY: &[(&str, &str)] = &[
     ("cuArrayDestroy", "cuArrayCreate_v2"),
     ("cuMipmappedArrayDestroy", "cuMipmappedArrayCreate"),
     ("cuGraphDestroy", "cuGraphAddMemAllocNode"),
+    ("cuDeviceGraphMemTrim", "cuGraphAddMemAllocNode"),
     ("cuCtxDestroy", "cuCtxCreate"),
     ("cuCtxDestroy_v2", "cuCtxCreate_v2"),
     ("cuDevicePrimaryCtxRelease", "cuDevicePrimaryCtxRetain"),
@@ -300,9 +301,10 @@ fn cases() -> Vec<Case> {
             ],
         );
     }
-    // Graph memory: the node's size is charged when the node is added and released when the graph
-    // is destroyed; the fake takes the memory at the first launch of an executable graph and gives
-    // it back at its destruction or at cuDeviceGraphMemTrim.
+    // Graph memory: the node's size is charged when the node is added and while the graph lives;
+    // the fake takes the memory at the first launch of an executable graph and, as the H200 does,
+    // keeps it after the instance is destroyed until cuDeviceGraphMemTrim, which the charge then
+    // follows (the larger of what live graphs' nodes promise and what the device holds).
     let g = 8 * MIB;
     add(
         "cuGraphAddMemAllocNode",
@@ -317,13 +319,15 @@ fn cases() -> Vec<Case> {
             at("cuGraphLaunch", CUDA_SUCCESS, C, g, C + g),
             at("cuDeviceGraphMemTrim", CUDA_SUCCESS, C, g, C),
             at("cuGraphLaunch", CUDA_SUCCESS, C, g, C + g),
-            at("cuGraphExecDestroy", CUDA_SUCCESS, C, g, C),
-            at("cuGraphDestroy", CUDA_SUCCESS, C, 0, C),
+            at("cuGraphExecDestroy", CUDA_SUCCESS, C, g, C + g),
+            at("cuGraphDestroy", CUDA_SUCCESS, C, g, C + g),
+            at("cuDeviceGraphMemTrim", CUDA_SUCCESS, C, 0, C),
         ],
     );
     // Captured allocations (mem_paths.c's CAPTURED_BYTES): charged to the capture's graph, as a
-    // node is; a capture invalidated by a query of its stream loses its graph at the end, and the
-    // charge with it.
+    // node is, and, once an instance has run, as what the device holds for graphs (seen at the
+    // next synchronisation) until a trim; a capture invalidated by a query of its stream loses its
+    // graph at the end, and the charge with it.
     let k = 5 * MIB;
     for name in ["cuStreamEndCapture", "cuStreamEndCapture_ptsz"] {
         add(
@@ -334,7 +338,12 @@ fn cases() -> Vec<Case> {
                 at("cuMemAllocAsync", CUDA_SUCCESS, C, k, C),
                 at("cuMemFreeAsync", CUDA_SUCCESS, C, k, C),
                 at(name, CUDA_SUCCESS, C, k, C),
+                at("cuGraphInstantiateWithFlags", CUDA_SUCCESS, C, k, C),
                 at("cuGraphDestroy", CUDA_SUCCESS, C, 0, C),
+                at("cuGraphLaunch", CUDA_SUCCESS, C, 0, C + k),
+                at("cuStreamSynchronize", CUDA_SUCCESS, C, k, C + k),
+                at("cuGraphExecDestroy", CUDA_SUCCESS, C, k, C + k),
+                at("cuDeviceGraphMemTrim", CUDA_SUCCESS, C, 0, C),
                 at("cuStreamBeginCapture_v2", CUDA_SUCCESS, C, 0, C),
                 at("cuMemAllocAsync", CUDA_SUCCESS, C, k, C),
                 at("cuStreamQuery", CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, C, k, C),
@@ -354,8 +363,9 @@ fn cases() -> Vec<Case> {
                 at(name, CUDA_SUCCESS, C, g, C),
                 at("cuGraphInstantiateWithFlags", CUDA_SUCCESS, C, g, C),
                 at("cuGraphLaunch", CUDA_SUCCESS, C, g, C + g),
-                at("cuGraphExecDestroy", CUDA_SUCCESS, C, g, C),
-                at("cuGraphDestroy", CUDA_SUCCESS, C, 0, C),
+                at("cuGraphExecDestroy", CUDA_SUCCESS, C, g, C + g),
+                at("cuGraphDestroy", CUDA_SUCCESS, C, g, C + g),
+                at("cuDeviceGraphMemTrim", CUDA_SUCCESS, C, 0, C),
             ],
         );
     }
@@ -1182,6 +1192,29 @@ fn a_failed_capture_gives_back_what_its_allocations_were_charged() {
         "the failed capture's allocation is still charged"
     );
     assert_eq!(device_used(&snapshot(&dir.region()), 0), dir.truth().device(0).used());
+}
+
+/// The graph memory a launched instance holds counts against the limit at the next allocation,
+/// after its graph is destroyed and without a synchronisation in between.
+#[test]
+fn graph_memory_held_by_a_launched_instance_counts_against_the_limit() {
+    let dir = ScratchDir::new("memory-capture-graph-limit");
+    let mut session = capture_session(&dir);
+    let answer = session.ask(&format!("capgraph {}", 600 * MIB));
+    assert_eq!(status(&answer), CUDA_SUCCESS, "{answer}");
+    let over = session.ask(&format!("alloc {}", 600 * MIB));
+    assert_eq!(
+        status(&over),
+        CUDA_ERROR_OUT_OF_MEMORY,
+        "an allocation beyond the limit with the graph's memory held: {over}"
+    );
+    let truth = dir.truth();
+    assert!(
+        truth.device(0).peak() <= GIB,
+        "the device held {} bytes",
+        truth.device(0).peak()
+    );
+    assert_eq!(device_used(&snapshot(&dir.region()), 0), truth.device(0).used());
 }
 
 #[test]
