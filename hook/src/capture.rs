@@ -8,9 +8,12 @@
 
 use crate::hooks::real;
 use crate::sys::cuda::{
-    CU_STREAM_CAPTURE_MODE_RELAXED, CU_STREAM_CAPTURE_STATUS_NONE, CUDA_SUCCESS, CUgraph, CUstream,
-    CUstreamCaptureMode, CUstreamCaptureStatus,
+    CU_STREAM_CAPTURE_MODE_RELAXED, CU_STREAM_CAPTURE_STATUS_ACTIVE, CU_STREAM_CAPTURE_STATUS_NONE, CUDA_SUCCESS,
+    CUgraph, CUstream, CUstreamCaptureMode, CUstreamCaptureStatus,
 };
+
+/// `CU_STREAM_PER_THREAD`, a macro in cuda.h: the calling thread's default stream.
+pub const STREAM_PER_THREAD: usize = 0x2;
 
 /// Sets the calling thread's capture interaction mode; returns the one it had (`None` without
 /// the entry point, or when the driver refused).
@@ -58,9 +61,8 @@ impl Drop for RelaxedCaptureMode {
 }
 
 /// The graph that `stream`'s capture records into, or `None` when the stream is not capturing
-/// (or cannot be asked: the call on it will then fail by itself). An invalidated capture still
-/// names its graph: the call will fail, and the driver destroys the graph at its end.
-/// `per_thread`: the caller's entry point was a `_ptsz` variant, whose null stream is the calling
+/// (or cannot be asked, or its capture is invalidated: the call on it will then fail by itself;
+/// the driver names the graph only for an active capture). `per_thread`: the caller's entry point was a `_ptsz` variant, whose null stream is the calling
 /// thread's stream (which may capture), not the legacy one (which may not).
 pub fn capture_graph(stream: CUstream, per_thread: bool) -> Option<CUgraph> {
     let info = if per_thread {
@@ -82,5 +84,20 @@ pub fn capture_graph(stream: CUstream, per_thread: bool) -> Option<CUgraph> {
             std::ptr::null_mut(),
         )
     };
-    (result == CUDA_SUCCESS && status != CU_STREAM_CAPTURE_STATUS_NONE && !graph.is_null()).then_some(graph)
+    (result == CUDA_SUCCESS && status == CU_STREAM_CAPTURE_STATUS_ACTIVE && !graph.is_null()).then_some(graph)
+}
+
+/// A stream as its capture is remembered: its handle and, for a per-thread default stream (the
+/// null stream of a `_ptsz` entry point, or `CU_STREAM_PER_THREAD`), the calling thread, whose
+/// own stream it is.
+pub fn capture_key(stream: CUstream, per_thread: bool) -> (u64, u64) {
+    let handle = stream as u64;
+    let thread_specific = (per_thread && stream.is_null()) || handle == STREAM_PER_THREAD as u64;
+    // SAFETY: pthread_self has no preconditions.
+    let thread = if thread_specific {
+        (unsafe { libc::pthread_self() }) as u64
+    } else {
+        0
+    };
+    (handle, thread)
 }

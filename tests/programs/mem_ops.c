@@ -37,6 +37,8 @@
 //     otherasync <bytes>   -> otherasync <status> <status>        another thread, in its default capture mode,
 //                                                                 with the context current: cuMemAllocAsync and
 //                                                                 cuMemFreeAsync on a stream of its own
+//     mode                 -> mode <status> <mode>                this thread's capture interaction mode
+//                                                                 (cuThreadExchangeStreamCaptureMode, twice)
 //     exit <code>          -> (calls exit(code))
 //     quit                 -> (returns from main)
 // Numbers are decimal; sizes go through strtoull, so 18446744073709551615 is SIZE_MAX.
@@ -127,6 +129,12 @@ int main(void) {
             if (graph != NULL) cuGraphDestroy(graph);
             if (status == CUDA_SUCCESS) status = cuGraphLaunch(exec, stream);
             printf("capgraph %d %llu\n", (int)status, (unsigned long long)(uintptr_t)exec);
+        } else if (strcmp(command, "mode") == 0) {
+            CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+            CUresult status = cuThreadExchangeStreamCaptureMode(&mode);
+            CUstreamCaptureMode back = mode;
+            if (status == CUDA_SUCCESS) status = cuThreadExchangeStreamCaptureMode(&back);
+            printf("mode %d %d\n", (int)status, (int)mode);
         } else if (strcmp(command, "otherasync") == 0) {
             struct other_async job = {NULL, (size_t)number, CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_INVALID_VALUE};
             pthread_t thread;

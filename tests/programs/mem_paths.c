@@ -30,6 +30,8 @@ typedef CUresult (*async_fn)(CUdeviceptr *, size_t, CUstream);
 typedef CUresult (*pool_async_fn)(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
 typedef CUresult (*free_async_fn)(CUdeviceptr, CUstream);
 typedef CUresult (*end_capture_fn)(CUstream, CUgraph *);
+typedef CUresult (*capture_to_graph_fn)(CUstream, CUgraph, const CUgraphNode *, const CUgraphEdgeData *, size_t,
+                                        CUstreamCaptureMode);
 typedef CUresult (*array_fn)(CUarray *, const CUDA_ARRAY_DESCRIPTOR *);
 typedef CUresult (*array3d_fn)(CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *);
 typedef CUresult (*ctx_create_fn)(CUcontext *, unsigned int, CUdevice);
@@ -177,6 +179,24 @@ static void captured(const char *name) {
     step("cuMemAllocAsync", cuMemAllocAsync(&p, CAPTURED_BYTES, stream));
     step("cuStreamQuery", cuStreamQuery(stream));
     step(name, CALL(end_capture_fn, name, stream, &graph));
+}
+
+// A capture into the application's graph, invalidated by a query of its stream: the graph
+// stays, with its allocation's charge, until it is destroyed.
+static void captured_to_graph(const char *name) {
+    CUstream stream = NULL;
+    CUgraph graph = NULL;
+    CUdeviceptr p = 0;
+    if (cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS || cuGraphCreate(&graph, 0) != CUDA_SUCCESS) {
+        step("cuGraphCreate", 999);
+        return;
+    }
+    step(name, CALL(capture_to_graph_fn, name, stream, graph, NULL, NULL, 0, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    step("cuMemAllocAsync", cuMemAllocAsync(&p, CAPTURED_BYTES, stream));
+    step("cuStreamQuery", cuStreamQuery(stream));
+    CUgraph ended = NULL;
+    step("cuStreamEndCapture", cuStreamEndCapture(stream, &ended));
+    step("cuGraphDestroy", cuGraphDestroy(graph));
 }
 
 // A stream-ordered block freed, then given back to the device by the named synchronisation.
@@ -413,6 +433,8 @@ int main(int argc, char **argv) {
         arrays(name);
     } else if (strcmp(name, "cuMipmappedArrayCreate") == 0) {
         mipmapped();
+    } else if (strncmp(name, "cuStreamBeginCaptureToGraph", 27) == 0) {
+        captured_to_graph(name);
     } else if (strncmp(name, "cuStreamEndCapture", 18) == 0) {
         captured(name);
     } else if (strncmp(name, "cuGraphAdd", 10) == 0) {

@@ -73,6 +73,10 @@ fn primary_ctx_drop(call: impl FnOnce() -> CUresult, device: CUdevice, reset: bo
                     accounting.release(charge);
                 }
                 release_owned_by(accounting, std::mem::take(&mut primary.context));
+                // The memory it kept for graphs went with it.
+                if let Some((charges, _)) = accounting.ledger().take_charges(Family::GraphPool, device as u64) {
+                    charges.iter().for_each(|charge| accounting.release(*charge));
+                }
             }
         }
         result

@@ -9,7 +9,7 @@ use super::accounting::{accounting, unaccounted};
 use super::charge::{charged, current_context, released};
 use super::ledger::{Charge, Family};
 use super::location::device_of;
-use super::pool_sync::{charge_or_refuse, sync_graph_pool, sync_pool};
+use super::pool_sync::{charge_or_refuse, sync_pool};
 use super::sizes::{ArrayDescriptor, mipmapped_bytes};
 use super::units::{DriverInt, read};
 use crate::hooks::real;
@@ -211,110 +211,4 @@ pub fn mipmapped_array_create(
 /// `cuMipmappedArrayDestroy`.
 pub fn mipmapped_array_destroy(call: impl FnOnce() -> CUresult, h_mipmapped_array: CUmipmappedArray) -> CUresult {
     released(Family::MipmappedArray, h_mipmapped_array as u64, call)
-}
-
-/// Charges an allocation node of `bytes` in the pool at `location` to `graph`.
-fn graph_alloc_node(
-    call: impl FnOnce() -> CUresult,
-    graph: CUgraph,
-    bytes: usize,
-    location: CUmemLocation,
-) -> CUresult {
-    if bytes == 0 {
-        return call();
-    }
-    graph_charged(device_of(&location), bytes as u64, call, graph)
-}
-
-/// Charges graph memory to `graph` on `ordinal` (or the current device), and follows that
-/// device's graph memory from now on.
-fn graph_charged(ordinal: Option<CUdevice>, bytes: u64, call: impl FnOnce() -> CUresult, graph: CUgraph) -> CUresult {
-    if let Some(accounting) = accounting()
-        && let Some(ordinal) = ordinal.or_else(current_ordinal)
-    {
-        accounting.ledger().note_graph_memory(ordinal);
-    }
-    charged(ordinal, MemoryKind::Data, bytes, call, Family::Graph, || {
-        Some(graph as u64)
-    })
-}
-
-/// `cuGraphAddMemAllocNode`: the node's bytes are charged while the graph exists.
-pub fn graph_add_mem_alloc_node(
-    call: impl FnOnce() -> CUresult,
-    h_graph: CUgraph,
-    node_params: *mut CUDA_MEM_ALLOC_NODE_PARAMS,
-) -> CUresult {
-    // SAFETY: null is checked; otherwise the driver requires valid parameters.
-    let Some(params) = (unsafe { read(node_params) }) else {
-        return call();
-    };
-    graph_alloc_node(call, h_graph, params.bytesize, params.poolProps.location)
-}
-
-/// The `cuGraphAddNode` family: charged like `cuGraphAddMemAllocNode` for memory allocation
-/// nodes.
-pub fn graph_add_node(
-    call: impl FnOnce() -> CUresult,
-    h_graph: CUgraph,
-    node_params: *mut CUgraphNodeParams,
-) -> CUresult {
-    // SAFETY: null is checked; otherwise the driver requires valid parameters.
-    let Some(params) = (unsafe { node_params.as_ref() }) else {
-        return call();
-    };
-    if params.type_ != CU_GRAPH_NODE_TYPE_MEM_ALLOC {
-        return call();
-    }
-    // SAFETY: the type says the union holds allocation parameters.
-    let alloc = unsafe { params.__bindgen_anon_1.alloc };
-    graph_alloc_node(call, h_graph, alloc.bytesize, alloc.poolProps.location)
-}
-
-/// `cuGraphDestroy`: releases its memory nodes' charges; what the device still holds for
-/// graphs (its executables keep their memory) stays charged as graph memory.
-pub fn graph_destroy(call: impl FnOnce() -> CUresult, h_graph: CUgraph) -> CUresult {
-    let result = released(Family::Graph, h_graph as u64, call);
-    sync_graph_pools();
-    result
-}
-
-/// `cuDeviceGraphMemTrim`: the device gives back the graph memory no executing graph uses.
-pub fn graph_mem_trim(call: impl FnOnce() -> CUresult, device: CUdevice) -> CUresult {
-    let result = call();
-    if let Some(accounting) = accounting()
-        && accounting.ledger().graph_devices().contains(&device)
-    {
-        sync_graph_pool(accounting, device);
-    }
-    result
-}
-
-/// Brings the graph memory of every device with graphs up to date.
-fn sync_graph_pools() {
-    if let Some(accounting) = accounting() {
-        for ordinal in accounting.ledger().graph_devices() {
-            sync_graph_pool(accounting, ordinal);
-        }
-    }
-}
-
-/// An allocation recorded into a capture's graph: charged to the graph, as an allocation node
-/// added to it is.
-pub(super) fn captured_alloc(
-    call: impl FnOnce() -> CUresult,
-    graph: CUgraph,
-    dptr: *mut CUdeviceptr,
-    bytes: usize,
-) -> CUresult {
-    if dptr.is_null() || bytes == 0 {
-        return call();
-    }
-    graph_charged(None, bytes as u64, call, graph)
-}
-
-/// Releases a graph's charges once the driver has destroyed it by itself.
-pub(super) fn graph_released(graph: CUgraph) {
-    released(Family::Graph, graph as u64, || CUDA_SUCCESS);
-    sync_graph_pools();
 }

@@ -14,6 +14,10 @@ pub struct Charge {
     pub bytes: u64,
 }
 
+/// A stream as a capture is keyed: its handle and, for a per-thread default stream, the thread
+/// (each thread has its own).
+pub type CaptureKey = (u64, u64);
+
 /// The kinds of handle a charge is recorded under.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Family {
@@ -120,6 +124,15 @@ pub struct Ledger {
     has_pools: std::sync::atomic::AtomicBool,
     /// The devices this process has made graph allocations on.
     graph_devices: Mutex<BTreeSet<i32>>,
+    /// Bytes of `Family::Graph` charges, by region device index, kept with the charges (read
+    /// before every charge on a device with graph memory; the charges map can be large).
+    graph_bytes: Mutex<HashMap<usize, u64>>,
+    /// Held while a device's graph memory charge is brought up to date.
+    graph_sync: Mutex<()>,
+    /// The graph each stream's capture records into, by [`CaptureKey`], for the captures whose
+    /// allocations were charged; `true` when the graph is the application's own (captured into
+    /// with `cuStreamBeginCaptureToGraph`), which outlives a failed capture.
+    captures: Mutex<HashMap<CaptureKey, (u64, bool)>>,
     /// Primary contexts, by device ordinal.
     primary: Mutex<HashMap<i32, Primary>>,
 }
@@ -132,6 +145,9 @@ impl Ledger {
     /// Records a charge under a handle owned by `owner` (a context, or 0).
     pub fn insert_owned(&self, family: Family, key: u64, charge: Charge, owner: u64) {
         let mut charges = self.charges();
+        if family == Family::Graph {
+            *self.graph_bytes.lock().entry(charge.region_index).or_default() += charge.bytes;
+        }
         match charges.get_mut(&(family, key)) {
             Some(existing) => existing.charges.push(charge),
             None => {
@@ -212,15 +228,9 @@ impl Ledger {
         self.graph_devices.lock().iter().copied().collect()
     }
 
-    /// The bytes charged under every handle of a family, on one device of the region.
-    pub fn family_bytes(&self, family: Family, region_index: usize) -> u64 {
-        self.charges()
-            .iter()
-            .filter(|((f, _), _)| *f == family)
-            .flat_map(|(_, entry)| entry.charges.iter())
-            .filter(|charge| charge.region_index == region_index)
-            .map(|charge| charge.bytes)
-            .sum()
+    /// Whether this process has made graph allocations on a device.
+    pub fn has_graph_memory(&self, ordinal: i32) -> bool {
+        self.graph_devices.lock().contains(&ordinal)
     }
 
     /// Forgets a destroyed pool.
@@ -236,9 +246,38 @@ impl Ledger {
 
     /// Removes and returns the key's charges, if any.
     pub fn take_charges(&self, family: Family, key: u64) -> Option<(Charges, u64)> {
-        self.charges()
-            .remove(&(family, key))
-            .map(|entry| (entry.charges, entry.owner))
+        let mut charges = self.charges();
+        let entry = charges.remove(&(family, key))?;
+        if family == Family::Graph {
+            let mut graph_bytes = self.graph_bytes.lock();
+            for charge in entry.charges.iter() {
+                if let Some(bytes) = graph_bytes.get_mut(&charge.region_index) {
+                    *bytes = bytes.saturating_sub(charge.bytes);
+                }
+            }
+        }
+        Some((entry.charges, entry.owner))
+    }
+
+    /// The bytes live graphs' allocation nodes are charged on a region device.
+    pub fn graph_bytes(&self, region_index: usize) -> u64 {
+        self.graph_bytes.lock().get(&region_index).copied().unwrap_or(0)
+    }
+
+    /// Serialises bringing graph memory charges up to date.
+    pub fn graph_sync(&self) -> parking_lot::MutexGuard<'_, ()> {
+        self.graph_sync.lock()
+    }
+
+    /// Remembers the graph a stream's capture records into (the first time only).
+    pub fn remember_capture(&self, key: CaptureKey, graph: u64, applications: bool) {
+        self.captures.lock().entry(key).or_insert((graph, applications));
+    }
+
+    /// The graph a stream's capture recorded into, and whether it is the application's own,
+    /// forgotten.
+    pub fn take_capture(&self, key: CaptureKey) -> Option<(u64, bool)> {
+        self.captures.lock().remove(&key)
     }
 
     /// Puts taken charges back (their free failed).

@@ -21,7 +21,7 @@ pub fn charge_or_refuse(
     kind: MemoryKind,
     bytes: u64,
 ) -> Result<Option<Charge>, CUresult> {
-    if accounting.ledger().has_pools() && accounting.ledger().graph_devices().contains(&ordinal) {
+    if accounting.ledger().has_pools() && accounting.ledger().has_graph_memory(ordinal) {
         sync_graph_pool(accounting, ordinal);
     }
     accounting.charge(ordinal, kind, bytes).or_else(|status| {
@@ -99,19 +99,34 @@ fn graph_memory_reserved(ordinal: CUdevice) -> Option<u64> {
 /// Sets a device's graph memory charge: what the device holds for graphs (from their first
 /// launch until a trim, whether or not the graph or its executable still exists) beyond what
 /// live graphs' allocation nodes are charged already, so that the two together are the larger
-/// of what the graphs were promised and what the device holds.
+/// of what the graphs were promised and what the device holds. One thread at a time; a new
+/// charge is recorded before the old one is released, so the device is never under-charged in
+/// between.
 pub(super) fn sync_graph_pool(accounting: Accounting, ordinal: CUdevice) {
+    let ledger = accounting.ledger();
+    let _one_at_a_time = ledger.graph_sync();
     let (Some(reserved), Some(device)) = (graph_memory_reserved(ordinal), accounting.device(ordinal)) else {
         return;
     };
-    let ledger = accounting.ledger();
-    if let Some((charges, _)) = ledger.take_charges(Family::GraphPool, ordinal as u64) {
-        charges.iter().for_each(|charge| accounting.release(*charge));
+    let beyond = reserved.saturating_sub(ledger.graph_bytes(device.region_index));
+    let old = ledger.take_charges(Family::GraphPool, ordinal as u64);
+    let old_bytes: u64 = old
+        .iter()
+        .flat_map(|(charges, _)| charges.iter())
+        .map(|c| c.bytes)
+        .sum();
+    if beyond == old_bytes {
+        if let Some((charges, owner)) = old {
+            ledger.put_back(Family::GraphPool, ordinal as u64, charges, owner);
+        }
+        return;
     }
-    let beyond = reserved.saturating_sub(ledger.family_bytes(Family::Graph, device.region_index));
     if beyond > 0
         && let Some(charge) = accounting.record(ordinal, MemoryKind::Data, beyond)
     {
         ledger.insert(Family::GraphPool, ordinal as u64, charge);
+    }
+    for charge in old.iter().flat_map(|(charges, _)| charges.iter()) {
+        accounting.release(*charge);
     }
 }

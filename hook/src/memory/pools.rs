@@ -4,11 +4,12 @@
 use vgpu_region::MemoryKind;
 
 use super::accounting::{accounting, unaccounted};
-use super::data::{alloc, captured_alloc, free_pointer, graph_released};
+use super::data::{alloc, free_pointer};
+use super::graphs::captured_alloc;
 use super::ledger::Family;
 use super::pool_sync::{POOL_GROWTH_GRANULARITY, charge_or_refuse, device_pool, pool_attribute, sync_pool, sync_pools};
 use super::units::read;
-use crate::capture::capture_graph;
+use crate::capture::{capture_graph, capture_key};
 use crate::session::current_ordinal;
 use crate::sys::cuda::*;
 
@@ -26,7 +27,8 @@ fn pooled_alloc(
     if let Some(graph) = capture_graph(stream, per_thread) {
         // Recorded into the graph as an allocation node: the pool is not touched (the graph's
         // memory comes from the device's graph pool when it runs).
-        return captured_alloc(call, graph, dptr, size);
+        let ordinal = pool.and_then(|pool| accounting.ledger().pool_device(pool as u64));
+        return captured_alloc(call, capture_key(stream, per_thread), graph, dptr, size, ordinal);
     }
     let Some(ordinal) = current_ordinal() else {
         return call();
@@ -100,19 +102,6 @@ pub fn alloc_from_pool_async(
     per_thread: bool,
 ) -> CUresult {
     pooled_alloc(call, dptr, bytesize, Some(pool), h_stream, per_thread)
-}
-
-/// `cuStreamEndCapture` and `_ptsz`: a capture that fails leaves no graph (the driver destroys
-/// it), so what its allocations were charged is released.
-pub fn end_capture(call: impl FnOnce() -> CUresult, h_stream: CUstream, per_thread: bool) -> CUresult {
-    let graph = capture_graph(h_stream, per_thread);
-    let result = call();
-    if result != CUDA_SUCCESS
-        && let Some(graph) = graph
-    {
-        graph_released(graph);
-    }
-    result
 }
 
 /// `cuMemFreeAsync` and `_ptsz`.

@@ -26,6 +26,7 @@ mod trim;
 use std::ffi::c_uint;
 use std::sync::atomic::{AtomicU8, Ordering};
 
+use crate::capture::STREAM_PER_THREAD;
 use crate::sys::cuda::{CUDA_LAUNCH_PARAMS, CUfunction, CUgraphExec, CUlaunchConfig, CUresult, CUstream};
 
 /// Not decided yet: the first launch reads the configuration.
@@ -56,9 +57,6 @@ pub(crate) use vgpu_region::monotonic_ns as now_ns;
 /// the generator marks with `per_thread`), a null stream is the calling thread's stream.
 #[derive(Clone, Copy)]
 pub struct Stream(CUstream);
-
-/// `CU_STREAM_PER_THREAD`, a macro in cuda.h.
-const STREAM_PER_THREAD: usize = 0x2;
 
 impl Stream {
     #[inline(always)]

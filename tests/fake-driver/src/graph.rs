@@ -242,13 +242,20 @@ impl State {
         }
     }
 
-    fn begin_capture(&mut self, stream: CUstream, mode: CUstreamCaptureMode) -> CuResult {
+    /// Begins a capture into `into` (an existing graph) or a new graph.
+    fn begin_capture(&mut self, stream: CUstream, mode: CUstreamCaptureMode, into: Option<usize>) -> CuResult {
         let target = self.stream_target(stream)?;
         let handle = target.stream.ok_or(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)?;
         if target.capturing.is_some() {
             return Err(CUDA_ERROR_ILLEGAL_STATE);
         }
-        let graph = self.create_graph();
+        if into.is_some_and(|graph| !self.graphs.contains_key(&graph)) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let graph = match into {
+            Some(graph) => graph,
+            None => self.create_graph(),
+        };
         let id = self.next_capture_id;
         self.next_capture_id += 1;
         if let Some(s) = self.streams.get_mut(&handle) {
@@ -260,6 +267,7 @@ impl State {
                 invalidated: false,
                 mode,
                 thread: std::thread::current().id(),
+                into_existing: into.is_some(),
             });
         }
         Ok(())
@@ -274,8 +282,11 @@ impl State {
             .and_then(|s| s.capture.take())
             .ok_or(CUDA_ERROR_ILLEGAL_STATE)?;
         if capture.invalidated {
-            // The driver destroys the graph of a capture that failed, its allocation nodes too.
-            self.destroy_graph(capture.graph)?;
+            // The driver destroys the graph of a capture that failed, its allocation nodes too
+            // (not the application's own graph captured into).
+            if !capture.into_existing {
+                self.destroy_graph(capture.graph)?;
+            }
             return Err(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
         }
         Ok(capture.graph)
@@ -683,7 +694,37 @@ fn known_mode(mode: CUstreamCaptureMode) -> CuResult<CUstreamCaptureMode> {
 }
 
 fn begin_capture(stream: CUstream, mode: CUstreamCaptureMode) -> CuResult {
-    initialised()?.begin_capture(stream, known_mode(mode)?)
+    initialised()?.begin_capture(stream, known_mode(mode)?, None)
+}
+
+/// `cuStreamBeginCaptureToGraph`: the dependencies are not modelled (the capture starts with
+/// none).
+fn begin_capture_to_graph(stream: CUstream, graph: CUgraph, mode: CUstreamCaptureMode) -> CuResult {
+    initialised()?.begin_capture(stream, known_mode(mode)?, Some(graph as usize))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamBeginCaptureToGraph(
+    hStream: CUstream,
+    hGraph: CUgraph,
+    _dependencies: *const CUgraphNode,
+    _dependencyData: *const CUgraphEdgeData,
+    _numDependencies: usize,
+    mode: CUstreamCaptureMode,
+) -> CUresult {
+    cu(|| begin_capture_to_graph(hStream, hGraph, mode))
+}
+
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuStreamBeginCaptureToGraph_ptsz(
+    hStream: CUstream,
+    hGraph: CUgraph,
+    _dependencies: *const CUgraphNode,
+    _dependencyData: *const CUgraphEdgeData,
+    _numDependencies: usize,
+    mode: CUstreamCaptureMode,
+) -> CUresult {
+    cu(|| begin_capture_to_graph(hStream, hGraph, mode))
 }
 
 #[unsafe(no_mangle)]

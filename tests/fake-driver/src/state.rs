@@ -63,6 +63,9 @@ pub struct Capture {
     pub mode: CUstreamCaptureMode,
     /// The thread that began it.
     pub thread: std::thread::ThreadId,
+    /// It records into the application's graph (`cuStreamBeginCaptureToGraph`), which ending it
+    /// invalidated leaves in place.
+    pub into_existing: bool,
 }
 
 pub struct Event {

@@ -351,6 +351,21 @@ fn cases() -> Vec<Case> {
             ],
         );
     }
+    // A capture into the application's own graph: a failed capture leaves the graph, and its
+    // allocation's charge, in place until the graph is destroyed.
+    for name in ["cuStreamBeginCaptureToGraph", "cuStreamBeginCaptureToGraph_ptsz"] {
+        add(
+            name,
+            vec![
+                ready,
+                at(name, CUDA_SUCCESS, C, 0, C),
+                at("cuMemAllocAsync", CUDA_SUCCESS, C, k, C),
+                at("cuStreamQuery", CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, C, k, C),
+                at("cuStreamEndCapture", CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, C, k, C),
+                at("cuGraphDestroy", CUDA_SUCCESS, C, 0, C),
+            ],
+        );
+    }
     let mut add_node = vec!["cuGraphAddNode", "cuGraphAddNode_v2"];
     if cuda_version() >= 13050 {
         add_node.push("cuGraphAddNode_v3");
@@ -1160,6 +1175,11 @@ fn allocations_inside_a_global_capture_keep_it_and_are_charged_to_its_graph() {
     let over = session.ask(&format!("capalloc {}", GIB));
     assert_eq!(status(&over), CUDA_ERROR_OUT_OF_MEMORY, "{over}");
     assert_eq!(session.ask(&format!("capfree {}", number(&answer, 2))), "capfree 0");
+    assert_eq!(
+        session.ask("mode"),
+        "mode 0 0",
+        "the library's queries left the thread out of its global capture mode"
+    );
     let ended = session.ask("endcapture");
     assert_eq!(status(&ended), CUDA_SUCCESS, "the capture was lost: {ended}");
     assert_eq!(
