@@ -78,6 +78,17 @@ pub(super) fn release_owned_by(accounting: Accounting, context: u64) {
 
 /// Calls the driver to free `key`, then releases what was charged under it if the free worked.
 pub(super) fn released(family: Family, key: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    released_after(family, key, call, |_| {})
+}
+
+/// As [`released`], running `before_release` after a free that worked, with the charges out of
+/// the ledger but not yet released (what takes them over is recorded first).
+pub(super) fn released_after(
+    family: Family,
+    key: u64,
+    call: impl FnOnce() -> CUresult,
+    before_release: impl FnOnce(Accounting),
+) -> CUresult {
     let Some(accounting) = accounting() else { return call() };
     let Some((charges, owner)) = accounting.ledger().take_charges(family, key) else {
         return call();
@@ -88,6 +99,7 @@ pub(super) fn released(family: Family, key: u64, call: impl FnOnce() -> CUresult
         .map(|charge| accounting.in_flight(charge.region_index));
     let result = call();
     if result == CUDA_SUCCESS {
+        before_release(accounting);
         charges.iter().for_each(|charge| accounting.release(*charge));
     } else {
         accounting.ledger().put_back(family, key, charges, owner);

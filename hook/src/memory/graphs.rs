@@ -6,8 +6,8 @@
 use vgpu_region::MemoryKind;
 
 use super::accounting::{Accounting, accounting};
-use super::charge::charged;
-use super::ledger::{CaptureKey, Charge, Family};
+use super::charge::{charged, released_after};
+use super::ledger::{CaptureKey, Family};
 use super::location::device_of;
 use super::pool_sync::sync_graph_pool;
 use super::units::read;
@@ -73,34 +73,16 @@ pub fn graph_add_node(
 }
 
 /// `cuGraphDestroy`: releases its memory nodes' charges; what the device still holds for
-/// graphs (its executables keep their memory) stays charged as graph memory.
+/// graphs (its executables keep their memory) stays charged as graph memory, recorded first.
 pub fn graph_destroy(call: impl FnOnce() -> CUresult, h_graph: CUgraph) -> CUresult {
-    let Some(accounting) = accounting() else { return call() };
-    let ledger = accounting.ledger();
-    let Some((charges, owner)) = ledger.take_charges(Family::Graph, h_graph as u64) else {
-        return call();
-    };
-    let _in_flight = charges
-        .iter()
-        .next()
-        .map(|charge| accounting.in_flight(charge.region_index));
-    let result = call();
-    if result == CUDA_SUCCESS {
-        release_graph_charges(accounting, charges.iter().copied());
-    } else {
-        ledger.put_back(Family::Graph, h_graph as u64, charges, owner);
-    }
-    result
+    released_after(Family::Graph, h_graph as u64, call, sync_graph_pools)
 }
 
-/// Releases charges a graph no longer holds (already out of the ledger), after the devices'
-/// graph memory has taken over what they still hold: the device is never under-charged in
-/// between.
-fn release_graph_charges(accounting: Accounting, charges: impl Iterator<Item = Charge>) {
+/// Brings every device's graph memory up to date.
+fn sync_graph_pools(accounting: Accounting) {
     for ordinal in accounting.ledger().graph_devices() {
         sync_graph_pool(accounting, ordinal);
     }
-    charges.for_each(|charge| accounting.release(charge));
 }
 
 /// `cuDeviceGraphMemTrim`: the device gives back the graph memory no executing graph uses.
@@ -148,12 +130,11 @@ pub fn end_capture(call: impl FnOnce() -> CUresult, h_stream: CUstream, per_thre
     if result != CUDA_SUCCESS && result != CUDA_ERROR_STREAM_CAPTURE_INVALIDATED {
         return result;
     }
-    let ledger = accounting.ledger();
-    if let Some((graph, false)) = ledger.take_capture(key)
+    if let Some((graph, false)) = accounting.ledger().take_capture(key)
         && result == CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
-        && let Some((charges, _)) = ledger.take_charges(Family::Graph, graph)
     {
-        release_graph_charges(accounting, charges.iter().copied());
+        // The driver has destroyed the graph already.
+        released_after(Family::Graph, graph, || CUDA_SUCCESS, sync_graph_pools);
     }
     result
 }
