@@ -190,8 +190,8 @@ pub fn limit_configured() -> bool {
     session::config().map_or(true, |config| config.memory_limit.iter().any(Option::is_some))
 }
 
-/// The table's fast path for the synchronisations: a process without pools has nothing to bring
-/// up to date there (three loads; nothing that can panic). A forked child that has not made its
+/// The table's fast path for the synchronisations: a process without pools or graph memory has
+/// nothing to bring up to date there (three loads; nothing that can panic). A forked child that has not made its
 /// own part yet has no pools of its own.
 #[inline(always)]
 pub fn no_pools() -> bool {

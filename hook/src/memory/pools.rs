@@ -68,8 +68,9 @@ fn pooled_alloc(
 }
 
 /// `cuStreamSynchronize`, `cuCtxSynchronize`, `cuEventSynchronize`: pools return freed memory
-/// here, so their charges are brought up to date (processes without pools take the table's fast
-/// path, `no_pools`, and never get here; the check stays for a pool made meanwhile).
+/// here, and launched graphs have taken theirs, so their charges are brought up to date
+/// (processes without pools or graph memory take the table's fast path, `no_pools`, and never get
+/// here; the check stays for a pool made meanwhile).
 pub fn synchronized(call: impl FnOnce() -> CUresult) -> CUresult {
     let result = call();
     if let Some(accounting) = accounting()
