@@ -60,10 +60,25 @@ impl Drop for RelaxedCaptureMode {
     }
 }
 
+/// Whether `stream` is being captured (or cannot be asked): launches there do not run now, and
+/// no other call than this one may be made on it (`cuStreamQuery` would invalidate the capture).
+pub fn capturing(stream: CUstream) -> bool {
+    let Some(is_capturing) = real::cuStreamIsCapturing() else {
+        return false;
+    };
+    let mut status: CUstreamCaptureStatus = CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: the application's stream and a valid out-pointer.
+    let result = unsafe { is_capturing(stream, &mut status) };
+    // An error means the launch itself will fail (an invalid stream, or the legacy stream during
+    // a capture): nothing to gate.
+    result != CUDA_SUCCESS || status != CU_STREAM_CAPTURE_STATUS_NONE
+}
+
 /// The graph that `stream`'s capture records into, or `None` when the stream is not capturing
 /// (or cannot be asked, or its capture is invalidated: the call on it will then fail by itself;
-/// the driver names the graph only for an active capture). `per_thread`: the caller's entry point was a `_ptsz` variant, whose null stream is the calling
-/// thread's stream (which may capture), not the legacy one (which may not).
+/// the driver names the graph only for an active capture). `per_thread`: the caller's entry
+/// point was a `_ptsz` variant, whose null stream is the calling thread's stream (which may
+/// capture), not the legacy one (which may not).
 pub fn capture_graph(stream: CUstream, per_thread: bool) -> Option<CUgraph> {
     let info = if per_thread {
         real::cuStreamGetCaptureInfo_v2_ptsz()?

@@ -191,8 +191,8 @@ pub fn limit_configured() -> bool {
 }
 
 /// The table's fast path for the synchronisations: a process without pools or graph memory has
-/// nothing to bring up to date there (three loads; nothing that can panic). A forked child that has not made its
-/// own part yet has no pools of its own.
+/// nothing to bring up to date there (three loads; nothing that can panic). A forked child that
+/// has not made its own part yet has no pools of its own.
 #[inline(always)]
 pub fn no_pools() -> bool {
     Own::current().is_none_or(|own| !own.ledger.has_pools())

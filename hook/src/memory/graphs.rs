@@ -5,11 +5,11 @@
 
 use vgpu_region::MemoryKind;
 
-use super::accounting::{Accounting, accounting};
+use super::accounting::accounting;
 use super::charge::{charged, released_after};
 use super::ledger::{CaptureKey, Family};
 use super::location::device_of;
-use super::pool_sync::sync_graph_pool;
+use super::pool_sync::{sync_graph_pool, sync_graph_pools};
 use super::units::read;
 use crate::session::current_ordinal;
 use crate::sys::cuda::*;
@@ -76,13 +76,6 @@ pub fn graph_add_node(
 /// graphs (its executables keep their memory) stays charged as graph memory, recorded first.
 pub fn graph_destroy(call: impl FnOnce() -> CUresult, h_graph: CUgraph) -> CUresult {
     released_after(Family::Graph, h_graph as u64, call, sync_graph_pools)
-}
-
-/// Brings every device's graph memory up to date.
-fn sync_graph_pools(accounting: Accounting) {
-    for ordinal in accounting.ledger().graph_devices() {
-        sync_graph_pool(accounting, ordinal);
-    }
 }
 
 /// `cuDeviceGraphMemTrim`: the device gives back the graph memory no executing graph uses.

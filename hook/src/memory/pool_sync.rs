@@ -75,6 +75,11 @@ pub(super) fn sync_pools(accounting: Accounting) {
     for (pool, ordinal) in accounting.ledger().pools() {
         sync_pool(accounting, pool, ordinal);
     }
+    sync_graph_pools(accounting);
+}
+
+/// Brings every device's graph memory up to date.
+pub(super) fn sync_graph_pools(accounting: Accounting) {
     for ordinal in accounting.ledger().graph_devices() {
         sync_graph_pool(accounting, ordinal);
     }

@@ -45,9 +45,8 @@ use super::now_ns;
 use crate::capture::in_relaxed_capture_mode;
 use crate::hooks::real;
 use crate::sys::cuda::{
-    CU_EVENT_DEFAULT, CU_MEMHOSTALLOC_DEVICEMAP, CU_MEMHOSTALLOC_PORTABLE, CU_STREAM_CAPTURE_STATUS_NONE,
-    CU_STREAM_WAIT_VALUE_GEQ, CUDA_ERROR_NOT_READY, CUDA_SUCCESS, CUcontext, CUdeviceptr, CUevent, CUresult, CUstream,
-    CUstreamCaptureStatus,
+    CU_EVENT_DEFAULT, CU_MEMHOSTALLOC_DEVICEMAP, CU_MEMHOSTALLOC_PORTABLE, CU_STREAM_WAIT_VALUE_GEQ,
+    CUDA_ERROR_NOT_READY, CUDA_SUCCESS, CUcontext, CUdeviceptr, CUevent, CUresult, CUstream,
 };
 
 /// Samples in flight at most; beyond, launches go unmeasured (their charges are corrected by the
@@ -319,22 +318,8 @@ fn record(event: usize, stream: CUstream) -> bool {
     unsafe { record(event as CUevent, stream) == CUDA_SUCCESS }
 }
 
-/// Whether `stream` is being captured (or cannot be asked): launches there do not run now, and
-/// no other call than this one may be made on it (`cuStreamQuery` would invalidate the capture).
-pub fn capturing(stream: CUstream) -> bool {
-    let Some(is_capturing) = real::cuStreamIsCapturing() else {
-        return false;
-    };
-    let mut status: CUstreamCaptureStatus = CU_STREAM_CAPTURE_STATUS_NONE;
-    // SAFETY: the application's stream and a valid out-pointer.
-    let result = unsafe { is_capturing(stream, &mut status) };
-    // An error means the launch itself will fail (an invalid stream, or the legacy stream during
-    // a capture): nothing to gate.
-    result != CUDA_SUCCESS || status != CU_STREAM_CAPTURE_STATUS_NONE
-}
-
 /// Whether `stream` has work queued: the driver says not ready. Never to be asked of a stream
-/// being captured ([`capturing`] first).
+/// being captured ([`crate::capture::capturing`] first).
 pub fn stream_busy(stream: CUstream) -> bool {
     query_stream(stream) == Some(CUDA_ERROR_NOT_READY)
 }

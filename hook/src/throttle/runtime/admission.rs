@@ -8,8 +8,9 @@ use std::time::Duration;
 use vgpu_config::UtilizationPolicy;
 use vgpu_region::{ComputeDevice, SharedRegion};
 
+use crate::capture::capturing;
 use crate::sys::cuda::{CUDA_SUCCESS, CUresult, CUstream};
-use crate::throttle::sensor::{InFlight, MIN_PAIR_PART_NS, SampleInfo, capturing};
+use crate::throttle::sensor::{InFlight, MIN_PAIR_PART_NS, SampleInfo};
 use crate::throttle::{Stream, activity, bucket, now_ns};
 
 use super::pairs::{self, OpenPair};

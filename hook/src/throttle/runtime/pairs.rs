@@ -80,5 +80,5 @@ pub fn take_closable(region_index: usize, stream: CUstream, can_close: bool) -> 
     let same =
         pair.own() && pair.region_index == region_index && pair.launch.as_ref().is_some_and(|l| l.stream() == stream);
     // The capture check first: a query of a stream being captured would invalidate its capture.
-    (can_close && same && !sensor::capturing(stream) && sensor::stream_busy(stream)).then_some(pair)
+    (can_close && same && !crate::capture::capturing(stream) && sensor::stream_busy(stream)).then_some(pair)
 }
