@@ -6,6 +6,8 @@
 //! Work on a capturing stream is recorded into the capture's graph, not run: what it allocates is
 //! the graph's.
 
+use std::cell::Cell;
+
 use crate::hooks::real;
 use crate::sys::cuda::{
     CU_STREAM_CAPTURE_MODE_RELAXED, CU_STREAM_CAPTURE_STATUS_ACTIVE, CU_STREAM_CAPTURE_STATUS_NONE, CUDA_SUCCESS,
@@ -33,27 +35,43 @@ pub fn relax_capture_mode() {
 /// Runs `call`, a potentially unsafe call the library makes on an application's thread, in
 /// relaxed capture mode, then gives the thread its mode back: in the default mode (global) the
 /// call would be refused, and would invalidate the capture, while any thread of the process
-/// captures a graph in global mode, or while this thread captures one on another stream.
+/// captures a graph in global mode, or while this thread captures one on another stream. Nested
+/// calls run in the outermost one's mode: one exchange (and one restore) covers a block of queries.
 pub fn in_relaxed_capture_mode<T>(call: impl FnOnce() -> T) -> T {
     let _relaxed = RelaxedCaptureMode::enter();
     call()
 }
 
-/// The calling thread in relaxed capture mode until dropped, which gives it its mode back.
+thread_local! {
+    /// How many [`RelaxedCaptureMode`] guards the thread holds.
+    static RELAXED_DEPTH: Cell<u32> = const { Cell::new(0) };
+}
+
+/// The calling thread in relaxed capture mode until dropped, which gives it its mode back (the
+/// outermost guard only).
 struct RelaxedCaptureMode {
     previous: Option<CUstreamCaptureMode>,
 }
 
 impl RelaxedCaptureMode {
     fn enter() -> Self {
+        // Without the thread's storage (a hook called while the thread exits), as the outermost.
+        let depth = RELAXED_DEPTH
+            .try_with(|depth| depth.replace(depth.get().saturating_add(1)))
+            .unwrap_or(0);
         Self {
-            previous: exchange_capture_mode(CU_STREAM_CAPTURE_MODE_RELAXED),
+            previous: if depth == 0 {
+                exchange_capture_mode(CU_STREAM_CAPTURE_MODE_RELAXED)
+            } else {
+                None
+            },
         }
     }
 }
 
 impl Drop for RelaxedCaptureMode {
     fn drop(&mut self) {
+        let _ = RELAXED_DEPTH.try_with(|depth| depth.set(depth.get().saturating_sub(1)));
         if let Some(previous) = self.previous {
             exchange_capture_mode(previous);
         }

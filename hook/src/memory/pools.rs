@@ -9,7 +9,7 @@ use super::graphs::captured_alloc;
 use super::ledger::Family;
 use super::pool_sync::{POOL_GROWTH_GRANULARITY, charge_or_refuse, device_pool, pool_attribute, sync_pool, sync_pools};
 use super::units::read;
-use crate::capture::{capture_graph, capture_key};
+use crate::capture::{capture_graph, capture_key, in_relaxed_capture_mode};
 use crate::session::current_ordinal;
 use crate::sys::cuda::*;
 
@@ -39,19 +39,24 @@ fn pooled_alloc(
     if dptr.is_null() || size == 0 {
         return call();
     }
-    let reserved = pool_attribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT).unwrap_or(0);
-    let in_use = pool_attribute(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT).unwrap_or(0);
-    let growth = (size as u64).saturating_sub(reserved.saturating_sub(in_use));
-    let provisional = if growth == 0 {
-        None
-    } else {
+    // The queries before the call (the pool's two attributes, and graph memory or every pool
+    // when the charge would be refused) under one relaxed-mode exchange; the application's own
+    // call runs in its own mode.
+    let provisional = in_relaxed_capture_mode(|| {
+        let reserved = pool_attribute(pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT).unwrap_or(0);
+        let in_use = pool_attribute(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT).unwrap_or(0);
+        let growth = (size as u64).saturating_sub(reserved.saturating_sub(in_use));
+        if growth == 0 {
+            return Ok(None);
+        }
         let growth = growth
             .div_ceil(POOL_GROWTH_GRANULARITY)
             .saturating_mul(POOL_GROWTH_GRANULARITY);
-        match charge_or_refuse(accounting, ordinal, MemoryKind::Data, growth) {
-            Ok(charge) => charge,
-            Err(status) => return status,
-        }
+        charge_or_refuse(accounting, ordinal, MemoryKind::Data, growth)
+    });
+    let provisional = match provisional {
+        Ok(charge) => charge,
+        Err(status) => return status,
     };
     let result = call();
     if let Some(charge) = provisional {

@@ -1241,6 +1241,16 @@ fn graph_memory_held_by_a_launched_instance_counts_against_the_limit() {
 fn another_threads_pooled_allocations_keep_a_global_capture() {
     let dir = ScratchDir::new("memory-capture-other-thread");
     let mut session = capture_session(&dir);
+    // The queries around a pooled allocation run in relaxed mode, under one guard: the thread's
+    // own mode (global) is given back afterwards.
+    let first = session.ask(&format!("asyncalloc {}", 10 * MIB));
+    assert_eq!(status(&first), CUDA_SUCCESS, "{first}");
+    assert_eq!(
+        session.ask("mode"),
+        "mode 0 0",
+        "a pooled allocation left the thread out of its global capture mode"
+    );
+    assert_eq!(session.ask(&format!("asyncfree {}", number(&first, 2))), "asyncfree 0");
     assert_eq!(session.ask("capture 0"), "capture 0");
     assert_eq!(session.ask(&format!("otherasync {}", 10 * MIB)), "otherasync 0 0");
     let ended = session.ask("endcapture");
