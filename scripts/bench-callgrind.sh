@@ -18,17 +18,17 @@ instructions() { # preload calls what [sm limit]
   awk '/^summary:/ {print $2}' "$work/cg.out"
 }
 low=1000; high=101000
-printf '%-18s %14s %14s %10s\n' "entry point" "native Ir/call" "hooked Ir/call" "added"
+printf '%-21s %14s %14s %10s\n' "entry point" "native Ir/call" "hooked Ir/call" "added"
 # "limited": the same launches at limit 99, where the limited path runs on every launch (the fake's
 # kernels take no time, so none waits): what the limiter itself costs a launch.
-for row in count launch alloc meminfo limited; do
+for row in count launch alloc pooled meminfo limited; do
   what=$row; limit=""
   [ "$row" = limited ] && { what=launch; limit=99; }
   n1=$(instructions "" $low $what); n2=$(instructions "" $high $what)
   h1=$(instructions "$root/target/release/libvgpu.so" $low $what $limit); h2=$(instructions "$root/target/release/libvgpu.so" $high $what $limit)
-  case $row in count) label=cuDeviceGetCount;; launch) label=cuLaunchKernel;; alloc) label="cuMemAlloc+Free";; meminfo) label=cuMemGetInfo;; limited) label="launch, limit 99";; esac
+  case $row in count) label=cuDeviceGetCount;; launch) label=cuLaunchKernel;; alloc) label="cuMemAlloc+Free";; pooled) label="cuMemAllocAsync+Free";; meminfo) label=cuMemGetInfo;; limited) label="launch, limit 99";; esac
   # In decimals: truncating each side to an integer made +35.0 read as +36 (1740.999 and 1776.000).
   awk -v label="$label" -v n1="$n1" -v n2="$n2" -v h1="$h1" -v h2="$h2" -v calls=$((high - low)) \
     'BEGIN { native = (n2 - n1) / calls; hooked = (h2 - h1) / calls;
-             printf "%-18s %14.1f %14.1f %10.1f\n", label, native, hooked, hooked - native }'
+             printf "%-21s %14.1f %14.1f %10.1f\n", label, native, hooked, hooked - native }'
 done

@@ -1,6 +1,7 @@
 // Calls one entry point N times for instruction counting under callgrind: count (cuDeviceGetCount,
 // passthrough), launch (cuLaunchKernel, throttle handler), alloc (cuMemAlloc + cuMemFree of 1 MiB,
-// charged), meminfo (cuMemGetInfo, virtual view).
+// charged), pooled (cuMemAllocAsync + cuMemFreeAsync of 1 MiB on the null stream, the device's
+// pool), meminfo (cuMemGetInfo, virtual view).
 #include <cuda.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -12,7 +13,7 @@ int main(int argc, char **argv) {
     if (cuInit(0) != CUDA_SUCCESS) return 1;
     if (what[0] == 'c') {
         for (long i = 0; i < calls; i++) cuDeviceGetCount(&count);
-    } else if (what[0] == 'a' || what[0] == 'm') {
+    } else if (what[0] == 'a' || what[0] == 'm' || what[0] == 'p') {
         CUdevice device;
         CUcontext context;
         cuDeviceGet(&device, 0);
@@ -22,6 +23,8 @@ int main(int argc, char **argv) {
         size_t free_bytes, total_bytes;
         if (what[0] == 'a')
             for (long i = 0; i < calls; i++) { cuMemAlloc(&pointer, 1 << 20); cuMemFree(pointer); }
+        else if (what[0] == 'p')
+            for (long i = 0; i < calls; i++) { cuMemAllocAsync(&pointer, 1 << 20, 0); cuMemFreeAsync(pointer, 0); }
         else
             for (long i = 0; i < calls; i++) cuMemGetInfo(&free_bytes, &total_bytes);
     } else {

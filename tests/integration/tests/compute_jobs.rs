@@ -556,9 +556,12 @@ fn a_gap_between_kernels_that_brackets_read_is_trimmed_to_nvml() {
             second + 1
         );
     }
+    // Untrimmed, seconds 4-6 average under 48; trimmed, 49.6-51.6 in eleven runs (mean 50.4,
+    // docs/bench/2026-12-02-varying-key-spread.txt): the bounds leave the trim 2.5 points of
+    // overshoot and catch its absence.
     let settled = shares[3..].iter().sum::<f64>() / 3.0;
     assert!(
-        (settled - 50.0).abs() <= 1.5,
+        (48.5..=52.5).contains(&settled),
         "{settled:.1}% over seconds 4-6 at limit 50 (per second {shares:.1?})"
     );
 }
