@@ -199,6 +199,36 @@ static void captured_to_graph(const char *name) {
     step("cuGraphDestroy", cuGraphDestroy(graph));
 }
 
+#if CUDA_VERSION >= 13050
+typedef CUresult (*recapture_fn)(CUstream, CUstreamCaptureMode, CUgraph, CUgraphRecaptureCallback, void *);
+
+// A captured graph recaptured node for node (its allocation is the original node's again, not a
+// second one), then recaptured with an allocation of another size, which fails the recapture and
+// leaves the graph, with its charge, until it is destroyed.
+static void recaptured(const char *name) {
+    CUstream stream = NULL;
+    CUgraph graph = NULL;
+    CUgraph ended = NULL;
+    CUdeviceptr p = 0;
+    if (cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) {
+        step("cuStreamCreate", 999);
+        return;
+    }
+    step("cuStreamBeginCapture_v2", cuStreamBeginCapture_v2(stream, CU_STREAM_CAPTURE_MODE_GLOBAL));
+    step("cuMemAllocAsync", cuMemAllocAsync(&p, CAPTURED_BYTES, stream));
+    step("cuMemFreeAsync", cuMemFreeAsync(p, stream));
+    step("cuStreamEndCapture", cuStreamEndCapture(stream, &graph));
+    step(name, CALL(recapture_fn, name, stream, CU_STREAM_CAPTURE_MODE_GLOBAL, graph, NULL, NULL));
+    step("cuMemAllocAsync", cuMemAllocAsync(&p, CAPTURED_BYTES, stream));
+    step("cuMemFreeAsync", cuMemFreeAsync(p, stream));
+    step("cuStreamEndCapture", cuStreamEndCapture(stream, &ended));
+    step(name, CALL(recapture_fn, name, stream, CU_STREAM_CAPTURE_MODE_GLOBAL, graph, NULL, NULL));
+    step("cuMemAllocAsync", cuMemAllocAsync(&p, 2 * CAPTURED_BYTES, stream));
+    step("cuStreamEndCapture", cuStreamEndCapture(stream, &ended));
+    step("cuGraphDestroy", cuGraphDestroy(graph));
+}
+#endif
+
 // A stream-ordered block freed, then given back to the device by the named synchronisation.
 static void synchronizing(const char *name) {
     CUstream stream = NULL;
@@ -435,6 +465,10 @@ int main(int argc, char **argv) {
         mipmapped();
     } else if (strncmp(name, "cuStreamBeginCaptureToGraph", 27) == 0) {
         captured_to_graph(name);
+#if CUDA_VERSION >= 13050
+    } else if (strncmp(name, "cuStreamBeginRecaptureToGraph", 29) == 0) {
+        recaptured(name);
+#endif
     } else if (strncmp(name, "cuStreamEndCapture", 18) == 0) {
         captured(name);
     } else if (strncmp(name, "cuGraphAdd", 10) == 0) {

@@ -7,7 +7,7 @@ use vgpu_region::MemoryKind;
 
 use super::accounting::accounting;
 use super::charge::{charged, released_after};
-use super::ledger::{CaptureKey, Family};
+use super::ledger::{CaptureInto, CaptureKey, Family};
 use super::location::device_of;
 use super::pool_sync::{sync_graph_pool, sync_graph_pools};
 use super::units::read;
@@ -91,7 +91,7 @@ pub fn graph_mem_trim(call: impl FnOnce() -> CUresult, device: CUdevice) -> CUre
 
 /// An allocation recorded into a capture's graph: charged to the graph, as an allocation node
 /// added to it is, on the pool's device when it is known; the capture's graph is remembered for
-/// the end of the capture.
+/// the end of the capture. A recapture's allocation takes the place of a node charged already.
 pub(super) fn captured_alloc(
     call: impl FnOnce() -> CUresult,
     capture: CaptureKey,
@@ -103,19 +103,23 @@ pub(super) fn captured_alloc(
     if dptr.is_null() || bytes == 0 {
         return call();
     }
+    let Some(accounting) = accounting() else { return call() };
+    if let Some(CaptureInto::Recapture(_)) = accounting.ledger().capture(capture) {
+        return call();
+    }
     let result = graph_charged(ordinal, bytes as u64, call, graph);
-    if result == CUDA_SUCCESS
-        && let Some(accounting) = accounting()
-    {
-        accounting.ledger().remember_capture(capture, graph as u64, false);
+    if result == CUDA_SUCCESS {
+        accounting
+            .ledger()
+            .remember_capture(capture, CaptureInto::DriverGraph(graph as u64));
     }
     result
 }
 
 /// `cuStreamEndCapture` and `_ptsz`: a capture that ends invalidated leaves no graph (the driver
 /// destroys the one it made), so what its allocations were charged is released; the
-/// application's own graph (`cuStreamBeginCaptureToGraph`) keeps its charges. Any other error
-/// leaves the capture going on.
+/// application's own graph (`cuStreamBeginCaptureToGraph`, `cuStreamBeginRecaptureToGraph`)
+/// keeps its charges until it is destroyed. Any other error leaves the capture going on.
 pub fn end_capture(call: impl FnOnce() -> CUresult, h_stream: CUstream, per_thread: bool) -> CUresult {
     let Some(accounting) = accounting() else { return call() };
     let key = crate::capture::capture_key(h_stream, per_thread);
@@ -123,7 +127,7 @@ pub fn end_capture(call: impl FnOnce() -> CUresult, h_stream: CUstream, per_thre
     if result != CUDA_SUCCESS && result != CUDA_ERROR_STREAM_CAPTURE_INVALIDATED {
         return result;
     }
-    if let Some((graph, false)) = accounting.ledger().take_capture(key)
+    if let Some(CaptureInto::DriverGraph(graph)) = accounting.ledger().take_capture(key)
         && result == CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
     {
         // The driver has destroyed the graph already.
@@ -140,13 +144,35 @@ pub fn begin_capture_to_graph(
     h_graph: CUgraph,
     per_thread: bool,
 ) -> CUresult {
+    began_capture(
+        call,
+        h_stream,
+        per_thread,
+        CaptureInto::ApplicationGraph(h_graph as u64),
+    )
+}
+
+/// `cuStreamBeginRecaptureToGraph` and `_ptsz` (CUDA 13.5): the capture records the
+/// application's graph again, node for node; the driver refuses an allocation whose size is not
+/// the original node's, so the graph's charges stand for the recaptured nodes and its
+/// allocations are not charged again. A failed recapture leaves the graph to be destroyed.
+pub fn begin_recapture_to_graph(
+    call: impl FnOnce() -> CUresult,
+    h_stream: CUstream,
+    h_graph: CUgraph,
+    per_thread: bool,
+) -> CUresult {
+    began_capture(call, h_stream, per_thread, CaptureInto::Recapture(h_graph as u64))
+}
+
+/// A capture into the application's graph that the call begins is remembered for its stream.
+fn began_capture(call: impl FnOnce() -> CUresult, h_stream: CUstream, per_thread: bool, into: CaptureInto) -> CUresult {
     let result = call();
     if result == CUDA_SUCCESS
         && let Some(accounting) = accounting()
     {
         let key = crate::capture::capture_key(h_stream, per_thread);
-        accounting.ledger().take_capture(key);
-        accounting.ledger().remember_capture(key, h_graph as u64, true);
+        accounting.ledger().begin_capture(key, into);
     }
     result
 }

@@ -18,6 +18,20 @@ pub struct Charge {
 /// (each thread has its own).
 pub type CaptureKey = (u64, u64);
 
+/// The graph a stream's capture records into, as it bears on the capture's allocations.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CaptureInto {
+    /// A graph the driver makes for the capture (`cuStreamBeginCapture`) and destroys when the
+    /// capture fails.
+    DriverGraph(u64),
+    /// The application's own graph (`cuStreamBeginCaptureToGraph`), which outlives a failed
+    /// capture with its charges.
+    ApplicationGraph(u64),
+    /// The application's graph captured again node for node (`cuStreamBeginRecaptureToGraph`):
+    /// its allocation nodes, whose sizes the driver holds to the original's, are charged already.
+    Recapture(u64),
+}
+
 /// The kinds of handle a charge is recorded under.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Family {
@@ -130,9 +144,8 @@ pub struct Ledger {
     /// Held while a device's graph memory charge is brought up to date.
     graph_sync: Mutex<()>,
     /// The graph each stream's capture records into, by [`CaptureKey`], for the captures whose
-    /// allocations were charged; `true` when the graph is the application's own (captured into
-    /// with `cuStreamBeginCaptureToGraph`), which outlives a failed capture.
-    captures: Mutex<HashMap<CaptureKey, (u64, bool)>>,
+    /// allocations were charged and for every capture into the application's graph.
+    captures: Mutex<HashMap<CaptureKey, CaptureInto>>,
     /// Primary contexts, by device ordinal.
     primary: Mutex<HashMap<i32, Primary>>,
 }
@@ -270,13 +283,22 @@ impl Ledger {
     }
 
     /// Remembers the graph a stream's capture records into (the first time only).
-    pub fn remember_capture(&self, key: CaptureKey, graph: u64, applications: bool) {
-        self.captures.lock().entry(key).or_insert((graph, applications));
+    pub fn remember_capture(&self, key: CaptureKey, into: CaptureInto) {
+        self.captures.lock().entry(key).or_insert(into);
     }
 
-    /// The graph a stream's capture recorded into, and whether it is the application's own,
-    /// forgotten.
-    pub fn take_capture(&self, key: CaptureKey) -> Option<(u64, bool)> {
+    /// Remembers the graph a capture that begins now records into, in place of any earlier one.
+    pub fn begin_capture(&self, key: CaptureKey, into: CaptureInto) {
+        self.captures.lock().insert(key, into);
+    }
+
+    /// The graph a stream's capture records into, if remembered.
+    pub fn capture(&self, key: CaptureKey) -> Option<CaptureInto> {
+        self.captures.lock().get(&key).copied()
+    }
+
+    /// The graph a stream's capture recorded into, forgotten.
+    pub fn take_capture(&self, key: CaptureKey) -> Option<CaptureInto> {
         self.captures.lock().remove(&key)
     }
 

@@ -66,6 +66,9 @@ pub struct Capture {
     /// It records into the application's graph (`cuStreamBeginCaptureToGraph`), which ending it
     /// invalidated leaves in place.
     pub into_existing: bool,
+    /// A recapture (`cuStreamBeginRecaptureToGraph`): the sizes of the graph's allocation nodes
+    /// not recaptured yet, in order; an allocation of another size fails the recapture.
+    pub recaptured_allocs: Option<std::collections::VecDeque<u64>>,
 }
 
 pub struct Event {

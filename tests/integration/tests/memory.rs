@@ -366,6 +366,30 @@ fn cases() -> Vec<Case> {
             ],
         );
     }
+    // A recapture (CUDA 13.5) records the graph's allocation node again: charged once. One of
+    // another size fails the recapture, which leaves the graph and its charge until destroyed.
+    if cuda_version() >= 13050 {
+        for name in ["cuStreamBeginRecaptureToGraph", "cuStreamBeginRecaptureToGraph_ptsz"] {
+            add(
+                name,
+                vec![
+                    ready,
+                    at("cuStreamBeginCapture_v2", CUDA_SUCCESS, C, 0, C),
+                    at("cuMemAllocAsync", CUDA_SUCCESS, C, k, C),
+                    at("cuMemFreeAsync", CUDA_SUCCESS, C, k, C),
+                    at("cuStreamEndCapture", CUDA_SUCCESS, C, k, C),
+                    at(name, CUDA_SUCCESS, C, k, C),
+                    at("cuMemAllocAsync", CUDA_SUCCESS, C, k, C),
+                    at("cuMemFreeAsync", CUDA_SUCCESS, C, k, C),
+                    at("cuStreamEndCapture", CUDA_SUCCESS, C, k, C),
+                    at(name, CUDA_SUCCESS, C, k, C),
+                    at("cuMemAllocAsync", CUDA_ERROR_INVALID_VALUE, C, k, C),
+                    at("cuStreamEndCapture", CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, C, k, C),
+                    at("cuGraphDestroy", CUDA_SUCCESS, C, 0, C),
+                ],
+            );
+        }
+    }
     let mut add_node = vec!["cuGraphAddNode", "cuGraphAddNode_v2"];
     if cuda_version() >= 13050 {
         add_node.push("cuGraphAddNode_v3");
