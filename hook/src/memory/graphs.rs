@@ -5,7 +5,7 @@
 
 use vgpu_region::MemoryKind;
 
-use super::accounting::accounting;
+use super::accounting::{Accounting, accounting};
 use super::charge::{charged, released_after};
 use super::ledger::{CaptureInto, CaptureKey, Family};
 use super::location::device_of;
@@ -94,6 +94,7 @@ pub fn graph_mem_trim(call: impl FnOnce() -> CUresult, device: CUdevice) -> CUre
 /// the end of the capture. A recapture's allocation takes the place of a node charged already.
 pub(super) fn captured_alloc(
     call: impl FnOnce() -> CUresult,
+    accounting: Accounting,
     capture: CaptureKey,
     graph: CUgraph,
     dptr: *mut CUdeviceptr,
@@ -103,7 +104,6 @@ pub(super) fn captured_alloc(
     if dptr.is_null() || bytes == 0 {
         return call();
     }
-    let Some(accounting) = accounting() else { return call() };
     if let Some(CaptureInto::Recapture(_)) = accounting.ledger().capture(capture) {
         return call();
     }

@@ -28,7 +28,15 @@ fn pooled_alloc(
         // Recorded into the graph as an allocation node: the pool is not touched (the graph's
         // memory comes from the device's graph pool when it runs).
         let ordinal = pool.and_then(|pool| accounting.ledger().pool_device(pool as u64));
-        return captured_alloc(call, capture_key(stream, per_thread), graph, dptr, size, ordinal);
+        return captured_alloc(
+            call,
+            accounting,
+            capture_key(stream, per_thread),
+            graph,
+            dptr,
+            size,
+            ordinal,
+        );
     }
     let Some(ordinal) = current_ordinal() else {
         return call();

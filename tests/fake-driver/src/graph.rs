@@ -165,9 +165,6 @@ impl State {
     /// replaced by the recaptured ones; each allocation must have its original node's size.
     #[cfg_attr(not(cuda_api = "13050"), allow(dead_code))]
     fn begin_recapture(&mut self, stream: CUstream, mode: CUstreamCaptureMode, graph: usize) -> CuResult {
-        if !self.graphs.contains_key(&graph) {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
         self.begin_capture(stream, mode, Some(graph))?;
         let nodes = self
             .graphs
