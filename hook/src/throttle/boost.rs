@@ -13,7 +13,9 @@
 //!   [`IDLE_SHARE`] of the board's default power limit `P_rated` (the clocks stay up between
 //!   kernels; idle power is the board's, whatever limit an administrator set), and the share `s` of the
 //!   GPU's time that kernels take: the container's own, measured by the sensor before
-//!   compensation ([`busy_share`] says why NVML's utilisation is used only without a clock reading);
+//!   compensation and trimmed to NVML's busy time (the brackets also read the front end's gaps
+//!   between kernels, which draw no dynamic power) ([`busy_share`] says why NVML's utilisation is
+//!   used only without a clock reading);
 //! - the GPU's dynamic power were it busy all the time at this clock: `(P - P_idle) / s`;
 //! - dynamic power grows as the clock to the power [`ALPHA`], a kernel's time shrinks as the clock
 //!   to the power [`BETA`] (both measured on the H200: a GEMM's time is not all compute); so a
@@ -112,8 +114,8 @@ impl ClockReading {
     }
 }
 
-/// The busy share `s` the power is divided by: the container's own (`own`, from its measured
-/// kernel time), and where the clock bound cannot apply (no clock reading) NVML's utilisation of
+/// The busy share `s` the power is divided by: the container's own (`own`, its kernels' measured
+/// time, trimmed), and where the clock bound cannot apply (no clock reading) NVML's utilisation of
 /// the whole GPU (`gpu`) when it is more.
 ///
 /// With a clock reading the clock bounds the factor, so other containers' power cannot be charged

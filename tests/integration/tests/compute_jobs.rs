@@ -565,3 +565,33 @@ fn a_gap_between_kernels_that_brackets_read_is_trimmed_to_nvml() {
         "{settled:.1}% over seconds 4-6 at limit 50 (per second {shares:.1?})"
     );
 }
+
+/// The same gap with a GPU that its power limit holds down at full load (the fake draws 900 W
+/// busy all the time, limit 700 W, idle 120 W): the power is drawn while kernels run, so the boost
+/// compensation divides it by the trimmed busy share `s`, and charges each kernel
+/// `((900 - 119) / 581)^(0.66 / 1.5) = 1.139` times its time (boost.rs: 119 W of idle power, 581
+/// W of headroom): at limit 75 the kernels take 75 / 1.139 = 65.8% of the time. Divided by the
+/// brackets' share (the gap's 2 us read with each 16 us kernel, 1.125 times the kernels' time),
+/// the factor is 1.082 and they take 69.3% (the H200 GEMM at 90: a net 1.02 for a 1.07 boost).
+#[test]
+fn the_boost_compensation_divides_the_power_by_the_trimmed_share() {
+    const US: f64 = 16.0;
+    let dir = ScratchDir::new("compute-jobs-gap-boost");
+    let args = "loop seconds=10 kernels=1 us=16 per_iteration=32 sync=1 window_ms=250";
+    let env = [
+        ("CUDA_DEVICE_SM_LIMIT", "75"),
+        ("FAKE_CUDA_LAUNCH_GAP_NS", "2000"),
+        ("FAKE_NVML_BUSY_WATTS", "900"),
+    ];
+    let [report] = run_together([job(&dir, &env, args)]);
+    assert_truth_counts(&dir, 0, report.done().get("launches"), US);
+    let shares = report.busy_shares(US);
+    eprintln!("a 2 us gap between kernels, 900 W busy, at limit 75: busy share per second {shares:.1?}");
+    assert_eq!(shares.len(), 10, "ten whole seconds");
+    // The trim settles from the 3rd second, and the factor follows it halfway each second.
+    let settled = shares[4..].iter().sum::<f64>() / 6.0;
+    assert!(
+        (63.8..=67.7).contains(&settled),
+        "{settled:.1}% over seconds 5-10 at limit 75, expected 65.8 (69.3 with the brackets' share; per second {shares:.1?})"
+    );
+}
