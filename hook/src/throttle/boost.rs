@@ -22,20 +22,23 @@
 //!   GPU over its limit at full load would run each kernel slower by
 //!   `((P - P_idle) / s / (P_cap - P_idle)) ^ (BETA / ALPHA)`, which is the factor charged.
 //!
-//! NVML cannot tell whose work the GPU's power is for: where it reports no GPU-wide utilisation,
-//! another container's work is counted as this one's, and the power alone would charge a
-//! container sharing a saturated GPU for a boost it does not get. The clock bounds that:
+//! NVML cannot tell whose work the GPU's power is for: another container's work is counted as this
+//! one's, and the power alone would charge a container sharing a saturated GPU for a boost it does
+//! not get. The clock bounds that:
 //!
 //! - no work draws more than [`HEAVIEST_WORK`] times the board's default power limit in dynamic
 //!   power at the highest clock `f_max` (were the GPU busy all the time), so no GPU busy all the
 //!   time settles below `f_floor = f_max * ((P_cap - P_idle) / (HEAVIEST_WORK * P_rated))^(1 /
-//!   ALPHA)` (H200 at its default limit: 1549 MHz), and a kernel running at the present clock `f`
+//!   ALPHA)` (H200 at its default limit: 1468 MHz), and a kernel running at the present clock `f`
 //!   takes at most `(f / f_floor)^BETA` less time than it would at full load: the factor never
-//!   exceeds that. A GPU saturated by several containers runs near `f_floor` (the H200 GEMM
-//!   unlimited: 1570-1656 MHz on average over a run, a bound of 1.01-1.05, the same for every
-//!   container), and one whose clock a power slowdown holds partly down (a GEMM held to 75% of
-//!   the time on the H200: 1922 MHz on average, bound 1.15) keeps the part of the boost its clock
-//!   shows. The clock is one instantaneous reading (NVML's power is a 1 s average), so the
+//!   exceeds that. A GPU saturated by one GEMM runs near `f_floor` (on the H200 1478-1656 MHz on
+//!   average over a run, a bound of 1.01-1.08). Two containers' GEMMs that saturate it together
+//!   run faster than one alone, at 1568-1618 MHz (the switches between their contexts leave it
+//!   idle a little): each is charged the same bound, 1.04-1.06, and gets that much more of its
+//!   unlimited rate than of the GPU's time. Charged 1 there, the container at 30 of a 30/70 pair
+//!   ran at 31.6% of its unlimited rate (docs/gpu/2026-12-03-floor-saturated-gemm90-multi.txt).
+//!   One whose clock a power slowdown holds partly down (a GEMM held to 90% of the time on the
+//!   H200: 1630 MHz, bound 1.07) keeps the part of the boost its clock shows. The clock is one instantaneous reading (NVML's power is a 1 s average), so the
 //!   bound moves from reading to reading; the factor's smoothing averages it;
 //! - without the clock readings, while the GPU reports a power or thermal slowdown the factor is
 //!   1 (the kernels may already run at the clock the power limit allows);
@@ -63,10 +66,11 @@ pub const MAX_FACTOR: f64 = 1.25;
 /// 730-790 W for a 700 W limit (1.05-1.13): `(P - 119 W) / share / (f / 1980 MHz)^ALPHA` from
 /// its mean power and clock held to 10-75% of the time (1980 and 1878 MHz; share: the limiter's
 /// count) and unlimited (1629 MHz), in docs/gpu/2026-11-30-compute-boost-clock-branch.txt.
-/// Single samples give more (690 W at 1470 MHz: 1.28, -boost-probe.txt), but a clock sample is
-/// instantaneous and the power averaged; a heavier work is charged less than its boost at a
-/// partial slowdown, never more.
-pub const HEAVIEST_WORK: f64 = 1.2;
+/// Single samples give more (690 W at 1470 MHz: 1.28, -boost-probe.txt), and the same GEMM busy
+/// all the time ran at 1478-1494 MHz on 2026-12-03 (-trimmed-share-compute-jobs-part1.txt), below
+/// the 1549 MHz floor that 1.2 set: 1.3 puts the floor at 1468 MHz, the lowest clock seen under
+/// it. A heavier work is charged less than its boost at a partial slowdown, never more.
+pub const HEAVIEST_WORK: f64 = 1.3;
 /// Below this busy share the power says nothing about the container's work.
 const MIN_SHARE: f64 = 0.02;
 /// Weight of a new reading in the factor (readings come once a second; NVML's power is itself
@@ -129,6 +133,12 @@ pub fn busy_share(own: f64, gpu: Option<f64>, clock_known: bool) -> f64 {
         Some(gpu) if !clock_known && gpu > own => gpu,
         _ => own,
     }
+}
+
+/// The factor for one reading: [`target_factor`] of the busy share ([`busy_share`]) from the
+/// container's own `own` and NVML's utilisation of the whole GPU `gpu`.
+pub fn target(reading: PowerReading, own: f64, gpu: Option<f64>) -> f64 {
+    target_factor(reading, busy_share(own, gpu, reading.clock.is_some()))
 }
 
 /// The factor for one reading, given the share of the GPU's time the container's kernels took
@@ -317,15 +327,20 @@ mod tests {
     }
 
     #[test]
-    fn a_saturated_shared_gpu_is_charged_about_its_time() {
-        // Two containers saturate the GPU like one unlimited GEMM: 1625-1629 MHz, 671 W
-        // (-compute-boost-clock-branch.txt); where NVML gives no
-        // utilisation, the one with 30% of the time sees all the power as its own. The clock bounds the
-        // over-charge, the same for both containers.
-        let small = target_factor(at_clock(671.0, 1625.0, true), 0.3);
-        let large = target_factor(at_clock(671.0, 1625.0, true), 0.7);
-        assert!(small < 1.04, "{small}");
-        assert_eq!(small, large);
+    fn a_saturated_shared_gpu_is_charged_the_boost_its_clock_shows() {
+        // Two containers at 30 and 70 saturate the H200 with GEMMs: 1568-1618 MHz, 690 W
+        // (-trimmed-share-compute-jobs-part1.txt), where one GEMM alone busy all the time runs at
+        // 1478-1494 MHz. Each sees all the power as its own; the clock bounds the charge, the
+        // same for both: (1618 / 1468)^0.66.
+        let reading = at_clock(690.0, 1618.0, true);
+        let small = target(reading, 0.3, Some(1.0));
+        assert!((1.05..1.08).contains(&small), "{small}");
+        assert_eq!(small, target(reading, 0.63, Some(1.0)));
+        assert_eq!(small, target(reading, 0.3, None));
+        // Busy 88% of the time (a GEMM held to 90% alone), the boost is charged: about
+        // (1630 / 1484)^0.66 = 1.06 (the 1549 MHz floor of before allowed 1.034).
+        let held = target(at_clock(685.0, 1630.0, true), 0.86, Some(0.88));
+        assert!((1.045..=1.075).contains(&held), "{held}");
         // Without the clock the power alone charges the whole range.
         assert_eq!(target_factor(h200(671.0), 0.3), MAX_FACTOR);
     }
@@ -343,8 +358,8 @@ mod tests {
         let factor = target_factor(lowered(Some(700.0)), 0.75);
         assert!((1.05..=1.15).contains(&factor), "{factor}");
         // Scaled by the enforced limit instead, the idle power and the heaviest work shrink with
-        // it and 1500 MHz looks like full load.
-        assert_eq!(target_factor(lowered(None), 0.75), 1.0);
+        // it and 1500 MHz looks like full load (the floor's 1468 MHz: at most 1.02).
+        assert!(target_factor(lowered(None), 0.75) < 1.02);
         // A limit at or below the idle power leaves nothing to model.
         let starved = PowerReading {
             limit_watts: 100.0,

@@ -513,8 +513,8 @@ fn nvml_cross_checks_the_sensor_where_it_works() {
 /// The fake GPU draws 900 W when busy all the time (limit 700 W, idle 120 W): at limit 50 and
 /// its highest clock the boost compensation charges each kernel about 1.14 times its time, so the
 /// kernels take about 44% of the device. A GPU held by its power limit to 1860 MHz keeps the part
-/// of the boost its clock shows (a factor of about 1.13); one at 1600 MHz, near the clock the
-/// heaviest work settles at busy all the time, almost none (about 1.02); one that reports a
+/// of the boost its clock shows (a factor of about 1.13); one at 1600 MHz, nearer the clock the
+/// heaviest work settles at busy all the time (1468 MHz), less (about 1.06); one that reports a
 /// slowdown but no clocks none; and neither does one without clocks whose NVML says it is fully
 /// busy (other containers' work: the power is not all ours, and no clock bounds the factor). With
 /// clocks, NVML's utilisation above the kernels' time does not lower the factor (two processes of
@@ -579,8 +579,8 @@ fn boost_compensation_follows_the_power_readings() {
         "slowed to 1860 MHz: {at_1860:.1}%, expected about 44%"
     );
     assert!(
-        (46.0..=52.0).contains(&at_1600) && at_1600 > at_1860 + 2.0,
-        "slowed to 1600 MHz: {at_1600:.1}%, expected about 49% (at 1860 MHz: {at_1860:.1}%)"
+        (45.5..=48.2).contains(&at_1600) && at_1600 > at_1860 + 2.0,
+        "slowed to 1600 MHz: {at_1600:.1}%, expected about 47.3% (49.0 with the floor at 1549 MHz; at 1860 MHz: {at_1860:.1}%)"
     );
     assert!(
         no_clock > compensated + 3.0,
