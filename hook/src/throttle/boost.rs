@@ -31,15 +31,13 @@
 //!   time settles below `f_floor = f_max * ((P_cap - P_idle) / (HEAVIEST_WORK * P_rated))^(1 /
 //!   ALPHA)` (H200 at its default limit: 1468 MHz), and a kernel running at the present clock `f`
 //!   takes at most `(f / f_floor)^BETA` less time than it would at full load: the factor never
-//!   exceeds that. A GPU saturated by one GEMM runs near `f_floor` (on the H200 1478-1656 MHz on
-//!   average over a run, a bound of 1.01-1.08). Two containers' GEMMs that saturate it together
-//!   run faster than one alone, at 1568-1618 MHz (the switches between their contexts leave it
-//!   idle a little): each is charged the same bound, 1.04-1.06, and gets that much more of its
-//!   unlimited rate than of the GPU's time. Charged 1 there, the container at 30 of a 30/70 pair
-//!   ran at 31.6% of its unlimited rate (docs/gpu/2026-12-03-floor-saturated-gemm90-multi.txt).
-//!   One whose clock a power slowdown holds partly down (a GEMM held to 90% of the time on the
-//!   H200: 1630 MHz, bound 1.07) keeps the part of the boost its clock shows. The clock is one instantaneous reading (NVML's power is a 1 s average), so the
-//!   bound moves from reading to reading; the factor's smoothing averages it;
+//!   exceeds that. A GPU saturated by one GEMM runs near `f_floor`; the GEMMs of several
+//!   containers saturating it together run a little faster (the switches between their contexts
+//!   leave it idle a little), and each is charged the same bound, which their kernels do gain
+//!   over one GEMM alone at full load. One whose clock a power slowdown holds partly down keeps
+//!   the part of the boost its clock shows. The clock is one instantaneous reading (NVML's power
+//!   is a 1 s average), so the bound moves from reading to reading; the factor's smoothing
+//!   averages it;
 //! - without the clock readings, while the GPU reports a power or thermal slowdown the factor is
 //!   1 (the kernels may already run at the clock the power limit allows);
 //! - the factor never exceeds [`MAX_FACTOR`], a little above the H200's whole boost range (1980
@@ -133,12 +131,6 @@ pub fn busy_share(own: f64, gpu: Option<f64>, clock_known: bool) -> f64 {
         Some(gpu) if !clock_known && gpu > own => gpu,
         _ => own,
     }
-}
-
-/// The factor for one reading: [`target_factor`] of the busy share ([`busy_share`]) from the
-/// container's own `own` and NVML's utilisation of the whole GPU `gpu`.
-pub fn target(reading: PowerReading, own: f64, gpu: Option<f64>) -> f64 {
-    target_factor(reading, busy_share(own, gpu, reading.clock.is_some()))
 }
 
 /// The factor for one reading, given the share of the GPU's time the container's kernels took
@@ -331,15 +323,15 @@ mod tests {
         // Two containers at 30 and 70 saturate the H200 with GEMMs: 1568-1618 MHz, 690 W
         // (-trimmed-share-compute-jobs-part1.txt), where one GEMM alone busy all the time runs at
         // 1478-1494 MHz. Each sees all the power as its own; the clock bounds the charge, the
-        // same for both: (1618 / 1468)^0.66.
+        // same for both: (1618 / 1468)^0.66 = 1.066 (the old floor's 1549 MHz gave 1.029).
         let reading = at_clock(690.0, 1618.0, true);
-        let small = target(reading, 0.3, Some(1.0));
+        let small = target_factor(reading, busy_share(0.3, Some(1.0), true));
         assert!((1.05..1.08).contains(&small), "{small}");
-        assert_eq!(small, target(reading, 0.63, Some(1.0)));
-        assert_eq!(small, target(reading, 0.3, None));
-        // Busy 88% of the time (a GEMM held to 90% alone), the boost is charged: about
-        // (1630 / 1484)^0.66 = 1.06 (the 1549 MHz floor of before allowed 1.034).
-        let held = target(at_clock(685.0, 1630.0, true), 0.86, Some(0.88));
+        assert_eq!(small, target_factor(reading, busy_share(0.63, Some(1.0), true)));
+        // A GEMM held to 90% alone at 1630 MHz: the power (685 W over a trimmed share of 0.86)
+        // calls for 1.056, under the clock's bound of (1630 / 1468)^0.66 = 1.072; the old floor
+        // cut it to 1.034.
+        let held = target_factor(at_clock(685.0, 1630.0, true), 0.86);
         assert!((1.045..=1.075).contains(&held), "{held}");
         // Without the clock the power alone charges the whole range.
         assert_eq!(target_factor(h200(671.0), 0.3), MAX_FACTOR);
@@ -348,7 +340,7 @@ mod tests {
     #[test]
     fn a_lowered_power_limit_is_modelled_in_the_boards_watts() {
         // An administrator set 500 W on a 700 W board; the GEMM held to 75% runs at 1500 MHz,
-        // slowed, at 480 W. Busy all the time it would settle near 1200 MHz, so a factor of
+        // slowed, at 480 W. Busy all the time it would settle near 1100 MHz, so a factor of
         // about 1.1 is due.
         let lowered = |rated_watts| PowerReading {
             limit_watts: 500.0,

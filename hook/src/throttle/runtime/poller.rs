@@ -341,11 +341,12 @@ impl Runtime {
             compute.budget_ns.load(Ordering::Relaxed) / 1000
         );
         let gpu = nvml.utilisation.map(|percent| f64::from(percent) / 100.0);
+        let clock_known = nvml.power.is_some_and(|reading| reading.clock.is_some());
         // The GPU draws its dynamic power while kernels run: the trimmed share, not the brackets'
-        // (they also read the front end's gaps between kernels, which the trim takes out; a GEMM
-        // at 90 on the H200 was charged 1.02 net instead of its 1.07 boost).
-        let own = measured * trim;
-        let target = nvml.power.map_or(1.0, |reading| boost::target(reading, own, gpu));
+        // (they also read the front end's gaps between kernels, which the trim takes out).
+        let trimmed_share = measured * trim;
+        let share = boost::busy_share(trimmed_share, gpu, clock_known);
+        let target = nvml.power.map_or(1.0, |reading| boost::target_factor(reading, share));
         let next = boost::smoothed(current, target, starting || last.readings == 0);
         next_seen.readings = last.readings.saturating_add(1);
         *seen = next_seen;
@@ -353,9 +354,8 @@ impl Runtime {
         if (next - current).abs() >= 0.01 {
             // Both sources of the share, so that a run can tell which one set the factor.
             tracing::debug!(
-                "compute limiter: device {ordinal} boost factor {next:.3} (busy share {:.3}: the container's \
-                 {own:.3}, NVML's {:.3})",
-                boost::busy_share(own, gpu, nvml.power.is_some_and(|reading| reading.clock.is_some())),
+                "compute limiter: device {ordinal} boost factor {next:.3} (busy share {share:.3}: the container's \
+                 {trimmed_share:.3}, NVML's {:.3})",
                 gpu.unwrap_or(0.0)
             );
         }
