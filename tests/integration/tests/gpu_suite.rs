@@ -149,3 +149,45 @@ fn the_jobs_benchmark_scores_a_matrix() {
         "no line on the job's thread per second: {report}"
     );
 }
+
+/// The boost constants' check (`boost_fit.py`) reads a real report of the jobs benchmark: the H200
+/// GEMM's matrix of 2026-12-03 afternoon, busy all the time at 1478-1494 MHz, under the floor
+/// HEAVIEST_WORK 1.2 set (1549 MHz) and over the one 1.3 sets (1468 MHz).
+#[test]
+fn the_boost_check_reads_a_jobs_report() {
+    let report = workspace_root().join("docs/gpu/2026-12-03-trimmed-share-compute-jobs-part1.txt");
+    let check = |heaviest: &str| stdout_of(python("boost_fit.py").args(["--heaviest", heaviest]).arg(&report));
+    let now = check("1.3");
+    assert!(
+        now.contains("gemm busy all the time at 1484 MHz (1480 1494 1478)"),
+        "{now}"
+    );
+    let row = now
+        .lines()
+        .find(|line| line.trim_start().starts_with("90 "))
+        .unwrap_or_else(|| panic!("no row for the limit of 90: {now}"));
+    let fields: Vec<&str> = row.split_whitespace().collect();
+    // 92.0 of GPU share in 87% of NVML's busy time; the power's model 1.051, the clock's bound
+    // (1630 / 1468)^0.66.
+    assert_eq!(
+        fields,
+        [
+            "90", "87", "1630", "685", "1.057", "0.60", "1.120", "1.21", "1.051", "1.071"
+        ],
+        "{row}"
+    );
+    assert!(
+        now.contains("left out (busy under 20%"),
+        "the limit of 10 (NVML 9%) is left out: {now}"
+    );
+    assert!(
+        now.contains("floor: 1468 MHz with HEAVIEST_WORK 1.3; the lowest full-load clock 1478 MHz is at or above it"),
+        "{now}"
+    );
+    let before = check("1.2");
+    assert!(
+        before.contains("floor: 1549 MHz with HEAVIEST_WORK 1.2; the lowest full-load clock 1478 MHz is BELOW it")
+            && before.contains("HEAVIEST_WORK of at least 1.29"),
+        "{before}"
+    );
+}

@@ -1,0 +1,129 @@
+"""What compute-jobs reports say about the boost compensation's constants (hook/src/throttle/boost.rs):
+for a maintainer checking them on another GPU, another driver or another day, from the reports
+tests/gpu/compute_jobs.sh already writes.
+
+    boost_fit.py [--job gemm] [--limit-watts 700] [--rated-watts W] [--heaviest 1.3]
+                 [--max-mhz 1980] [--min-busy 20] <report> [...]
+
+A report gives, for the job's native runs, the SM clock and power busy all the time (its full-load
+clock `f_full`), and for each limited point the GPU share (its throughput against the native
+runs, times their busy share), NVML's busy share `s` of the GPU, the SM clock `f` and the power
+`P`. For each point where NVML saw the GPU busy at least --min-busy percent (NVML's figure is in
+whole percent) and the clock above the full-load one, it prints:
+
+- speed-up: the work done per busy second against the native runs' (GPU share / `s`), which is
+  the factor the point needed; kernel time ~ clock^-BETA gives BETA = ln(speed-up) / ln(f / f_full);
+- over: the dynamic power at full load that the model infers, `(P - P_idle) / s / (P_cap - P_idle)`
+  (idle: 17% of the rated power), which it turns into a factor as over^(BETA / ALPHA); dynamic
+  power ~ clock^ALPHA gives ALPHA = ln(over) / ln(f / f_full);
+- the model's factor (over^(0.66 / 1.5)) and the clock's bound ((f / f_floor)^0.66).
+
+Then the medians of BETA and ALPHA against boost.rs's, and the floor check: no GPU busy all the
+time should run below `f_floor = f_max * ((P_cap - P_idle) / (HEAVIEST_WORK * P_rated))^(1/ALPHA)`,
+or the bound cuts the boost of every point held partly down by power (the GEMM at 90 on
+2026-12-03: floor 1549 MHz, full load 1478-1494 MHz).
+"""
+import argparse
+import math
+import re
+import statistics
+
+# hook/src/throttle/boost.rs
+IDLE_SHARE = 0.17
+ALPHA = 1.5
+BETA = 0.66
+
+NATURAL = re.compile(r"^(\w+) natural share: ([\d.]+)%.*?;(?P<clocks>(?: SM \d+ MHz, \d+ W;?)+)\s*$")
+CLOCK = re.compile(r"SM (\d+) MHz, (\d+) W")
+POINT = re.compile(
+    r"^(\w+) (\d+): .*\| share ([\d.]+) target [\d.]+ .*\| NVML (\d+), SM (\d+) MHz, (\d+) W \| (?:PASS|MISS)"
+)
+
+
+def floor_mhz(max_mhz, limit_watts, rated_watts, heaviest):
+    """The clock the heaviest work settles at busy all the time (boost.rs, ClockReading::bound)."""
+    headroom = limit_watts - IDLE_SHARE * rated_watts
+    if headroom <= 0:
+        return None
+    return max_mhz * min((heaviest * rated_watts / headroom) ** (-1.0 / ALPHA), 1.0)
+
+
+def read_report(path, job):
+    """The job's full-load clocks and power, and its limited points, from one report."""
+    full_load, points = [], []
+    with open(path, encoding="utf-8") as report:
+        for line in report:
+            natural = NATURAL.match(line)
+            if natural and natural.group(1) == job:
+                full_load = [(float(mhz), float(watts)) for mhz, watts in CLOCK.findall(natural.group("clocks"))]
+                continue
+            point = POINT.match(line)
+            if point and point.group(1) == job:
+                limit, share, busy, mhz, watts = point.groups()[1:]
+                points.append((int(limit), float(share), int(busy), float(mhz), float(watts)))
+    return full_load, points
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("reports", nargs="+")
+    parser.add_argument("--job", default="gemm")
+    parser.add_argument("--limit-watts", type=float, default=700.0, help="the enforced power limit (H200: 700)")
+    parser.add_argument("--rated-watts", type=float, help="the board's default power limit (default: the enforced one)")
+    parser.add_argument("--heaviest", type=float, default=1.3, help="boost.rs's HEAVIEST_WORK")
+    parser.add_argument("--max-mhz", type=float, default=1980.0, help="the highest SM clock (H200: 1980)")
+    parser.add_argument("--min-busy", type=int, default=20, help="NVML's busy percent below which a point is left out")
+    args = parser.parse_args()
+    rated = args.rated_watts or args.limit_watts
+    idle = IDLE_SHARE * rated
+    headroom = args.limit_watts - idle
+    floor = floor_mhz(args.max_mhz, args.limit_watts, rated, args.heaviest)
+    if floor is None:
+        raise SystemExit(f"a power limit of {args.limit_watts:.0f} W leaves nothing above the idle power ({idle:.0f} W)")
+    betas, alphas, lowest_full_load = [], [], None
+    for path in args.reports:
+        full_load, points = read_report(path, args.job)
+        if not full_load:
+            print(f"{path}: no clock and power for {args.job}'s native runs")
+            continue
+        f_full = statistics.mean(mhz for mhz, _ in full_load)
+        lowest = min(mhz for mhz, _ in full_load)
+        lowest_full_load = lowest if lowest_full_load is None else min(lowest_full_load, lowest)
+        print(f"{path}: {args.job} busy all the time at {f_full:.0f} MHz ({' '.join(f'{m:.0f}' for m, _ in full_load)})")
+        print("  limit  busy%    MHz      W  speed-up  BETA   over  ALPHA  model  bound")
+        for limit, share, busy, mhz, watts in points:
+            s = busy / 100.0
+            if busy < args.min_busy or mhz <= f_full or watts <= idle:
+                print(f"  {limit:5}  {busy:5}  {mhz:5.0f}  {watts:5.0f}  left out (busy under {args.min_busy}%, or at full load)")
+                continue
+            speed_up = share / busy
+            clock_ratio = math.log(mhz / f_full)
+            beta = math.log(speed_up) / clock_ratio if speed_up > 0 else float("nan")
+            over = (watts - idle) / s / headroom
+            alpha = math.log(over) / clock_ratio if over > 0 else float("nan")
+            model = max(over, 1.0) ** (BETA / ALPHA)
+            bound = max((mhz / floor) ** BETA, 1.0)
+            for value, kept in ((beta, betas), (alpha, alphas)):
+                if math.isfinite(value):
+                    kept.append(value)
+            print(
+                f"  {limit:5}  {busy:5}  {mhz:5.0f}  {watts:5.0f}  {speed_up:8.3f}  {beta:4.2f}  "
+                f"{over:5.3f}  {alpha:5.2f}  {model:5.3f}  {bound:5.3f}"
+            )
+    if betas:
+        print(f"BETA: median {statistics.median(betas):.2f} over {len(betas)} points (boost.rs: {BETA})")
+    if alphas:
+        print(f"ALPHA: median {statistics.median(alphas):.2f} over {len(alphas)} points (boost.rs: {ALPHA})")
+    if lowest_full_load is not None:
+        verdict = "at or above it" if lowest_full_load >= floor else "BELOW it: the bound cuts the boost"
+        print(
+            f"floor: {floor:.0f} MHz with HEAVIEST_WORK {args.heaviest}; the lowest full-load clock"
+            f" {lowest_full_load:.0f} MHz is {verdict}"
+        )
+        if lowest_full_load < floor:
+            needed = (args.max_mhz / lowest_full_load) ** ALPHA * headroom / rated
+            print(f"  HEAVIEST_WORK of at least {needed:.2f} puts the floor at {lowest_full_load:.0f} MHz")
+
+
+if __name__ == "__main__":
+    main()
