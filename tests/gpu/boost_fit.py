@@ -9,7 +9,7 @@ A report gives, for the job's native runs, the SM clock and power busy all the t
 clock `f_full`), and for each limited point the GPU share (its throughput against the native
 runs, times their busy share), NVML's busy share `s` of the GPU, the SM clock `f` and the power
 `P`. For each point where NVML saw the GPU busy at least --min-busy percent (NVML's figure is in
-whole percent) and the clock above the full-load one, it prints:
+whole percent) and the clock at least 2% above the full-load one, it prints:
 
 - speed-up: the work done per busy second against the native runs' (GPU share / `s`), which is
   the factor the point needed; kernel time ~ clock^-BETA gives BETA = ln(speed-up) / ln(f / f_full);
@@ -32,6 +32,9 @@ import statistics
 IDLE_SHARE = 0.17
 ALPHA = 1.5
 BETA = 0.66
+# A point whose clock is within this share of the full-load clock has no boost to fit: the
+# exponents would divide by the log of a ratio near 1.
+MIN_BOOST = 0.02
 
 NATURAL = re.compile(r"^(\w+) natural share: ([\d.]+)%.*?;(?P<clocks>(?: SM \d+ MHz, \d+ W;?)+)\s*$")
 CLOCK = re.compile(r"SM (\d+) MHz, (\d+) W")
@@ -93,8 +96,17 @@ def main():
         print("  limit  busy%    MHz      W  speed-up  BETA   over  ALPHA  model  bound")
         for limit, share, busy, mhz, watts in points:
             s = busy / 100.0
-            if busy < args.min_busy or mhz <= f_full or watts <= idle:
-                print(f"  {limit:5}  {busy:5}  {mhz:5.0f}  {watts:5.0f}  left out (busy under {args.min_busy}%, or at full load)")
+            reason = (
+                f"busy under {args.min_busy}%"
+                if busy < args.min_busy
+                else "no boost: the clock within 2% of full load's"
+                if mhz < f_full * (1.0 + MIN_BOOST)
+                else "power at or under idle"
+                if watts <= idle
+                else None
+            )
+            if reason:
+                print(f"  {limit:5}  {busy:5}  {mhz:5.0f}  {watts:5.0f}  left out ({reason})")
                 continue
             speed_up = share / busy
             clock_ratio = math.log(mhz / f_full)

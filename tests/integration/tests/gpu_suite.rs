@@ -177,13 +177,28 @@ fn the_boost_check_reads_a_jobs_report() {
         "{row}"
     );
     assert!(
-        now.contains("left out (busy under 20%"),
+        now.contains("left out (busy under 20%)"),
         "the limit of 10 (NVML 9%) is left out: {now}"
     );
     assert!(
         now.contains("floor: 1468 MHz with HEAVIEST_WORK 1.3; the lowest full-load clock 1478 MHz is at or above it"),
         "{now}"
     );
+    // The training step busy all the time runs at its highest clock already (1976-1979 MHz): no
+    // boost, so no exponents to fit (the log of a clock ratio near 1 would give any number).
+    let train = stdout_of(
+        python("boost_fit.py")
+            .args(["--job", "train"])
+            .arg(workspace_root().join("docs/gpu/2026-12-03-compute-jobs-part2.txt")),
+    );
+    assert_eq!(
+        train
+            .matches("left out (no boost: the clock within 2% of full load's)")
+            .count(),
+        4,
+        "the limits of 25 to 90 at 1980 MHz: {train}"
+    );
+    assert!(!train.contains("BETA: median"), "{train}");
     let before = check("1.2");
     assert!(
         before.contains("floor: 1549 MHz with HEAVIEST_WORK 1.2; the lowest full-load clock 1478 MHz is BELOW it")
