@@ -16,7 +16,10 @@ whole percent) and the clock at least 2% above the full-load one, it prints:
 - over: the dynamic power at full load that the model infers, `(P - P_idle) / s / (P_cap - P_idle)`
   (idle: 17% of the rated power), which it turns into a factor as over^(BETA / ALPHA); dynamic
   power ~ clock^ALPHA gives ALPHA = ln(over) / ln(f / f_full);
-- the model's factor (over^(0.66 / 1.5)) and the clock's bound ((f / f_floor)^0.66).
+- the model's factor (over^(BETA / ALPHA)) and the clock's bound ((f / f_floor)^BETA).
+
+The constants (IDLE_SHARE, ALPHA, BETA, HEAVIEST_WORK) are read from boost.rs itself, so the
+check follows the library it describes; --heaviest tries another HEAVIEST_WORK.
 
 Then the medians of BETA and ALPHA against boost.rs's, and the floor check: no GPU busy all the
 time should run below `f_floor = f_max * ((P_cap - P_idle) / (HEAVIEST_WORK * P_rated))^(1/ALPHA)`,
@@ -25,13 +28,27 @@ or the bound cuts the boost of every point held partly down by power (the GEMM a
 """
 import argparse
 import math
+import os
 import re
 import statistics
 
-# hook/src/throttle/boost.rs
-IDLE_SHARE = 0.17
-ALPHA = 1.5
-BETA = 0.66
+BOOST_RS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "hook", "src", "throttle", "boost.rs")
+
+
+def boost_constants(path=BOOST_RS):
+    """The model's constants as boost.rs defines them (`pub const NAME: f64 = value;`)."""
+    with open(path, encoding="utf-8") as source:
+        text = source.read()
+    found = dict(re.findall(r"^pub const (\w+): f64 = ([\d.]+);", text, re.M))
+    names = ("IDLE_SHARE", "ALPHA", "BETA", "HEAVIEST_WORK")
+    missing = [name for name in names if name not in found]
+    if missing:
+        raise SystemExit(f"{path}: no f64 constant {', '.join(missing)}")
+    return {name: float(found[name]) for name in names}
+
+
+CONSTANTS = boost_constants()
+IDLE_SHARE, ALPHA, BETA = CONSTANTS["IDLE_SHARE"], CONSTANTS["ALPHA"], CONSTANTS["BETA"]
 # A point whose clock is within this share of the full-load clock has no boost to fit: the
 # exponents would divide by the log of a ratio near 1.
 MIN_BOOST = 0.02
@@ -73,7 +90,9 @@ def main():
     parser.add_argument("--job", default="gemm")
     parser.add_argument("--limit-watts", type=float, default=700.0, help="the enforced power limit (H200: 700)")
     parser.add_argument("--rated-watts", type=float, help="the board's default power limit (default: the enforced one)")
-    parser.add_argument("--heaviest", type=float, default=1.3, help="boost.rs's HEAVIEST_WORK")
+    parser.add_argument(
+        "--heaviest", type=float, default=CONSTANTS["HEAVIEST_WORK"], help="HEAVIEST_WORK (default: boost.rs's)"
+    )
     parser.add_argument("--max-mhz", type=float, default=1980.0, help="the highest SM clock (H200: 1980)")
     parser.add_argument("--min-busy", type=int, default=20, help="NVML's busy percent below which a point is left out")
     args = parser.parse_args()
@@ -99,7 +118,7 @@ def main():
             reason = (
                 f"busy under {args.min_busy}%"
                 if busy < args.min_busy
-                else "no boost: the clock within 2% of full load's"
+                else f"no boost: the clock within {MIN_BOOST:.0%} of full load's"
                 if mhz < f_full * (1.0 + MIN_BOOST)
                 else "power at or under idle"
                 if watts <= idle
