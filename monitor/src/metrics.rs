@@ -2,6 +2,9 @@
 //! Names and labels are documented in `docs/monitoring.md`, with their HAMi counterparts.
 
 use prometheus_client::encoding::text::encode;
+use std::sync::atomic::AtomicU64;
+
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
@@ -13,6 +16,8 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 
 type Labels = Vec<(String, String)>;
 type GaugeFamily = Family<Labels, Gauge>;
+type CounterFamily = Family<Labels, Counter<f64, AtomicU64>>;
+type CountFamily = Family<Labels, Counter>;
 
 fn labels(pairs: &[(&str, String)]) -> Labels {
     pairs
@@ -23,6 +28,10 @@ fn labels(pairs: &[(&str, String)]) -> Labels {
 
 fn gauge_value(value: u64) -> i64 {
     i64::try_from(value).unwrap_or(i64::MAX)
+}
+
+fn seconds(ns: u64) -> f64 {
+    ns as f64 / 1e9
 }
 
 /// Every metric family, registered in a fresh registry (one per scrape: regions come and go).
@@ -39,16 +48,40 @@ struct Families {
     process_sm_utilization: GaugeFamily,
     process_suspended: GaugeFamily,
     process_alive: GaugeFamily,
+    limiter_charged: CounterFamily,
+    limiter_held: CounterFamily,
+    limiter_launches: CountFamily,
 }
 
 impl Families {
     fn register(registry: &mut Registry) -> Families {
+        let limiter_charged = CounterFamily::default();
+        registry.register(
+            "vgpu_device_compute_charged_seconds",
+            "GPU time charged by the compute limiter to the container's limited launches, in seconds",
+            limiter_charged.clone(),
+        );
+        let limiter_held = CounterFamily::default();
+        registry.register(
+            "vgpu_device_compute_held_seconds",
+            "Wall time the container's launches were held by the compute limiter, in seconds summed over threads",
+            limiter_held.clone(),
+        );
+        let limiter_launches = CountFamily::default();
+        registry.register(
+            "vgpu_device_compute_limited_launches",
+            "Launches of the container that went through the compute limiter",
+            limiter_launches.clone(),
+        );
         let mut family = |name: &str, help: &str| {
             let family = GaugeFamily::default();
             registry.register(name, help, family.clone());
             family
         };
         Families {
+            limiter_charged,
+            limiter_held,
+            limiter_launches,
             region_up: family(
                 "vgpu_region_up",
                 "1 when the region file could be read and decoded, 0 otherwise",
@@ -158,6 +191,20 @@ pub fn encode_report(report: &Report) -> Result<String, std::fmt::Error> {
                 .device_processes
                 .get_or_create(&device_labels)
                 .set(gauge_value(device.process_count as u64));
+            if let Some(limiter) = &device.limiter {
+                families
+                    .limiter_charged
+                    .get_or_create(&device_labels)
+                    .inc_by(seconds(limiter.charged_ns));
+                families
+                    .limiter_held
+                    .get_or_create(&device_labels)
+                    .inc_by(seconds(limiter.held_ns));
+                families
+                    .limiter_launches
+                    .get_or_create(&device_labels)
+                    .inc_by(limiter.launches);
+            }
         }
         for process in &region.processes {
             let process_labels = labels(&[

@@ -63,6 +63,23 @@ pub struct DeviceReport {
     pub sm_util_percent: u64,
     /// Processes alive holding memory or utilisation on the device.
     pub process_count: usize,
+    /// The compute limiter's running totals since the region was created, over every process
+    /// that has used it (also those gone); `null` for a HAMi-core region (no vgpu extension).
+    pub limiter: Option<LimiterReport>,
+}
+
+/// The compute limiter's counters for one device of a region: monotonic, so a monitor reads a
+/// rate from two reports (held seconds per second is the share of time launches waited).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LimiterReport {
+    /// GPU time (ns) charged to the limited launches: the estimates at launch plus the
+    /// corrections that measurements brought.
+    pub charged_ns: u64,
+    /// Wall time (ns) limited launches spent held for budget (or by HAMi's `recent_kernel`),
+    /// summed over threads.
+    pub held_ns: u64,
+    /// Launches that went through the limiter.
+    pub launches: u64,
 }
 
 /// One process slot of a region.
@@ -203,6 +220,14 @@ fn region_report(read: &RegionRead, is_alive: &impl Fn(i32, Option<u64>) -> bool
                     .iter()
                     .filter(|process| process.memory[device].total > 0 || process.sm_util[device] > 0)
                     .count(),
+                limiter: snapshot.extension.as_ref().map(|extension| {
+                    let counters = extension.compute[device];
+                    LimiterReport {
+                        charged_ns: counters.charged_ns,
+                        held_ns: counters.wait_ns,
+                        launches: counters.launches,
+                    }
+                }),
             }
         })
         .collect();

@@ -10,8 +10,8 @@ use vgpu_monitor::read::{decode, read_region};
 use vgpu_monitor::report::build_report;
 use vgpu_monitor::{metrics, table};
 use vgpu_region::{
-    DeviceMemory, DeviceUtil, EXTENSION_OFFSET, Extension, HAMI_REGION_SIZE, InitParams, MAX_DEVICES, ProcSlot,
-    SLOT_EXTENSIONS_OFFSET, SharedRegion, SlotExtension, initial_image,
+    COMPUTE_OFFSET, ComputeDevice, DeviceMemory, DeviceUtil, EXTENSION_OFFSET, Extension, HAMI_REGION_SIZE, InitParams,
+    MAX_DEVICES, ProcSlot, SLOT_EXTENSIONS_OFFSET, SharedRegion, SlotExtension, initial_image,
 };
 
 const MIB: u64 = 1 << 20;
@@ -74,6 +74,14 @@ impl Image {
         self.put_i32(proc_num, current.max(index as i32 + 1));
     }
 
+    /// The compute limiter's counters of a device: GPU time charged, time held, launches.
+    fn limiter(&mut self, device: usize, charged_ns: u64, held_ns: u64, launches: u64) {
+        let base = EXTENSION_OFFSET + COMPUTE_OFFSET + device * size_of::<ComputeDevice>();
+        self.put_u64(base + offset_of!(ComputeDevice, busy_ns), charged_ns);
+        self.put_u64(base + offset_of!(ComputeDevice, wait_ns), held_ns);
+        self.put_u64(base + offset_of!(ComputeDevice, launches), launches);
+    }
+
     fn host_pid(&mut self, index: usize, host_pid: i32) {
         self.put_i32(Image::slot(index) + offset_of!(ProcSlot, hostpid), host_pid);
     }
@@ -125,6 +133,7 @@ fn busy_image() -> Image {
     image.process(3, 7, &[(1, [64 * MIB, 0, 5 * MIB], 0)]);
     image.process(4, 104, &[(0, [64 * MIB, 0, MIB], 1)]);
     image.tear(4);
+    image.limiter(0, 4_250_000_000, 1_500_000_000, 123_456);
     image
 }
 
@@ -190,6 +199,10 @@ fn a_hami_core_file_reads_without_the_extension() {
     let report = build_report(&[read_region(&path)], TIME_MS, fake_liveness);
     let region = &report.regions[0];
     assert_eq!(region.extension_version, None);
+    assert_eq!(
+        region.devices[0].limiter, None,
+        "HAMi-core's layout has no limiter counters"
+    );
     assert_eq!(region.devices[0].memory_used_bytes, 30 * MIB);
     assert!(table::render(&report).contains("(layout 1.2, no vgpu extension)"));
     let refused = control::set_suspended(&path, Target::All, true).expect_err("no suspend flag in HAMi's layout");

@@ -78,7 +78,7 @@ pub use layout::{
     RegionFile, SLOT_EXTENSIONS_OFFSET, SLOT_FREE, SLOT_LIVE, SharedRegion, SlotExtension, UUID_BYTES, layout_listing,
 };
 pub use process::process_start_time;
-pub use snapshot::{ExtensionSnapshot, MemoryUsage, ProcessSnapshot, Snapshot, read_snapshot};
+pub use snapshot::{ComputeCounters, ExtensionSnapshot, MemoryUsage, ProcessSnapshot, Snapshot, read_snapshot};
 pub use sys::monotonic_ns;
 
 /// How long any lock on the region is waited for before giving up.

@@ -67,6 +67,19 @@ pub struct ExtensionSnapshot {
     pub created_unix_secs: u64,
     /// Running total per region device index.
     pub device_used: [u64; MAX_DEVICES],
+    /// The compute limiter's counters per region device index.
+    pub compute: [ComputeCounters; MAX_DEVICES],
+}
+
+/// The compute limiter's monotonic counters for one device, summed over the region's processes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ComputeCounters {
+    /// GPU time (ns) charged to the device's launches.
+    pub charged_ns: u64,
+    /// Wall time (ns) launches spent held by the limiter.
+    pub wait_ns: u64,
+    /// Launches that went through the limiter.
+    pub launches: u64,
 }
 
 /// A decoded region: everything HAMi's monitor reads, plus vgpu's extension.
@@ -301,6 +314,14 @@ pub(crate) fn decode(file: &RegionFile, extension_valid: bool, seqlock_attempts:
         creator_pid: file.ext.creator_pid.load(Ordering::Relaxed),
         created_unix_secs: file.ext.created_unix_secs.load(Ordering::Relaxed),
         device_used: std::array::from_fn(|device| file.ext.device_used[device].load(Ordering::Acquire)),
+        compute: std::array::from_fn(|device| {
+            let compute = &file.ext.compute[device];
+            ComputeCounters {
+                charged_ns: compute.busy_ns.load(Ordering::Relaxed),
+                wait_ns: compute.wait_ns.load(Ordering::Relaxed),
+                launches: compute.launches.load(Ordering::Relaxed),
+            }
+        }),
     });
     Snapshot {
         major_version: hami.major_version.load(Ordering::Relaxed),

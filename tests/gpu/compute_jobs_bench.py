@@ -72,8 +72,19 @@ import threading
 import time
 
 import limiter_log  # beside this script (sys.path[0])
+import limiter_record
 
 HOOK, WORK = sys.argv[1], sys.argv[2]
+# vgpu-smi records the limiter's counters of each hooked run (how long it held launches): beside
+# the library (scripts/gpu-prepare.sh puts both in .device/), or VGPU_SMI; without it, not shown.
+VGPU_SMI = next(
+    (
+        path
+        for path in (os.environ.get("VGPU_SMI"), os.path.join(os.path.dirname(HOOK), "vgpu-smi"), ".device/vgpu-smi")
+        if path and os.path.isfile(path) and os.access(path, os.X_OK)
+    ),
+    None,
+)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # COMPUTE_PART: (jobs, multi-process cases, two-GPU case).
@@ -278,6 +289,7 @@ class Run:
         self.result = None
         self.failure = None
         self.sampler = None
+        self.record = None  # the region's limiter counters while it ran (limiter_record.py)
 
     def _read(self):
         for line in self.proc.stdout:
@@ -336,16 +348,35 @@ class Run:
         power = self.sampler.mean(gpu_of(0), *window, field="power.draw")
         return "" if clock is None or power is None else f"SM {clock:.0f} MHz, {power:.0f} W"
 
+    def held_text(self):
+        """How long the limiter held launches in each second of the measured time (the region's,
+        so every process of it), as one line; "" without a record."""
+        if not self.ok or self.record is None:
+            return ""
+        first_launch = self.end - self.result["seconds"]
+        return limiter_record.held_text(limiter_record.held_per_second(self.record, first_launch, self.result["seconds"]))
+
 
 def execute(runs, timeout):
-    """Starts the runs [(name, argv, env)] at once under one sampler and waits for them all."""
+    """Starts the runs [(name, argv, env)] at once under one sampler and waits for them all; the
+    region of each hooked run is recorded meanwhile (one recorder per region file)."""
     sampler = Sampler()
+    recorders = {}
+    for name, _, env in runs:
+        region = env.get("CUDA_DEVICE_MEMORY_SHARED_CACHE")
+        if VGPU_SMI and "LD_PRELOAD" in env and region and region not in recorders:
+            record = os.path.join(WORK, name + ".record.jsonl")
+            recorders[region] = limiter_record.Recorder(region, VGPU_SMI, record)
     started = [Run(name, argv, env) for name, argv, env in runs]
     for run in started:
         run.finish(timeout)
     sampler.stop()
-    for run in started:
+    for recorder in recorders.values():
+        recorder.stop()
+    for run, (_, _, env) in zip(started, runs):
         run.sampler = sampler
+        recorder = recorders.get(env.get("CUDA_DEVICE_MEMORY_SHARED_CACHE"))
+        run.record = recorder.record if recorder else None
     return started
 
 
@@ -544,6 +575,8 @@ def measure_job(job):
         print(f"{job} {setting}: {comparison.text()}{nvml_text} | {verdict(comparison.passed)}", flush=True)
         if thread_text(run):
             print(f"    {thread_text(run)}")
+        if run.held_text():
+            print(f"    {run.held_text()}")
         if DEBUG_LOG:
             for line in limiter_log.summary([run.stderr_path]):
                 print(f"    {line}")
@@ -596,6 +629,8 @@ def multi(natural, reference):
             f" | {alignment(runs)}",
             flush=True,
         )
+        if runs[0].held_text():
+            print(f"    both processes {runs[0].held_text()}")
         if not both.mean_ok:
             MISSES.append(f"two processes of one region at 50 (sum: mean {both.error:+.1f})")
 
@@ -612,6 +647,8 @@ def multi(natural, reference):
             one = Comparison(run.result["per_second"], reference, natural, min(float(limit), natural))
             shares.append(one)
             print(f"container at {limit}: {one.text()}")
+            if run.held_text():
+                print(f"    {run.held_text()}")
         split = [
             a / (a + b) * 100 if a is not None and b is not None and a + b > 0 else None
             for a, b in zip(shares[0].throughput, shares[1].throughput)

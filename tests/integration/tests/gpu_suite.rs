@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use vgpu_integration::{Run, ScratchDir, compiled_program, hook_library, one_at_a_time, workspace_root};
+use vgpu_integration::{Run, ScratchDir, compiled_program, hook_library, one_at_a_time, profile_dir, workspace_root};
 
 /// `python3` as the test's own PATH finds it: a command whose PATH is changed would look there.
 fn python3() -> PathBuf {
@@ -89,6 +89,70 @@ fn the_log_summary_reads_the_hooks_debug_lines() {
             .any(|line| line.starts_with("device 0 trim per period:")),
         "no trim line: {summary}"
     );
+}
+
+/// limiter_record.py reads what `vgpu-smi --watch --record` writes of a real hooked job: a loop
+/// of short kernels held to 20% is held most of each second; the same loop without a limit is
+/// never held.
+#[test]
+fn the_held_record_reads_vgpu_smi() {
+    let _alone = one_at_a_time();
+    for (limit, held_from_the_2nd) in [(Some("20"), 40.0..=100.0), (None, 0.0..=0.5)] {
+        let dir = ScratchDir::new("gpu-suite-held");
+        let record = dir.join("record.jsonl");
+        let mut recorder = vgpu_test_spawn::spawn_started(
+            Command::new(profile_dir().join("vgpu-smi"))
+                .arg("--region")
+                .arg(dir.region())
+                .args(["--watch", "0.1", "--record"])
+                .arg(&record)
+                .stdout(std::process::Stdio::null()),
+        )
+        .expect("start vgpu-smi");
+        let mut job = Run::new(&compiled_program("compute_jobs"))
+            .hooked()
+            .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.region())
+            .args("loop seconds=3 kernels=2 us=50 per_iteration=8 sync=1 window_ms=1000".split_whitespace());
+        if let Some(limit) = limit {
+            job = job.env("CUDA_DEVICE_SM_LIMIT", limit);
+        }
+        let started = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("a clock after 1970")
+            .as_secs_f64();
+        let output = job.output();
+        // The recorder's last samples cover the job's end.
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        recorder.kill().expect("stop vgpu-smi");
+        recorder.wait().expect("reap vgpu-smi");
+        assert!(
+            output.status.success(),
+            "the job failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        // The job's set-up before its first launch is short on the fake: the seconds from the
+        // start are close enough to the job's own.
+        let line = stdout_of(
+            python("limiter_record.py")
+                .arg(&record)
+                .arg(format!("{started:.3}"))
+                .arg("3"),
+        );
+        let shares: Vec<f64> = line
+            .strip_prefix("held by the limiter, % of each second: ")
+            .and_then(|rest| rest.split(" | ").next())
+            .map(|shares| {
+                shares
+                    .split_whitespace()
+                    .filter_map(|share| share.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        assert_eq!(shares.len(), 3, "limit {limit:?}: {line}");
+        for share in &shares[1..] {
+            assert!(held_from_the_2nd.contains(share), "limit {limit:?}: {line}");
+        }
+    }
 }
 
 /// A matrix on the stand-in worker: the points a perfect limiter holds pass, the job the stand-in

@@ -1072,3 +1072,39 @@ fn writer_slowdown_benchmark() {
         });
     }
 }
+
+/// The compute limiter's counters reach `vgpu-smi`: a process held to 10% launches sixty 1 ms
+/// kernels. Its JSON shows every launch, about their GPU time charged, and the time the launches
+/// were held (sixty milliseconds of GPU at 10% take about 600 ms, less the bucket's burst).
+#[test]
+fn the_limiter_counters_show_how_long_launches_were_held() {
+    let dir = TestDir::new("limiter-counters");
+    let region = dir.region("container");
+    let mut process = container_process(&dir, &region, &[("CUDA_DEVICE_SM_LIMIT", "10")], &[0], 0);
+    ok(&mut process, "load");
+    let took_ms: f64 = ok(&mut process, "launch 60")[0].parse().expect("milliseconds");
+    process.send("quit");
+    let exited = process.finish();
+    assert!(exited.status.success(), "{}", String::from_utf8_lossy(&exited.stderr));
+
+    let region_argument = region.display().to_string();
+    let json: serde_json::Value =
+        serde_json::from_str(&stdout(&run_smi(&["--region", &region_argument, "--json"]))).expect("JSON");
+    let limiter = &json["regions"][0]["devices"][0]["limiter"];
+    let field = |name: &str| {
+        limiter[name]
+            .as_u64()
+            .unwrap_or_else(|| panic!("limiter.{name} in {limiter}"))
+    };
+    assert_eq!(field("launches"), 60, "{limiter}");
+    let charged_ms = field("charged_ns") as f64 / 1e6;
+    assert!(
+        (40.0..=90.0).contains(&charged_ms),
+        "charged {charged_ms} ms for 60 ms of kernels"
+    );
+    let held_ms = field("held_ns") as f64 / 1e6;
+    assert!(
+        held_ms > 250.0 && held_ms <= took_ms,
+        "held {held_ms} ms of the {took_ms} ms the launches took"
+    );
+}

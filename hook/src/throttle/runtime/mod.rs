@@ -60,6 +60,10 @@ struct Device {
     trim: AtomicU32,
     /// Launches admitted by this process.
     launches: AtomicU64,
+    /// How much of `charged` and `launches` has been added to the region's counters: atomics, so
+    /// that the background thread and the exit handler can both flush ([`Runtime::flush`]).
+    flushed_charged: AtomicI64,
+    flushed_launches: AtomicU64,
     touched: AtomicBool,
 }
 
@@ -72,6 +76,8 @@ impl Default for Device {
             boost: AtomicU32::new(FACTOR_UNIT),
             trim: AtomicU32::new(FACTOR_UNIT),
             launches: AtomicU64::new(0),
+            flushed_charged: AtomicI64::new(0),
+            flushed_launches: AtomicU64::new(0),
             touched: AtomicBool::new(false),
         }
     }
@@ -92,9 +98,13 @@ extern "C" fn at_exit() {
     let runtime = RUNTIME.load(Ordering::Acquire);
     if !runtime.is_null() {
         // SAFETY: from Box::into_raw, never freed.
-        for device in &unsafe { &*runtime }.devices {
+        let runtime = unsafe { &*runtime };
+        for device in &runtime.devices {
             device.sensor.release_all_holds();
         }
+        // What the process charged since the background thread's last flush would be lost to
+        // the region's counters (monitors read them).
+        runtime.flush();
     }
     // Let a driver call of the background thread finish before the driver tears down (bounded).
     for _ in 0..50 {

@@ -51,7 +51,6 @@ struct NvmlReading {
 /// The background thread's own state between periods.
 struct PollState {
     history: [[(u64, i64); PUBLISH_WINDOW]; MAX_DEVICES],
-    flushed: [(i64, u64); MAX_DEVICES],
     last_publish: u64,
     publications: usize,
     cross_check: CrossCheck,
@@ -98,7 +97,6 @@ impl PollState {
         let now = now_ns();
         PollState {
             history: [[(0, 0); PUBLISH_WINDOW]; MAX_DEVICES],
-            flushed: [(0, 0); MAX_DEVICES],
             last_publish: now,
             publications: 0,
             cross_check: CrossCheck::default(),
@@ -182,7 +180,7 @@ impl Runtime {
                 self.correct(device, measured);
             }
         }
-        self.flush(&mut state.flushed);
+        self.flush();
         let now = now_ns();
         if now.saturating_sub(state.last_publish) >= PUBLISH_PERIOD_NS {
             state.last_publish = now;
@@ -248,23 +246,26 @@ impl Runtime {
     }
 
     /// Adds what this process charged and launched since the last flush to the region's
-    /// counters (kept locally so that a launch touches one shared line less).
-    fn flush(&self, flushed: &mut [(i64, u64); MAX_DEVICES]) {
+    /// counters (kept locally so that a launch touches one shared line less). Each flush swaps
+    /// the watermark, so flushes that overlap (the exit handler's and the background thread's)
+    /// add every change once.
+    pub(super) fn flush(&self) {
         let Some(accounting) = crate::session::get() else {
             return;
         };
         let compute = &accounting.region().extension().compute;
-        for (index, ((charged, launches), device)) in flushed.iter_mut().zip(&self.devices).enumerate() {
+        for (region_counters, device) in compute.iter().zip(&self.devices) {
             if !device.touched() {
                 continue;
             }
-            let now_charged = device.charged.load(Ordering::Relaxed);
-            let now_launches = device.launches.load(Ordering::Relaxed);
-            add_signed(&compute[index].busy_ns, now_charged - *charged);
-            compute[index]
+            let charged = device.charged.load(Ordering::Relaxed);
+            let before = device.flushed_charged.swap(charged, Ordering::Relaxed);
+            add_signed(&region_counters.busy_ns, charged.wrapping_sub(before));
+            let launches = device.launches.load(Ordering::Relaxed);
+            let before = device.flushed_launches.swap(launches, Ordering::Relaxed);
+            region_counters
                 .launches
-                .fetch_add(now_launches - *launches, Ordering::Relaxed);
-            (*charged, *launches) = (now_charged, now_launches);
+                .fetch_add(launches.wrapping_sub(before), Ordering::Relaxed);
         }
     }
 
