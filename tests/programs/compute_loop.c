@@ -8,7 +8,9 @@
 // sleep_us it sleeps that long after each launch (and synchronises after each), a low-demand job.
 // With `stream` the launches go to a created stream, otherwise to the default stream. With `fork`
 // the program forks halfway through; the child (no CUDA: a forked child cannot use the parent's
-// contexts) sleeps 20 ms and exits with status 7, and the parent goes on launching.
+// contexts) sleeps 20 ms and exits with status 7 through exit() (its atexit handlers and the
+// library's destructors run, as in a child that a Python or C++ program forks), and the parent goes
+// on launching.
 //
 // Prints "ready" once set up, then at the end
 //     done launches=<n> seconds=<s> launch_ns=<total ns inside launch calls> max_launch_ns=<n>
@@ -109,7 +111,7 @@ int main(int argc, char **argv) {
             child = fork();
             if (child == 0) {
                 usleep(20000);
-                _exit(7);
+                exit(7);
             }
         }
         unsigned long long t0 = now_ns();

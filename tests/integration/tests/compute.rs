@@ -332,6 +332,13 @@ fn a_fork_in_the_middle_of_limited_launches_is_safe() {
     let done = finish(session);
     assert_eq!(done.get("child"), 7.0, "the forked child did not exit normally");
     assert_share("limit 40 across a fork", share, 40.0);
+    // The child's exit flushes nothing of its copy of the parent's limiter: each launch is
+    // counted once in the region.
+    assert_eq!(
+        compute_field(&dir, LAUNCHES_WORD) as f64,
+        done.get("launches"),
+        "the region's launch count"
+    );
 }
 
 #[test]

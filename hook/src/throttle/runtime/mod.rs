@@ -103,8 +103,11 @@ extern "C" fn at_exit() {
             device.sensor.release_all_holds();
         }
         // What the process charged since the background thread's last flush would be lost to
-        // the region's counters (monitors read them).
-        runtime.flush();
+        // the region's counters (monitors read them). A forked child's copy of its parent's
+        // limiter is the parent's to flush.
+        if runtime.epoch == crate::session::epoch() {
+            runtime.flush();
+        }
     }
     // Let a driver call of the background thread finish before the driver tears down (bounded).
     for _ in 0..50 {
