@@ -2,6 +2,7 @@
 //! Names and labels are documented in `docs/monitoring.md`, with their HAMi counterparts.
 
 use prometheus_client::encoding::text::encode;
+use std::collections::HashSet;
 use std::sync::atomic::AtomicU64;
 
 use prometheus_client::metrics::counter::Counter;
@@ -18,6 +19,7 @@ type Labels = Vec<(String, String)>;
 type GaugeFamily = Family<Labels, Gauge>;
 type CounterFamily = Family<Labels, Counter<f64, AtomicU64>>;
 type CountFamily = Family<Labels, Counter>;
+type SecondsFamily = Family<Labels, Gauge<f64, AtomicU64>>;
 
 fn labels(pairs: &[(&str, String)]) -> Labels {
     pairs
@@ -48,17 +50,18 @@ struct Families {
     process_sm_utilization: GaugeFamily,
     process_suspended: GaugeFamily,
     process_alive: GaugeFamily,
-    limiter_charged: CounterFamily,
+    limiter_charged: SecondsFamily,
     limiter_held: CounterFamily,
     limiter_launches: CountFamily,
 }
 
 impl Families {
     fn register(registry: &mut Registry) -> Families {
-        let limiter_charged = CounterFamily::default();
+        // A gauge: measurements correct the estimates charged at launch, down as well as up.
+        let limiter_charged = SecondsFamily::default();
         registry.register(
             "vgpu_device_compute_charged_seconds",
-            "GPU time charged by the compute limiter to the container's limited launches, in seconds",
+            "GPU time charged by the compute limiter to the container's limited launches since the region was created, in seconds",
             limiter_charged.clone(),
         );
         let limiter_held = CounterFamily::default();
@@ -138,6 +141,9 @@ impl Families {
 pub fn encode_report(report: &Report) -> Result<String, std::fmt::Error> {
     let mut registry = Registry::default();
     let families = Families::register(&mut registry);
+    // A region named twice (`--region f --region f`) is reported twice: its counters are added
+    // once (a gauge is set, a counter adds up).
+    let mut counted: HashSet<Labels> = HashSet::new();
     for region in &report.regions {
         let region_label = region.path.clone();
         let region_labels = labels(&[("region", region_label.clone())]);
@@ -191,11 +197,13 @@ pub fn encode_report(report: &Report) -> Result<String, std::fmt::Error> {
                 .device_processes
                 .get_or_create(&device_labels)
                 .set(gauge_value(device.process_count as u64));
-            if let Some(limiter) = &device.limiter {
+            if let Some(limiter) = &device.limiter
+                && counted.insert(device_labels.clone())
+            {
                 families
                     .limiter_charged
                     .get_or_create(&device_labels)
-                    .inc_by(seconds(limiter.charged_ns));
+                    .set(seconds(limiter.charged_ns));
                 families
                     .limiter_held
                     .get_or_create(&device_labels)

@@ -184,6 +184,26 @@ fn table_json_and_metrics_of_a_busy_region() {
     std::fs::remove_dir_all(&dir).expect("clean up");
 }
 
+/// A region named twice is reported twice; its limiter counters are still exported once, at
+/// their value (a counter added to twice would read double).
+#[test]
+fn a_region_named_twice_counts_its_limiter_once() {
+    let dir = temp_dir("twice");
+    let path = dir.join("busy.cache");
+    busy_image().write(&path);
+    let report = build_report(&[read_region(&path), read_region(&path)], TIME_MS, fake_liveness);
+    let exposition = metrics::encode_report(&report).expect("encode");
+    let held: Vec<&str> = exposition
+        .lines()
+        .filter(|line| {
+            line.starts_with("vgpu_device_compute_held_seconds_total{") && line.contains("device_index=\"0\"")
+        })
+        .collect();
+    assert_eq!(held.len(), 1, "{exposition}");
+    assert!(held[0].ends_with(" 1.5"), "{}", held[0]);
+    std::fs::remove_dir_all(&dir).expect("clean up");
+}
+
 #[test]
 fn a_hami_core_file_reads_without_the_extension() {
     let mut image = Image::new(&[&uuid(0)], &[GIB], &[]);

@@ -14,6 +14,7 @@ prints the held % of each second and their mean, one line.
 import json
 import subprocess
 import sys
+import time
 
 # Samples per second of the recorder: enough to split a run into its seconds.
 PERIOD_S = 0.1
@@ -30,6 +31,18 @@ class Recorder:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
+        # The run's first second must come after the first sample (at most 5 s: then the seconds
+        # before the first sample read "?").
+        deadline = time.time() + 5
+        while time.time() < deadline and self.proc.poll() is None and not self._has_a_sample():
+            time.sleep(0.02)
+
+    def _has_a_sample(self):
+        try:
+            with open(self.record) as f:
+                return "\n" in f.read(1 << 16)
+        except OSError:
+            return False
 
     def stop(self):
         self.proc.terminate()

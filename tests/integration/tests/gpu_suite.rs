@@ -109,6 +109,15 @@ fn the_held_record_reads_vgpu_smi() {
                 .stdout(std::process::Stdio::null()),
         )
         .expect("start vgpu-smi");
+        // The job's first second must come after the recorder's first sample.
+        let waiting = std::time::Instant::now();
+        while std::fs::read_to_string(&record).map_or(true, |text| !text.contains('\n')) {
+            assert!(
+                waiting.elapsed() < std::time::Duration::from_secs(20),
+                "vgpu-smi recorded nothing in 20 s"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
         let mut job = Run::new(&compiled_program("compute_jobs"))
             .hooked()
             .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.region())

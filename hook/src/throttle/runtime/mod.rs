@@ -62,7 +62,8 @@ struct Device {
     launches: AtomicU64,
     /// How much of `charged` and `launches` has been added to the region's counters: atomics, so
     /// that the background thread and the exit handler can both flush ([`Runtime::flush`]).
-    flushed_charged: AtomicI64,
+    /// `charged`'s bits (an i64 as u64).
+    flushed_charged: AtomicU64,
     flushed_launches: AtomicU64,
     touched: AtomicBool,
 }
@@ -76,7 +77,7 @@ impl Default for Device {
             boost: AtomicU32::new(FACTOR_UNIT),
             trim: AtomicU32::new(FACTOR_UNIT),
             launches: AtomicU64::new(0),
-            flushed_charged: AtomicI64::new(0),
+            flushed_charged: AtomicU64::new(0),
             flushed_launches: AtomicU64::new(0),
             touched: AtomicBool::new(false),
         }

@@ -3,7 +3,7 @@
 //! once a second reads NVML (the boost factor, the cross-check).
 
 use std::sync::Once;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use vgpu_region::{ComputeDevice, MAX_DEVICES};
@@ -246,9 +246,8 @@ impl Runtime {
     }
 
     /// Adds what this process charged and launched since the last flush to the region's
-    /// counters (kept locally so that a launch touches one shared line less). Each flush swaps
-    /// the watermark, so flushes that overlap (the exit handler's and the background thread's)
-    /// add every change once.
+    /// counters (kept locally so that a launch touches one shared line less). The background
+    /// thread and the exit handler may flush at once: [`unflushed`] moves each change once.
     pub(super) fn flush(&self) {
         let Some(accounting) = crate::session::get() else {
             return;
@@ -258,14 +257,12 @@ impl Runtime {
             if !device.touched() {
                 continue;
             }
-            let charged = device.charged.load(Ordering::Relaxed);
-            let before = device.flushed_charged.swap(charged, Ordering::Relaxed);
-            add_signed(&region_counters.busy_ns, charged.wrapping_sub(before));
-            let launches = device.launches.load(Ordering::Relaxed);
-            let before = device.flushed_launches.swap(launches, Ordering::Relaxed);
-            region_counters
-                .launches
-                .fetch_add(launches.wrapping_sub(before), Ordering::Relaxed);
+            let charged = unflushed(&device.flushed_charged, || {
+                device.charged.load(Ordering::Relaxed) as u64
+            });
+            add_signed(&region_counters.busy_ns, charged as i64);
+            let launches = unflushed(&device.flushed_launches, || device.launches.load(Ordering::Relaxed));
+            region_counters.launches.fetch_add(launches, Ordering::Relaxed);
         }
     }
 
@@ -500,4 +497,86 @@ fn learn_from_pair(device: &Device, info: SampleInfo, second: u64, pair_ns: u64)
         info.region_index,
         info.key
     );
+}
+
+/// The change of a running total since its watermark, moving the watermark to the total read:
+/// the total is read after the watermark and stored only over the watermark it was read after,
+/// so two flushers at once never move a change twice nor take back one the other added (a
+/// total that only grows never gives a negative change). Wrapping: `charged` is an i64 seen as
+/// bits.
+fn unflushed(watermark: &AtomicU64, total: impl Fn() -> u64) -> u64 {
+    let mut before = watermark.load(Ordering::Relaxed);
+    loop {
+        let now = total();
+        match watermark.compare_exchange(before, now, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => return now.wrapping_sub(before),
+            Err(seen) => before = seen,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+    use super::unflushed;
+
+    /// The exit handler flushes between the background thread's read of the count and its
+    /// store: the background thread's flush then moves nothing, and the watermark stays at the
+    /// newer count (a stale store would take 2 launches back, for good at exit).
+    #[test]
+    fn a_flush_in_the_middle_of_another_moves_nothing_twice_and_takes_nothing_back() {
+        let total = AtomicU64::new(10);
+        let watermark = AtomicU64::new(0);
+        let inner = Cell::new(None);
+        let outer = unflushed(&watermark, || {
+            let read = total.load(Ordering::Relaxed);
+            if inner.get().is_none() {
+                total.fetch_add(2, Ordering::Relaxed);
+                inner.set(Some(unflushed(&watermark, || total.load(Ordering::Relaxed))));
+            }
+            read
+        });
+        assert_eq!(inner.get(), Some(12));
+        assert_eq!(outer, 0);
+        assert_eq!(watermark.load(Ordering::Relaxed), 12);
+    }
+
+    /// Two flushers racing while a count of launches grows: no flush ever takes back what the
+    /// other moved (the region's counter would step back, and a flush at exit would lose it),
+    /// and what they move adds up to the count.
+    #[test]
+    fn racing_flushers_never_step_a_count_back() {
+        let total = AtomicU64::new(0);
+        let watermark = AtomicU64::new(0);
+        let moved = AtomicU64::new(0);
+        let backwards = AtomicU64::new(0);
+        let running = AtomicBool::new(true);
+        std::thread::scope(|scope| {
+            for _ in 0..2 {
+                scope.spawn(|| {
+                    while running.load(Ordering::Relaxed) {
+                        let change = unflushed(&watermark, || total.load(Ordering::Relaxed));
+                        if (change as i64) < 0 {
+                            backwards.fetch_add(1, Ordering::Relaxed);
+                        }
+                        moved.fetch_add(change, Ordering::Relaxed);
+                    }
+                });
+            }
+            for _ in 0..1_000_000 {
+                total.fetch_add(1, Ordering::Relaxed);
+            }
+            running.store(false, Ordering::Relaxed);
+        });
+        let last = unflushed(&watermark, || total.load(Ordering::Relaxed));
+        moved.fetch_add(last, Ordering::Relaxed);
+        assert_eq!(
+            backwards.load(Ordering::Relaxed),
+            0,
+            "flushes that stepped the count back"
+        );
+        assert_eq!(moved.load(Ordering::Relaxed), total.load(Ordering::Relaxed));
+    }
 }
