@@ -47,3 +47,16 @@ echo "== with LD_PRELOAD=libvgpu.so CUDA_DEVICE_MEMORY_LIMIT=1g CUDA_DEVICE_SM_L
 echo "   (the kernels get at most half of the GPU's time: their span about doubles, less the 30 ms of"
 echo "   GPU time a fresh budget starts with, which they spend at full speed)"
 LD_PRELOAD="$hook" CUDA_DEVICE_MEMORY_LIMIT=1g CUDA_DEVICE_SM_LIMIT=50 run "$work/demo"
+echo
+echo "== vgpu-smi --json on the region the two runs with libvgpu.so shared: the compute limiter's totals"
+cargo build --quiet --release -p vgpu-monitor
+"$root/target/release/vgpu-smi" --region "$CUDA_DEVICE_MEMORY_SHARED_CACHE" --json > "$work/region.json"
+python3 - "$work/region.json" <<'PY'
+import json, sys
+for region in json.load(open(sys.argv[1]))["regions"]:
+    for device in region["devices"]:
+        limiter = device["limiter"] or {}
+        launches, charged, held = (limiter.get(name, 0) for name in ("launches", "charged_ns", "held_ns"))
+        print(f"device {device['index']}: limit {device['sm_limit_percent']}%, {launches} launches through the"
+              f" limiter, {charged / 1e6:.1f} ms of GPU time charged, held {held / 1e6:.1f} ms while over budget")
+PY
