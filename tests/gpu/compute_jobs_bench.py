@@ -348,13 +348,22 @@ class Run:
         power = self.sampler.mean(gpu_of(0), *window, field="power.draw")
         return "" if clock is None or power is None else f"SM {clock:.0f} MHz, {power:.0f} W"
 
+    def held_shares(self):
+        """The limiter's held % of each second of the measured time; [] without a record."""
+        if not self.ok or self.record is None:
+            return []
+        first_launch = self.end - self.result["seconds"]
+        return limiter_record.held_per_second(self.record, first_launch, self.result["seconds"])
+
+    def held_mean(self):
+        """The mean of the known held shares, or None."""
+        known = [share for share in self.held_shares() if share is not None]
+        return sum(known) / len(known) if known else None
+
     def held_text(self):
         """How long the limiter held launches in each second of the measured time (the region's,
         so every process of it), as one line; "" without a record."""
-        if not self.ok or self.record is None:
-            return ""
-        first_launch = self.end - self.result["seconds"]
-        return limiter_record.held_text(limiter_record.held_per_second(self.record, first_launch, self.result["seconds"]))
+        return limiter_record.held_text(self.held_shares())
 
 
 def execute(runs, timeout):
@@ -563,7 +572,7 @@ def measure_job(job):
         run = limited[setting]
         if not run.ok:
             failed(f"{job} {setting}", run)
-            rows.append((job, setting, natural, None, "failed", None))
+            rows.append((job, setting, natural, None, "failed", None, None))
             continue
         target = natural if setting == "unset" else min(float(setting), natural)
         comparison = Comparison(run.result["per_second"], reference, natural, target)
@@ -581,8 +590,10 @@ def measure_job(job):
             for line in limiter_log.summary([run.stderr_path]):
                 print(f"    {line}")
         if not comparison.passed:
-            MISSES.append(f"{job} {setting} ({comparison.why()})")
-        rows.append((job, setting, natural, comparison, None, nvml))
+            held = run.held_mean()
+            held_note = f"; held by the limiter {held:.1f}% of the time" if held is not None else ""
+            MISSES.append(f"{job} {setting} ({comparison.why()}{held_note})")
+        rows.append((job, setting, natural, comparison, None, nvml, run.held_mean()))
     return rows, natural, reference
 
 
@@ -751,19 +762,20 @@ def summary(rows):
     print("\n## summary\n")
     print(
         "| job | limit | natural share % | mean throughput % | GPU share % | target % | mean error"
-        " | worst error from the 2nd second | NVML % | result |"
+        " | worst error from the 2nd second | NVML % | held by the limiter % | result |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
-    for job, setting, natural, c, failure, nvml in rows:
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    for job, setting, natural, c, failure, nvml, held in rows:
         natural_text = f"{natural:.1f}" if natural is not None else "-"
         if c is None:
-            print(f"| {job} | {setting} | {natural_text} | - | - | - | - | - | - | {failure} |")
+            print(f"| {job} | {setting} | {natural_text} | - | - | - | - | - | - | - | {failure} |")
             continue
         worst = f"{c.worst:+.1f} (s{c.worst_second})" if c.worst_second else "-"
         nvml_text = f"{nvml:.0f}" if nvml is not None else "-"
+        held_text = f"{held:.1f}" if held is not None else "-"
         print(
             f"| {job} | {setting} | {natural_text} | {c.mean:.1f} | {c.share:.1f} | {c.target:.1f} | {c.error:+.1f}"
-            f" | {worst} | {nvml_text} | {verdict(c.passed)} |"
+            f" | {worst} | {nvml_text} | {held_text} | {verdict(c.passed)} |"
         )
     if OWN_SPREAD:
         print(
@@ -775,7 +787,7 @@ def summary(rows):
                 for job, own in OWN_SPREAD.items()
             )
         )
-    measured = [(job, setting, c) for job, setting, _, c, _, _ in rows if c is not None]
+    measured = [(job, setting, c) for job, setting, _, c, _, _, _ in rows if c is not None]
     if measured:
         mae = sum(abs(c.error) for _, _, c in measured) / len(measured)
         print(f"\nmean absolute error of the means: {mae:.2f} points over {len(measured)} points")
