@@ -1,5 +1,7 @@
 //! `vgpu-smi plot`: memory used and SM utilisation over time, one row of two charts per device of
-//! every region in a `--watch --record` file, drawn with `plotters` into a PNG or an SVG.
+//! every region in a `--watch --record` file, drawn with `plotters` into a PNG or an SVG. The
+//! utilisation chart also shows the share of time the compute limiter held the container's
+//! launches, between samples, where the region has the limiter's counters.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -18,13 +20,24 @@ const FONT: &str = "sans-serif";
 const USED_COLOUR: RGBColor = RGBColor(31, 90, 200);
 const MEASURED_COLOUR: RGBColor = RGBColor(20, 140, 60);
 const LIMIT_COLOUR: RGBColor = RGBColor(210, 40, 40);
+const HELD_COLOUR: RGBColor = RGBColor(230, 150, 20);
+
+/// One sample of a device.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Sample {
+    /// Seconds since the first sample.
+    seconds: f64,
+    used_bytes: u64,
+    sm_util_percent: u64,
+    /// The limiter's held time so far (`limiter.held_ns`); `None` for a HAMi-core region.
+    held_ns: Option<u64>,
+}
 
 /// One device of one region over time.
 #[derive(Debug, Default)]
 struct DeviceSeries {
     title: String,
-    /// (seconds since the first sample, bytes used, SM utilisation percent).
-    samples: Vec<(f64, u64, u64)>,
+    samples: Vec<Sample>,
     memory_limit: Option<u64>,
     sm_limit: Option<u64>,
 }
@@ -78,9 +91,12 @@ fn collect_series(reports: &[Report]) -> Vec<DeviceSeries> {
                         format!("GPU {} ({})", device.index, device.uuid)
                     };
                 }
-                entry
-                    .samples
-                    .push((seconds, device.memory_used_bytes, device.sm_util_percent));
+                entry.samples.push(Sample {
+                    seconds,
+                    used_bytes: device.memory_used_bytes,
+                    sm_util_percent: device.sm_util_percent,
+                    held_ns: device.limiter.map(|limiter| limiter.held_ns),
+                });
                 entry.memory_limit = device.memory_limit_bytes;
                 entry.sm_limit = device.sm_limit_percent;
             }
@@ -152,7 +168,7 @@ fn time_range(device: &DeviceSeries) -> f64 {
     device
         .samples
         .iter()
-        .map(|&(seconds, _, _)| seconds)
+        .map(|sample| sample.seconds)
         .fold(0.0, f64::max)
         .max(1.0)
 }
@@ -166,7 +182,40 @@ struct Panel {
     series_label: &'static str,
     colour: RGBColor,
     points: Vec<(f64, f64)>,
+    /// A second series on the same axes.
+    second: Option<Line>,
     limit: Option<f64>,
+}
+
+/// A series drawn as a line.
+struct Line {
+    label: &'static str,
+    colour: RGBColor,
+    points: Vec<(f64, f64)>,
+}
+
+/// The share of time (percent, summed over threads) the limiter held launches between each
+/// sample and the one before it, at the later sample's time; empty when the limiter never held
+/// any (or the region has no counters). A counter that went back (a region made anew under the
+/// same path) starts again from there.
+fn held_share_points(samples: &[Sample]) -> Vec<(f64, f64)> {
+    let points: Vec<(f64, f64)> = samples
+        .windows(2)
+        .filter_map(|pair| {
+            let (before, after) = (pair[0].held_ns?, pair[1].held_ns?);
+            let span = pair[1].seconds - pair[0].seconds;
+            (span > 0.0).then(|| {
+                (
+                    pair[1].seconds,
+                    after.saturating_sub(before) as f64 / 1e9 / span * 100.0,
+                )
+            })
+        })
+        .collect();
+    if points.iter().all(|&(_, share)| share == 0.0) {
+        return Vec::new();
+    }
+    points
 }
 
 fn draw_memory<DB: DrawingBackend>(
@@ -176,7 +225,7 @@ fn draw_memory<DB: DrawingBackend>(
     let highest = device
         .samples
         .iter()
-        .map(|&(_, used, _)| used)
+        .map(|sample| sample.used_bytes)
         .chain(device.memory_limit)
         .max()
         .unwrap_or(0) as f64;
@@ -198,8 +247,9 @@ fn draw_memory<DB: DrawingBackend>(
             points: device
                 .samples
                 .iter()
-                .map(|&(seconds, used, _)| (seconds, used as f64 / unit))
+                .map(|sample| (sample.seconds, sample.used_bytes as f64 / unit))
                 .collect(),
+            second: None,
             limit: device.memory_limit.map(|limit| limit as f64 / unit),
         },
     )
@@ -209,14 +259,14 @@ fn draw_utilisation<DB: DrawingBackend>(
     area: &DrawingArea<DB, Shift>,
     device: &DeviceSeries,
 ) -> Result<(), DrawingAreaErrorKind<DB::ErrorType>> {
+    let held = held_share_points(&device.samples);
     let highest = device
         .samples
         .iter()
-        .map(|&(_, _, utilisation)| utilisation)
-        .chain(device.sm_limit)
-        .max()
-        .unwrap_or(0)
-        .max(100) as f64;
+        .map(|sample| sample.sm_util_percent as f64)
+        .chain(device.sm_limit.map(|limit| limit as f64))
+        .chain(held.iter().map(|&(_, share)| share))
+        .fold(100.0, f64::max);
     draw_panel(
         area,
         time_range(device),
@@ -230,8 +280,13 @@ fn draw_utilisation<DB: DrawingBackend>(
             points: device
                 .samples
                 .iter()
-                .map(|&(seconds, _, utilisation)| (seconds, utilisation as f64))
+                .map(|sample| (sample.seconds, sample.sm_util_percent as f64))
                 .collect(),
+            second: (!held.is_empty()).then_some(Line {
+                label: "held by the limiter",
+                colour: HELD_COLOUR,
+                points: held,
+            }),
             limit: device.sm_limit.map(|limit| limit as f64),
         },
     )
@@ -259,6 +314,12 @@ fn draw_panel<DB: DrawingBackend>(
         .draw_series(LineSeries::new(panel.points, colour.stroke_width(2)))?
         .label(panel.series_label)
         .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], colour.stroke_width(2)));
+    if let Some(Line { label, colour, points }) = panel.second {
+        chart
+            .draw_series(LineSeries::new(points, colour.stroke_width(2)))?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], colour.stroke_width(2)));
+    }
     if let Some(limit) = panel.limit {
         chart
             .draw_series(LineSeries::new(
@@ -275,4 +336,44 @@ fn draw_panel<DB: DrawingBackend>(
         .background_style(WHITE.mix(0.8))
         .border_style(BLACK)
         .draw()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Sample, held_share_points};
+
+    fn sample(seconds: f64, held_ns: Option<u64>) -> Sample {
+        Sample {
+            seconds,
+            used_bytes: 0,
+            sm_util_percent: 0,
+            held_ns,
+        }
+    }
+
+    #[test]
+    fn the_held_share_is_the_counter_gained_over_each_interval() {
+        let samples = [
+            sample(0.0, Some(0)),
+            sample(1.0, Some(500_000_000)),
+            sample(1.5, Some(1_000_000_000)),
+            sample(2.5, Some(1_000_000_000)),
+        ];
+        assert_eq!(held_share_points(&samples), [(1.0, 50.0), (1.5, 100.0), (2.5, 0.0)]);
+    }
+
+    #[test]
+    fn no_held_series_without_counters_or_holds() {
+        assert!(held_share_points(&[sample(0.0, None), sample(1.0, None)]).is_empty());
+        assert!(held_share_points(&[sample(0.0, Some(7)), sample(1.0, Some(7))]).is_empty());
+        // A region made anew under the same path: its counter starts again, never negative.
+        assert_eq!(
+            held_share_points(&[
+                sample(0.0, Some(900)),
+                sample(1.0, Some(0)),
+                sample(2.0, Some(250_000_000))
+            ]),
+            [(1.0, 0.0), (2.0, 25.0)]
+        );
+    }
 }

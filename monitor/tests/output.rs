@@ -353,6 +353,33 @@ fn suspend_and_resume_flip_only_the_targeted_flags() {
     std::fs::remove_dir_all(&dir).expect("clean up");
 }
 
+/// A record in which the limiter held the container's launches draws the held share beside the
+/// measured utilisation; one in which it never held them does not.
+#[test]
+fn a_plot_shows_when_the_limiter_held_launches() {
+    let dir = temp_dir("plot-held");
+    let path = dir.join("busy.cache");
+    let mut lines = Vec::new();
+    for (second, held_ns) in [(0, 1_500_000_000), (1, 1_500_000_000), (2, 2_000_000_000)] {
+        let mut image = busy_image();
+        image.limiter(0, 4_250_000_000, held_ns, 123_456);
+        image.write(&path);
+        let report = build_report(&[read_region(&path)], TIME_MS + second * 1000, fake_liveness);
+        lines.push(serde_json::to_string(&report).expect("JSON"));
+    }
+    let svg_path = dir.join("plot.svg");
+    vgpu_monitor::plot::plot_record(&lines.join("\n"), &svg_path).expect("an SVG");
+    let svg = std::fs::read_to_string(&svg_path).expect("read the SVG");
+    assert!(svg.contains("held by the limiter"), "no held series in the chart");
+    vgpu_monitor::plot::plot_record(&lines[..2].join("\n"), &svg_path).expect("an SVG");
+    let svg = std::fs::read_to_string(&svg_path).expect("read the SVG");
+    assert!(
+        !svg.contains("held by the limiter"),
+        "a held series where nothing was held"
+    );
+    std::fs::remove_dir_all(&dir).expect("clean up");
+}
+
 #[test]
 fn a_plot_needs_samples_and_a_known_format() {
     let dir = temp_dir("plot");
