@@ -6,7 +6,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 scripts/fetch-headers.sh >/dev/null
-cargo build --quiet --release -p vgpu-hook
+cargo build --quiet --release -p vgpu-hook -p vgpu-monitor
 hook="$root/target/release/libvgpu.so"
 # Which libclang generated the hook: the build script's warning, which --quiet hides.
 output=$(ls -t "$root"/target/release/build/vgpu-hook-*/output 2>/dev/null | head -1)
@@ -49,7 +49,6 @@ echo "   GPU time a fresh budget starts with, which they spend at full speed)"
 LD_PRELOAD="$hook" CUDA_DEVICE_MEMORY_LIMIT=1g CUDA_DEVICE_SM_LIMIT=50 run "$work/demo"
 echo
 echo "== vgpu-smi --json on the region the two runs with libvgpu.so shared: the compute limiter's totals"
-cargo build --quiet --release -p vgpu-monitor
 "$root/target/release/vgpu-smi" --region "$CUDA_DEVICE_MEMORY_SHARED_CACHE" --json > "$work/region.json"
 python3 - "$work/region.json" <<'PY'
 import json, sys

@@ -1,10 +1,10 @@
 //! The Prometheus exposition of a [`Report`], built with `prometheus-client` (OpenMetrics text).
 //! Names and labels are documented in `docs/monitoring.md`, with their HAMi counterparts.
 
-use prometheus_client::encoding::text::encode;
 use std::collections::HashSet;
 use std::sync::atomic::AtomicU64;
 
+use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -17,9 +17,9 @@ pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; cha
 
 type Labels = Vec<(String, String)>;
 type GaugeFamily = Family<Labels, Gauge>;
-type CounterFamily = Family<Labels, Counter<f64, AtomicU64>>;
-type CountFamily = Family<Labels, Counter>;
-type SecondsFamily = Family<Labels, Gauge<f64, AtomicU64>>;
+type SecondsCounterFamily = Family<Labels, Counter<f64, AtomicU64>>;
+type CounterFamily = Family<Labels, Counter>;
+type SecondsGaugeFamily = Family<Labels, Gauge<f64, AtomicU64>>;
 
 fn labels(pairs: &[(&str, String)]) -> Labels {
     pairs
@@ -50,27 +50,27 @@ struct Families {
     process_sm_utilization: GaugeFamily,
     process_suspended: GaugeFamily,
     process_alive: GaugeFamily,
-    limiter_charged: SecondsFamily,
-    limiter_held: CounterFamily,
-    limiter_launches: CountFamily,
+    limiter_charged: SecondsGaugeFamily,
+    limiter_held: SecondsCounterFamily,
+    limiter_launches: CounterFamily,
 }
 
 impl Families {
     fn register(registry: &mut Registry) -> Families {
         // A gauge: measurements correct the estimates charged at launch, down as well as up.
-        let limiter_charged = SecondsFamily::default();
+        let limiter_charged = SecondsGaugeFamily::default();
         registry.register(
             "vgpu_device_compute_charged_seconds",
             "GPU time charged by the compute limiter to the container's limited launches since the region was created, in seconds",
             limiter_charged.clone(),
         );
-        let limiter_held = CounterFamily::default();
+        let limiter_held = SecondsCounterFamily::default();
         registry.register(
             "vgpu_device_compute_held_seconds",
             "Wall time the container's launches were held by the compute limiter, in seconds summed over threads",
             limiter_held.clone(),
         );
-        let limiter_launches = CountFamily::default();
+        let limiter_launches = CounterFamily::default();
         registry.register(
             "vgpu_device_compute_limited_launches",
             "Launches of the container that went through the compute limiter",

@@ -68,8 +68,9 @@ pub struct DeviceReport {
     pub limiter: Option<LimiterReport>,
 }
 
-/// The compute limiter's counters for one device of a region: monotonic, so a monitor reads a
-/// rate from two reports (held seconds per second is the share of time launches waited).
+/// The compute limiter's counters for one device of a region. `held_ns` and `launches` only
+/// grow, so a monitor reads a rate from two reports (held seconds per second is the share of
+/// time launches waited); `charged_ns` mostly grows, but a correction down lowers it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LimiterReport {
     /// GPU time (ns) charged to the limited launches: the estimates at launch plus the

@@ -290,6 +290,7 @@ class Run:
         self.failure = None
         self.sampler = None
         self.record = None  # the region's limiter counters while it ran (limiter_record.py)
+        self._held = None  # held_shares(), read from the record once
 
     def _read(self):
         for line in self.proc.stdout:
@@ -352,8 +353,10 @@ class Run:
         """The limiter's held % of each second of the measured time; [] without a record."""
         if not self.ok or self.record is None:
             return []
-        first_launch = self.end - self.result["seconds"]
-        return limiter_record.held_per_second(self.record, first_launch, self.result["seconds"])
+        if self._held is None:
+            first_launch = self.end - self.result["seconds"]
+            self._held = limiter_record.held_per_second(self.record, first_launch, self.result["seconds"])
+        return self._held
 
     def held_mean(self):
         """The mean of the known held shares, or None."""

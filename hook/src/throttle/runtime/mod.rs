@@ -60,9 +60,9 @@ struct Device {
     trim: AtomicU32,
     /// Launches admitted by this process.
     launches: AtomicU64,
-    /// How much of `charged` and `launches` has been added to the region's counters: atomics, so
-    /// that the background thread and the exit handler can both flush ([`Runtime::flush`]).
-    /// `charged`'s bits (an i64 as u64).
+    /// How much of `charged` (its i64 bits) and of `launches` has been added to the region's
+    /// counters: atomics, so that the background thread and the exit handler can both flush
+    /// ([`Runtime::flush`]).
     flushed_charged: AtomicU64,
     flushed_launches: AtomicU64,
     touched: AtomicBool,
