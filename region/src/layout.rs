@@ -234,7 +234,8 @@ pub struct ComputeDevice {
     pub launches: AtomicU64,
     /// Limit in percent of the process that refilled the bucket last.
     pub limit_percent: AtomicU32,
-    /// Reserved; 0.
+    /// Bit 0: a burst is open (the bucket admits launches down to a bounded debt, so that the
+    /// container's streams run together as they do unlimited); other bits reserved, 0.
     pub flags: AtomicU32,
     /// Reserved; 0.
     pub reserved: [AtomicU64; 2],

@@ -3,6 +3,7 @@
 //     compute_jobs loop seconds=<s> kernels=<k> us=<d> per_iteration=<n> sync=<m> pause_us=<p> window_ms=<w> [alt_us=<a>]
 //     compute_jobs graph seconds=<s> kernels=<k> us=<d> sync=<m> window_ms=<w>
 //     compute_jobs devices launches=<n>[,<n1>...] us=<d> sync=<m>
+//     compute_jobs streams seconds=<s> threads=<t> us=<d> sync=<m> window_ms=<w>
 //     compute_jobs capture seconds=<s> us=<d> per_iteration=<n> [hold_us=<h> other_thread=1]
 //
 // Kernels are the fake driver's `busy_<d>us_<i>`, i = 0..k-1: k functions of d microseconds each
@@ -41,6 +42,12 @@
 //     done iterations=<n> errors=<failed captured launches> captures_failed=<failed ends>
 //          first_error=<status of the first failure of either> other_launches=<n> other_errors=<n>
 //          other_mode_after=<the other thread's capture mode at its end; -1 without it>
+//
+// streams: <t> threads (at most 16), each with a stream of its own (created non-blocking), launch
+// busy_<d>us back to back on it, synchronising their stream every <m> launches, for <s> seconds
+// from the first launch (the threads start together). The fake runs the streams' kernels side by
+// side, as a GPU runs kernels of several streams. Prints the launches of all threads per window
+// (as loop does, iterations being launches) and the done line, launches summed.
 //
 // A failed set-up call prints "setup-failed <call> <status>" and exits with 1.
 #define _GNU_SOURCE
@@ -348,6 +355,90 @@ static int capture_job(int argc, char **argv) {
     return 0;
 }
 
+struct StreamJob {
+    CUcontext context;
+    CUfunction function;
+    int sync;
+    unsigned long long duration_ns, window_ns;
+    int windows;
+    pthread_barrier_t *barrier;
+    struct Tally tally;
+};
+
+static _Atomic unsigned long long stream_window_launches[MAX_WINDOWS];
+static _Atomic unsigned long long streams_start;
+
+static void *stream_thread(void *argument) {
+    struct StreamJob *job = argument;
+    CUstream stream;
+    CHECK(cuCtxSetCurrent(job->context));
+    CHECK(cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING));
+    pthread_barrier_wait(job->barrier);
+    unsigned long long expected = 0, first = now_ns();
+    atomic_compare_exchange_strong(&streams_start, &expected, first);
+    unsigned long long start = atomic_load(&streams_start);
+    unsigned long long deadline = start + job->duration_ns;
+    for (unsigned long long launches = 1, now = first; now < deadline; launches++, now = now_ns()) {
+        unsigned long long t0 = now_ns();
+        CUresult status = cuLaunchKernel(job->function, 1, 1, 1, 1, 1, 1, 0, stream, NULL, NULL);
+        count(&job->tally, status, now_ns() - t0);
+        if (launches % (unsigned long long)job->sync == 0) CHECK(cuStreamSynchronize(stream));
+        unsigned long long window = (now_ns() - start) / job->window_ns;
+        if (window < (unsigned long long)job->windows) atomic_fetch_add(&stream_window_launches[window], 1);
+    }
+    CHECK(cuStreamSynchronize(stream));
+    CHECK(cuStreamDestroy(stream));
+    return NULL;
+}
+
+static int streams_job(int argc, char **argv) {
+    double seconds = arg(argc, argv, "seconds", 3);
+    int threads = (int)arg(argc, argv, "threads", 4);
+    int us = (int)arg(argc, argv, "us", 200);
+    int sync = (int)arg(argc, argv, "sync", 8);
+    double window_ms = arg(argc, argv, "window_ms", 250);
+    if (threads < 1 || threads > 16 || us < 1 || sync < 1 || window_ms <= 0) {
+        fprintf(stderr, "compute_jobs: bad arguments\n");
+        return 2;
+    }
+    int windows = (int)(seconds * 1000.0 / window_ms + 1e-9);
+    if (windows > MAX_WINDOWS) windows = MAX_WINDOWS;
+    CHECK(cuInit(0));
+    CUmodule module = open_device(0);
+    CUcontext context;
+    CHECK(cuCtxGetCurrent(&context));
+    CUfunction function;
+    char name[64];
+    snprintf(name, sizeof name, "busy_%dus", us);
+    CHECK(cuModuleGetFunction(&function, module, name));
+    pthread_barrier_t barrier;
+    pthread_barrier_init(&barrier, NULL, (unsigned)threads);
+    static struct StreamJob jobs[16];
+    pthread_t handles[16];
+    for (int i = 0; i < threads; i++) {
+        jobs[i] = (struct StreamJob){context, function, sync, (unsigned long long)(seconds * 1e9),
+                                     (unsigned long long)(window_ms * 1e6), windows, &barrier, {0, 0, 0, 0, 0}};
+        pthread_create(&handles[i], NULL, stream_thread, &jobs[i]);
+    }
+    struct Tally total = {0, 0, 0, 0, 0};
+    for (int i = 0; i < threads; i++) {
+        pthread_join(handles[i], NULL);
+        total.launches += jobs[i].tally.launches;
+        total.errors += jobs[i].tally.errors;
+        total.slow += jobs[i].tally.slow;
+        if (jobs[i].tally.longest > total.longest) total.longest = jobs[i].tally.longest;
+        if (!total.first_error) total.first_error = jobs[i].tally.first_error;
+    }
+    double elapsed = (double)(now_ns() - atomic_load(&streams_start)) / 1e9;
+    for (int i = 0; i < windows; i++)
+        printf("window index=%d iterations=%llu launches=%llu\n", i, atomic_load(&stream_window_launches[i]),
+               atomic_load(&stream_window_launches[i]));
+    printf("done iterations=%llu launches=%llu seconds=%.6f max_launch_ns=%llu slow_launches=%llu errors=%llu "
+           "first_error=%d\n",
+           total.launches, total.launches, elapsed, total.longest, total.slow, total.errors, total.first_error);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     // Host pauses as exact as the kernel allows (the default slack adds 50 us to each).
     prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);
@@ -355,6 +446,7 @@ int main(int argc, char **argv) {
     if (argc >= 2 && strcmp(argv[1], "graph") == 0) return windows_job(argc, argv, 1);
     if (argc >= 2 && strcmp(argv[1], "devices") == 0) return devices_job(argc, argv);
     if (argc >= 2 && strcmp(argv[1], "capture") == 0) return capture_job(argc, argv);
-    fprintf(stderr, "usage: compute_jobs loop|graph|devices|capture key=value...\n");
+    if (argc >= 2 && strcmp(argv[1], "streams") == 0) return streams_job(argc, argv);
+    fprintf(stderr, "usage: compute_jobs loop|graph|devices|capture|streams key=value...\n");
     return 2;
 }

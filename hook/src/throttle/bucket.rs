@@ -17,6 +17,12 @@ use vgpu_region::ComputeDevice;
 pub const BURST_NS: i64 = 30_000_000;
 /// Debt is bounded, so a wrong measurement cannot stall a device for long.
 pub const DEBT_FLOOR_NS: i64 = -2_000_000_000;
+/// The most debt an open burst admits launches down to: long enough for the container's streams
+/// to fill the GPU together, short enough that a burst and the pause after it stay far below the
+/// one-second scale of every target and of HAMi's monitor.
+pub const BURST_DEBT_NS: i64 = 4_000_000;
+/// `ComputeDevice::flags` bit: a burst is open.
+const BURST_OPEN: u32 = 1;
 /// Refills closer together than this are skipped (fewer contended writes to the shared line).
 const REFILL_QUANTUM_NS: u64 = 20_000;
 /// A clock more than this far behind `refilled_ns` means the file outlived a reboot: restart.
@@ -61,14 +67,34 @@ pub fn add(device: &ComputeDevice, delta: i64) {
         });
 }
 
-/// Refills, then admits a launch of `cost` ns if the budget is positive. `Err` holds how long
-/// (ns of wall time) until the budget is back at zero at this limit.
+/// Refills, then admits a launch of `cost` ns if the budget allows it. `Err` holds how long (ns
+/// of wall time) until the budget is back at zero at this limit.
+///
+/// Admission has hysteresis: a positive budget opens a burst, and while a burst is open launches
+/// are admitted down to [`BURST_DEBT_NS`] of debt; then it closes until the budget is positive
+/// again. Launches of every stream and thread of the container thus run in the same stretches of
+/// time, side by side as they run unlimited, instead of one by one as the refill trickles in
+/// (which would take the concurrency of a multi-stream job away). The long-run share is the
+/// refill's either way.
 pub fn try_take(device: &ComputeDevice, now: u64, limit: u8, cost: u64) -> Result<(), u64> {
     refill(device, now, limit);
     let budget = device.budget_ns.load(Ordering::Acquire);
-    if budget > 0 {
-        add(device, -(cost.min(i64::MAX as u64) as i64));
+    let open = device.flags.load(Ordering::Relaxed) & BURST_OPEN != 0;
+    if budget > 0 || (open && budget > -BURST_DEBT_NS) {
+        let cost = cost.min(i64::MAX as u64) as i64;
+        add(device, -cost);
+        let after = budget.saturating_sub(cost);
+        if after > -BURST_DEBT_NS {
+            if !open {
+                device.flags.fetch_or(BURST_OPEN, Ordering::Relaxed);
+            }
+        } else if open {
+            device.flags.fetch_and(!BURST_OPEN, Ordering::Relaxed);
+        }
         return Ok(());
+    }
+    if open {
+        device.flags.fetch_and(!BURST_OPEN, Ordering::Relaxed);
     }
     let deficit = budget.unsigned_abs().max(1);
     Err((deficit as u128 * 100 / u128::from(limit.max(1))).min(u64::MAX as u128) as u64)
@@ -112,6 +138,28 @@ mod tests {
                 "limit {limit}: admitted share {share:.2}"
             );
         }
+    }
+
+    #[test]
+    fn a_burst_admits_down_to_its_debt_then_closes_until_the_budget_is_positive() {
+        let d = device();
+        let now = 1_000_000_000u64;
+        try_take(&d, now, 50, 0).unwrap();
+        d.budget_ns.store(1_000, Ordering::Relaxed);
+        // Opened by the positive budget: launches pass until the debt reaches BURST_DEBT_NS.
+        let mut admitted = 0;
+        while try_take(&d, now, 50, 1_000_000).is_ok() {
+            admitted += 1;
+        }
+        assert_eq!(admitted, 5, "1 us of budget and 4 ms of debt admit five 1 ms launches");
+        assert_eq!(d.flags.load(Ordering::Relaxed) & BURST_OPEN, 0);
+        // Closed: a small refill that leaves debt admits nothing.
+        d.budget_ns.store(-1_000, Ordering::Relaxed);
+        assert!(try_take(&d, now, 50, 1).is_err());
+        d.budget_ns.store(1, Ordering::Relaxed);
+        assert_eq!(try_take(&d, now, 50, 2_000_000), Ok(()));
+        assert_eq!(d.flags.load(Ordering::Relaxed) & BURST_OPEN, BURST_OPEN);
+        assert_eq!(try_take(&d, now, 50, 1_000_000), Ok(()), "open: admitted in debt");
     }
 
     #[test]

@@ -19,6 +19,7 @@ mod boost;
 mod bucket;
 mod crosscheck;
 mod estimates;
+mod overlap;
 mod runtime;
 mod sensor;
 mod trim;
@@ -207,6 +208,15 @@ pub fn graph_launch(
         return call();
     }
     limited(Stream::new(h_stream, per_thread), graph_key(h_graph_exec), true, call)
+}
+
+/// `cuStreamDestroy` and `_v2`: the stream is forgotten by the limiter (its samples record probe
+/// events on other threads' active streams) before the driver destroys it.
+pub fn stream_destroy(call: impl FnOnce() -> CUresult, h_stream: CUstream) -> CUresult {
+    if unlimited() {
+        return call();
+    }
+    runtime::forget_stream(h_stream, call)
 }
 
 /// `cuLaunch` and `cuLaunchGrid` (pre-4.0 API, legacy stream).

@@ -42,6 +42,7 @@ use std::ffi::{c_uint, c_void};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use super::now_ns;
+use super::overlap::{self, RecentStreams};
 use crate::capture::in_relaxed_capture_mode;
 use crate::hooks::real;
 use crate::sys::cuda::{
@@ -164,6 +165,8 @@ pub struct InFlight {
     /// The first launch of a pair: the end event follows the next launch (see the module description).
     pair: bool,
     submitted_ns: u64,
+    /// Events recorded on the device's other active streams when the sample began ([`overlap`]).
+    probes: Vec<usize>,
 }
 
 impl InFlight {
@@ -202,6 +205,7 @@ struct Pending {
     queued: bool,
     /// A pair's second key.
     pair_with: Option<u64>,
+    probes: Vec<usize>,
 }
 
 struct Pool {
@@ -235,6 +239,12 @@ pub struct Sensor {
     queued_overhead_ns: AtomicU64,
     /// Pairs counted in it; none: [`BRACKET_OVERHEAD_NS`].
     pairs: AtomicU64,
+    /// The device's streams that launched recently.
+    recent: RecentStreams,
+    /// How much the container's brackets overlap on the GPU, and its factor in thousandths (0
+    /// before the first sample: 1).
+    overlap: Mutex<overlap::Window>,
+    overlap_permille: AtomicU64,
 }
 
 /// The unique id of `context` (0 when the driver predates `cuCtxGetId`).
@@ -364,6 +374,26 @@ fn poll(start: usize, end: usize) -> Poll {
     }
 }
 
+/// The signed time (ns) from `start` to `event`, both complete; `None` while `event` is not
+/// complete or when the driver cannot tell.
+fn offset(start: usize, event: usize) -> Option<i64> {
+    let elapsed = real::cuEventElapsedTime()?;
+    let mut milliseconds = 0f32;
+    // SAFETY: a valid out-pointer and two events of one context recorded with timing enabled.
+    let status = unsafe { elapsed(&mut milliseconds, start as CUevent, event as CUevent) };
+    (status == CUDA_SUCCESS && milliseconds.is_finite() && milliseconds.abs() < 1e6)
+        .then(|| (f64::from(milliseconds) * 1e6) as i64)
+}
+
+/// Whether `event` has completed.
+fn complete(event: usize) -> bool {
+    real::cuEventQuery().is_some_and(|query| {
+        // SAFETY: an event this library created and recorded.
+        let status = unsafe { query(event as CUevent) };
+        status == CUDA_SUCCESS
+    })
+}
+
 /// What [`Sensor::take`] hands out for one sample.
 struct Taken {
     start: usize,
@@ -434,7 +464,7 @@ impl Sensor {
         Some(Taken { start, end, hold })
     }
 
-    fn give_back(state: &mut State, pool: (usize, u64), events: [usize; 2]) {
+    fn give_back(state: &mut State, pool: (usize, u64), events: impl IntoIterator<Item = usize>) {
         if let Some(pool) = state.pools.iter_mut().find(|p| (p.context, p.id) == pool) {
             pool.free.extend(events);
         }
@@ -470,6 +500,7 @@ impl Sensor {
             idle,
             pair,
             submitted_ns: 0,
+            probes: Vec::new(),
         };
         if !record(launch.start, stream) {
             launch.release();
@@ -502,6 +533,7 @@ impl Sensor {
         let mut state = self.state.lock();
         if !ended {
             Self::give_back(&mut state, launch.pool, [launch.start, launch.end]);
+            Self::give_back(&mut state, launch.pool, launch.probes.iter().copied());
             self.outstanding.fetch_sub(1, Ordering::Relaxed);
             return false;
         }
@@ -513,8 +545,92 @@ impl Sensor {
             host_gap_ns,
             queued: !launch.idle,
             pair_with,
+            probes: launch.probes.clone(),
         });
         true
+    }
+
+    /// Notes a limited launch on `stream` (the streams active recently are probed by samples).
+    pub fn note_launch(&self, stream: CUstream, now: u64) {
+        self.recent.note(stream, now);
+    }
+
+    /// The overlap factor charges are scaled by, in thousandths ([`overlap`]).
+    pub fn overlap_permille(&self) -> u64 {
+        match self.overlap_permille.load(Ordering::Relaxed) {
+            0 => 1000,
+            permille => permille,
+        }
+    }
+
+    /// Forgets `stream` (being destroyed): it is never probed again.
+    pub fn forget_stream(&self, stream: CUstream) {
+        self.recent.forget(stream);
+    }
+
+    /// After a sample's start was recorded: an event on each other stream of the device that
+    /// launched recently, which completes when the work queued there now has run
+    /// ([`overlap`]). Streams being captured are left alone (an event recorded there would join
+    /// the capture), and so are the default streams (the legacy one waits for every stream; the
+    /// per-thread one is the calling thread's own).
+    pub fn probe_others(&self, launch: &mut InFlight, now: u64) {
+        if launch.pair {
+            return;
+        }
+        let Some(_shared) = super::runtime::probing() else {
+            return; // a stream is being destroyed
+        };
+        for other in self.recent.others(launch.stream, now) {
+            if overlap::is_default_stream(other) || crate::capture::capturing(other) {
+                continue;
+            }
+            let mut state = self.state.lock();
+            let Some(pool) = state.pools.iter_mut().find(|p| (p.context, p.id) == launch.pool) else {
+                return;
+            };
+            let event = match pool.free.pop() {
+                Some(event) => event,
+                None if pool.created < MAX_EVENTS_PER_POOL => match create_event() {
+                    Some(event) => {
+                        pool.created += 1;
+                        event
+                    }
+                    None => return,
+                },
+                None => return,
+            };
+            drop(state);
+            if record(event, other) {
+                launch.probes.push(event);
+            } else {
+                let mut state = self.state.lock();
+                Self::give_back(&mut state, launch.pool, [event]);
+            }
+        }
+    }
+
+    /// How many of the container's streams had work on the GPU during a sample's bracket of
+    /// `reading` ns that began at `start`: 1 for its own, plus for each probe the part of the
+    /// bracket before the work queued on its stream ran out (all of it when that work is still
+    /// running).
+    fn streams_busy(start: usize, reading: u64, probes: &[usize]) -> f64 {
+        let reading = reading.max(1);
+        let others: f64 = probes
+            .iter()
+            .map(|&probe| {
+                let busy = if complete(probe) {
+                    offset(start, probe).map_or(0, |ns| ns.clamp(0, reading as i64) as u64)
+                } else {
+                    reading
+                };
+                busy as f64 / reading as f64
+            })
+            .sum();
+        tracing::debug!(
+            "compute limiter: {} probes, {others:.2} streams beside a bracket of {reading} ns",
+            probes.len()
+        );
+        1.0 + others
     }
 
     /// Gives up a begun sample (a pair whose second launch did not come on its stream).
@@ -614,6 +730,8 @@ impl Sensor {
         let mut done = Vec::new();
         let mut waiting = Vec::new();
         let mut finished = Vec::new();
+        // (reading, streams busy during it) of each sample measured.
+        let mut overlaps: Vec<(u64, f64)> = Vec::new();
         for sample in batch {
             match poll(sample.start, sample.end) {
                 Poll::Done(elapsed) if sample.pair_with.is_some() => {
@@ -624,9 +742,10 @@ impl Sensor {
                         queued: true,
                         pair_with: sample.pair_with,
                     });
-                    finished.push((sample.pool, [sample.start, sample.end]));
+                    finished.push((sample.pool, [vec![sample.start, sample.end], sample.probes].concat()));
                 }
                 Poll::Done(elapsed) => {
+                    overlaps.push((elapsed, Self::streams_busy(sample.start, elapsed, &sample.probes)));
                     let overhead = if sample.queued {
                         queued_overhead
                     } else {
@@ -648,7 +767,7 @@ impl Sensor {
                         queued: sample.queued,
                         pair_with: None,
                     });
-                    finished.push((sample.pool, [sample.start, sample.end]));
+                    finished.push((sample.pool, [vec![sample.start, sample.end], sample.probes].concat()));
                 }
                 Poll::NotReady => waiting.push(sample),
                 // A destroyed context or a driver error: forget the sample and its events.
@@ -662,6 +781,14 @@ impl Sensor {
             Self::give_back(&mut state, pool, events);
         }
         drop(state);
+        if !overlaps.is_empty() {
+            let mut window = self.overlap.lock();
+            for (reading, streams) in overlaps {
+                window.add((reading as f64 / streams) as u64, reading);
+            }
+            let permille = (window.factor() * 1000.0).round() as u64;
+            self.overlap_permille.store(permille.max(1), Ordering::Relaxed);
+        }
         done
     }
 }

@@ -1,7 +1,10 @@
-//! The simulated engine: one per physical device per process, shared by all streams, so kernels
-//! serialise. A launch returns at once; its kernel starts at max(now, end of the work queued
-//! before it on the engine, the stream's event waits) and ends `duration` later. Its duration
-//! is added to the truth's busy time at launch. Synchronisation sleeps until the relevant end:
+//! The simulated engine: one per physical device per process. Kernels of different created streams
+//! run side by side, as on a GPU (each takes its own duration, whatever runs beside it); the default
+//! streams (legacy and per-thread alike) serialise with all work, and created streams wait for
+//! work queued on the default streams before them. A launch returns at once; its kernel starts at
+//! max(now, end of the work queued before it on its stream, the stream's event waits) and ends
+//! `duration` later. The time it adds to the device's busy stretches (kernels that overlap are
+//! counted once) is added to the truth's busy time at launch. Synchronisation sleeps until the relevant end:
 //! a stream's last work, the device's engine for the default streams (legacy and per-thread
 //! alike) and contexts. Events complete when the work queued before them on their stream ends;
 //! with `FAKE_CUDA_EVENT_NS`, that much later, and the work after them waits as long (idle GPU
@@ -27,6 +30,27 @@ use crate::state::{self, Event, STREAM_LEGACY, STREAM_PER_THREAD, State, Stream,
 /// ahead for a launch racing with the first).
 pub fn first_launch_ends(loaded_at: &mut Option<u64>) -> u64 {
     *loaded_at.get_or_insert_with(|| now_ns().saturating_add(config().module_load_us.saturating_mul(1_000)))
+}
+
+/// Adds the stretch `start..end` to a device's busy stretches (those ended by `now` are dropped: no
+/// kernel queued from now on starts before it); returns how much of it no other kernel occupies.
+fn occupy(stretches: &mut Vec<(u64, u64)>, now: u64, start: u64, end: u64) -> u64 {
+    stretches.retain(|&(_, stretch_end)| stretch_end > now);
+    let shared: u64 = stretches
+        .iter()
+        .map(|&(from, to)| to.min(end).saturating_sub(from.max(start)))
+        .sum();
+    let position = stretches.partition_point(|&(from, _)| from < start);
+    stretches.insert(position, (start, end));
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(stretches.len());
+    for &(from, to) in stretches.iter() {
+        match merged.last_mut() {
+            Some(last) if from <= last.1 => last.1 = last.1.max(to),
+            _ => merged.push((from, to)),
+        }
+    }
+    *stretches = merged;
+    (end - start).saturating_sub(shared)
 }
 
 /// Where work on a stream goes.
@@ -61,10 +85,11 @@ impl State {
         })
     }
 
-    /// End (ns) of the work queued so far where `target` points.
+    /// End (ns) of the work queued so far where `target` points: a created stream's own work and
+    /// the default streams' before it; for the default streams, all the device's work.
     pub fn stream_end(&self, target: &Target) -> u64 {
         match target.stream.and_then(|h| self.streams.get(&h)) {
-            Some(stream) => stream.last_end,
+            Some(stream) => stream.last_end.max(self.default_end[target.phys]),
             None => self.engine_end[target.phys],
         }
     }
@@ -77,23 +102,28 @@ impl State {
             .and_then(|h| self.streams.get(&h))
             .map_or(0, |s| s.wait_until);
         // Behind other work, the kernel starts the launch gap after it (idle time).
-        let after_queued = self.engine_end[target.phys].saturating_add(config().launch_gap_ns);
+        let after_queued = self.stream_end(target).saturating_add(config().launch_gap_ns);
         let start = now.max(after_queued).max(wait);
         let end = start.saturating_add(ns);
-        self.engine_end[target.phys] = end;
-        if let Some(stream) = target.stream.and_then(|h| self.streams.get_mut(&h)) {
-            stream.last_end = end;
+        let phys = target.phys;
+        self.engine_end[phys] = self.engine_end[phys].max(end);
+        match target.stream.and_then(|h| self.streams.get_mut(&h)) {
+            Some(stream) => stream.last_end = end,
+            None => self.default_end[phys] = end,
         }
-        self.add_busy(target.phys, ns, now);
+        let added = occupy(&mut self.occupied[phys], now, start, end);
+        self.add_busy(phys, added, now);
         end
     }
 
     /// Work queued where `target` points from now on starts at `at` at the earliest (after an
     /// event's own time).
     fn queue_waits_until(&mut self, target: &Target, at: u64) {
-        self.engine_end[target.phys] = self.engine_end[target.phys].max(at);
-        if let Some(stream) = target.stream.and_then(|h| self.streams.get_mut(&h)) {
-            stream.last_end = stream.last_end.max(at);
+        let phys = target.phys;
+        self.engine_end[phys] = self.engine_end[phys].max(at);
+        match target.stream.and_then(|h| self.streams.get_mut(&h)) {
+            Some(stream) => stream.last_end = stream.last_end.max(at),
+            None => self.default_end[phys] = self.default_end[phys].max(at),
         }
     }
 
@@ -431,7 +461,10 @@ fn stream_wait_event(stream: CUstream, event: CUevent) -> CuResult {
         .unwrap_or(0);
     match target.stream.and_then(|h| state.streams.get_mut(&h)) {
         Some(s) => s.wait_until = s.wait_until.max(done_at),
-        None => state.engine_end[target.phys] = state.engine_end[target.phys].max(done_at),
+        None => {
+            state.engine_end[target.phys] = state.engine_end[target.phys].max(done_at);
+            state.default_end[target.phys] = state.default_end[target.phys].max(done_at);
+        }
     }
     Ok(())
 }

@@ -120,8 +120,14 @@ pub struct State {
     /// Graph memory of destroyed executable graphs, (device, bytes): the device keeps it until
     /// `cuDeviceGraphMemTrim`, as the H200 does (`tests/gpu/capture_memory.py`).
     pub retained_graph_memory: Vec<(usize, u64)>,
-    /// End of the work queued on each physical device's engine (ns).
+    /// End of all the work queued on each physical device (ns): what a context waits for.
     pub engine_end: [u64; MAX_DEVICES],
+    /// End of the work queued on each physical device's default streams (ns): created streams
+    /// wait for it, as blocking streams wait for the legacy stream.
+    pub default_end: [u64; MAX_DEVICES],
+    /// The stretches each physical device is busy with kernels, from now on (disjoint, sorted):
+    /// kernels of different streams overlap, and the truth counts the time they occupy together.
+    pub occupied: [Vec<(u64, u64)>; MAX_DEVICES],
 }
 
 static STATE: LazyLock<Mutex<State>> = LazyLock::new(|| {
@@ -279,6 +285,8 @@ impl State {
             execs: HashMap::new(),
             retained_graph_memory: Vec::new(),
             engine_end: [0; MAX_DEVICES],
+            default_end: [0; MAX_DEVICES],
+            occupied: std::array::from_fn(|_| Vec::new()),
         }
     }
 

@@ -595,3 +595,50 @@ fn the_boost_compensation_divides_the_power_by_the_trimmed_share() {
         "{settled:.1}% over seconds 5-12 at limit 75, expected 65.8 (69.3 with the brackets' share; per second {shares:.1?})"
     );
 }
+
+/// Four threads, each with a stream of its own, launch 200 us kernels back to back at `limit` for
+/// 3 s: the fake runs the streams' kernels side by side, as a GPU does. Returns the share of the
+/// run the device was busy with them (the truth counts overlapping kernels once) and how much of
+/// the run all their kernels would have taken one after another.
+fn four_streams(limit: &str) -> (f64, f64) {
+    const US: f64 = 200.0;
+    let dir = ScratchDir::new(&format!("compute-jobs-streams-{limit}"));
+    let args = "streams seconds=3 threads=4 us=200 sync=8 window_ms=250";
+    let env: &[(&str, &str)] = if limit == "unset" {
+        &[]
+    } else {
+        &[("CUDA_DEVICE_SM_LIMIT", limit)]
+    };
+    let [report] = run_together([job(&dir, env, args)]);
+    let run_ns = report.done().get("seconds") * 1e9;
+    let occupied = dir.truth().device(0).busy_ns() as f64 * 100.0 / run_ns;
+    let summed = report.done().get("launches") * US * 1e3 * 100.0 / run_ns;
+    eprintln!(
+        "four streams, limit {limit}: device busy {occupied:.1}% of the run, kernels summed {summed:.1}% (per second {:.1?})",
+        report.busy_shares(US)
+    );
+    (occupied, summed)
+}
+
+/// Kernels of several streams that overlap on the GPU are charged for the streams that had work
+/// beside them (probes on the other streams), and run side by side under the limit (bursts): four
+/// streams at limit 50 never keep the device busy beyond the limit, and do more than a fifth of
+/// the work they do unlimited. Charged the sum of their brackets and admitted one by one, they ran
+/// one after another and did an eighth of it. The target, half, is not reached on this fake: the
+/// probes see only the work queued on the other streams when a sample begins, not the work
+/// launched there while it runs.
+#[test]
+fn kernels_of_four_streams_side_by_side_are_charged_for_their_overlap() {
+    let (unlimited, unlimited_summed) = four_streams("unset");
+    assert!(
+        unlimited_summed > 1.5 * unlimited,
+        "the fake did not run the streams side by side: busy {unlimited:.1}%, summed {unlimited_summed:.1}%"
+    );
+    let (occupied, summed) = four_streams("50");
+    let work = summed / unlimited_summed;
+    assert!(
+        occupied <= 54.0 && work >= 0.2,
+        "four streams at limit 50: the device was busy {occupied:.1}% of the run, doing {:.1}% of the unlimited work",
+        work * 100.0
+    );
+}

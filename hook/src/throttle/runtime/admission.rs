@@ -98,6 +98,7 @@ impl Runtime {
         self.start_poller();
 
         let now = now_ns();
+        device.sensor.note_launch(stream, now);
         let plan = device.estimates().plan(key, now);
         let charge = self.scaled(region_index, plan.charge as i64) as u64;
         // A launch into a stream being captured does not run now: it must neither wait nor be
@@ -139,7 +140,10 @@ impl Runtime {
                 device.estimates().forget(key, plan);
                 return None;
             }
-            device.sensor.begin(stream, info, false).map(Box::new)
+            device.sensor.begin(stream, info, false).map(|mut launch| {
+                device.sensor.probe_others(&mut launch, now);
+                Box::new(launch)
+            })
         } else if measurable
             && closes.is_none()
             && plan.charge >= MIN_PAIR_PART_NS

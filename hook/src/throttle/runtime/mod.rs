@@ -23,7 +23,7 @@ use vgpu_region::{ComputeDevice, MAX_DEVICES};
 use super::estimates::Estimates;
 use super::sensor::Sensor;
 use super::{IDLE, MODE, OFF, ON, UNDECIDED, activity, bucket};
-use crate::sys::cuda::{CUDA_ERROR_NOT_INITIALIZED, CUresult};
+use crate::sys::cuda::{CUDA_ERROR_NOT_INITIALIZED, CUresult, CUstream};
 
 pub use admission::{after, before};
 
@@ -230,6 +230,30 @@ fn without_region(config: &Config) -> Result<Option<&'static Runtime>, CUresult>
     Err(CUDA_ERROR_NOT_INITIALIZED)
 }
 
+/// Held (shared) while a sample records probe events on other threads' streams, and (exclusive)
+/// while a stream is forgotten before its destruction: no probe is recorded on a destroyed stream.
+static PROBING: parking_lot::RwLock<()> = parking_lot::RwLock::new(());
+
+/// Shared hold of [`PROBING`] for recording probes; `None` while a stream is being destroyed.
+pub(super) fn probing() -> Option<parking_lot::RwLockReadGuard<'static, ()>> {
+    PROBING.try_read()
+}
+
+/// Forgets `stream` on every device of this process's limiter, then destroys it (`call`).
+pub fn forget_stream(stream: CUstream, call: impl FnOnce() -> CUresult) -> CUresult {
+    let existing = RUNTIME.load(Ordering::Acquire);
+    if !existing.is_null() {
+        // Bounded: a forked child may inherit the lock held by a thread it does not have.
+        let _exclusive = PROBING.try_write_for(Duration::from_millis(100));
+        // SAFETY: from Box::into_raw in `create`, never freed.
+        let runtime = unsafe { &*existing };
+        for device in &runtime.devices {
+            device.sensor.forget_stream(stream);
+        }
+    }
+    call()
+}
+
 /// Adds a signed amount to a monotonic counter without wrapping below zero.
 fn add_signed(counter: &AtomicU64, delta: i64) {
     if delta >= 0 {
@@ -251,11 +275,14 @@ impl Runtime {
     }
 
     /// What a measured or planned time is charged, in thousandths of it: the boost factor times
-    /// NVML's trim.
+    /// NVML's trim times the share of the brackets in which the container's kernels overlap on
+    /// the GPU ([`super::overlap`]).
     fn factor(&self, region_index: usize) -> u64 {
-        self.devices.get(region_index).map_or(u64::from(FACTOR_UNIT), |device| {
-            u64::from(device.boost.load(Ordering::Relaxed)) * u64::from(device.trim.load(Ordering::Relaxed))
-                / u64::from(FACTOR_UNIT)
+        let unit = u64::from(FACTOR_UNIT);
+        self.devices.get(region_index).map_or(unit, |device| {
+            u64::from(device.boost.load(Ordering::Relaxed)) * u64::from(device.trim.load(Ordering::Relaxed)) / unit
+                * device.sensor.overlap_permille()
+                / unit
         })
     }
 

@@ -1,0 +1,202 @@
+//! Kernels of several streams that run side by side: the share of their bracketed time in which
+//! the GPU is busy with them together.
+//!
+//! A launch is charged its bracket's time, which counts the whole of a kernel that ran beside
+//! others; summed over several streams that overlap, the brackets exceed the time the container's
+//! kernels occupy the GPU. So each sample asks the GPU how many of the container's streams had
+//! work during its bracket: when it begins, an event (a *probe*) is recorded on each other stream
+//! of the device that launched recently, and completes when the work queued there by then has
+//! run. The part of the bracket before a probe completes is time that stream had work too. The
+//! bracket over the number of streams with work is the sample's share of the time they occupied
+//! the GPU together; accumulated over recent samples against the brackets, it is the factor every
+//! charge of the device is scaled by. A sample with no other stream active counts in full.
+//!
+//! A stream whose queued work waits on another stream (an event wait) counts as having work while
+//! it waits; the limit is then looser than the share, by at most that stream's waiting time.
+
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use crate::sys::cuda::CUstream;
+
+/// Streams of a device remembered as recently active.
+pub const RECENT_STREAMS: usize = 8;
+/// A stream that launched within this long is active: another stream's samples probe it.
+pub const ACTIVE_NS: u64 = 10_000_000;
+/// Samples over which the factor mostly follows a change of the job's overlap.
+pub const SMOOTHING: f64 = 16.0;
+/// The lowest factor: at most this many streams' kernels are taken to share the GPU at once.
+pub const MIN_FACTOR: f64 = 1.0 / 16.0;
+
+/// The streams of a device that launched recently, and when (lock-free: launches of any thread
+/// update it; a lost update only makes a stream look idle a little early).
+#[derive(Default)]
+pub struct RecentStreams {
+    streams: [AtomicUsize; RECENT_STREAMS],
+    last_ns: [AtomicU64; RECENT_STREAMS],
+}
+
+impl RecentStreams {
+    /// Notes a launch on `stream` at `now`, replacing the least recently active stream when it is
+    /// new. Written at most once a millisecond per stream.
+    pub fn note(&self, stream: CUstream, now: u64) {
+        let handle = stream as usize;
+        let mut oldest = 0;
+        for (index, slot) in self.streams.iter().enumerate() {
+            if slot.load(Ordering::Relaxed) == handle {
+                let last = &self.last_ns[index];
+                if now.saturating_sub(last.load(Ordering::Relaxed)) >= 1_000_000 {
+                    last.store(now, Ordering::Relaxed);
+                }
+                return;
+            }
+            if self.last_ns[index].load(Ordering::Relaxed) < self.last_ns[oldest].load(Ordering::Relaxed) {
+                oldest = index;
+            }
+        }
+        self.streams[oldest].store(handle, Ordering::Relaxed);
+        self.last_ns[oldest].store(now, Ordering::Relaxed);
+    }
+
+    /// Forgets `stream` (it is being destroyed).
+    pub fn forget(&self, stream: CUstream) {
+        let handle = stream as usize;
+        for (index, slot) in self.streams.iter().enumerate() {
+            if slot.load(Ordering::Relaxed) == handle {
+                self.last_ns[index].store(0, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// The streams other than `stream` active at `now`.
+    pub fn others(&self, stream: CUstream, now: u64) -> impl Iterator<Item = CUstream> + '_ {
+        let handle = stream as usize;
+        (0..RECENT_STREAMS).filter_map(move |index| {
+            let other = self.streams[index].load(Ordering::Relaxed);
+            let last = self.last_ns[index].load(Ordering::Relaxed);
+            (other != handle && last != 0 && now.saturating_sub(last) < ACTIVE_NS).then_some(other as CUstream)
+        })
+    }
+}
+
+/// The default streams, which no probe is recorded on: the legacy stream (null or
+/// `CU_STREAM_LEGACY`) waits for every blocking stream, and `CU_STREAM_PER_THREAD` names the
+/// calling thread's own.
+pub fn is_default_stream(stream: CUstream) -> bool {
+    matches!(stream as usize, 0..=2)
+}
+
+/// The union and the sum of brackets, each given as its start and end (ns) on one timeline.
+#[cfg(test)]
+pub fn union_and_sum(spans: &mut [(i64, i64)]) -> (u64, u64) {
+    spans.sort_unstable();
+    let (mut union, mut sum) = (0u64, 0u64);
+    let mut covered: Option<(i64, i64)> = None;
+    for &(start, end) in spans.iter() {
+        let end = end.max(start);
+        sum = sum.saturating_add(end.abs_diff(start));
+        covered = match covered {
+            Some((from, to)) if start <= to => Some((from, to.max(end))),
+            Some((from, to)) => {
+                union = union.saturating_add(to.abs_diff(from));
+                Some((start, end))
+            }
+            None => Some((start, end)),
+        };
+    }
+    if let Some((from, to)) = covered {
+        union = union.saturating_add(to.abs_diff(from));
+    }
+    (union, sum)
+}
+
+/// The factor over recent samples: the time they occupied the GPU together over their brackets,
+/// both decaying.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Window {
+    union: f64,
+    sum: f64,
+}
+
+impl Window {
+    /// Adds a sample's share of the time the streams occupied the GPU together, and its bracket
+    /// (ns).
+    pub fn add(&mut self, union: u64, sum: u64) {
+        if sum == 0 {
+            return;
+        }
+        let keep = 1.0 - 1.0 / SMOOTHING;
+        self.union = self.union * keep + union.min(sum) as f64;
+        self.sum = self.sum * keep + sum as f64;
+    }
+
+    /// The factor charges are scaled by: 1 before any sample.
+    pub fn factor(&self) -> f64 {
+        if self.sum <= 0.0 {
+            return 1.0;
+        }
+        (self.union / self.sum).clamp(MIN_FACTOR, 1.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlapping_brackets_count_once_and_separate_ones_in_full() {
+        // Four brackets of 200 us side by side, one of them late by 100 us.
+        let mut spans = [(0, 200), (0, 200), (10, 210), (100, 300)];
+        assert_eq!(union_and_sum(&mut spans), (300, 800));
+        // One after another: no overlap.
+        let mut spans = [(400, 500), (0, 100), (200, 300)];
+        assert_eq!(union_and_sum(&mut spans), (300, 300));
+        // Before the reference (negative offsets) and reversed ends are handled.
+        let mut spans = [(-50, 50), (20, 10), (40, 60)];
+        assert_eq!(union_and_sum(&mut spans), (110, 120));
+        assert_eq!(union_and_sum(&mut []), (0, 0));
+    }
+
+    #[test]
+    fn the_factor_follows_the_groups_and_stays_bounded() {
+        let mut window = Window::default();
+        assert_eq!(window.factor(), 1.0);
+        for _ in 0..100 {
+            window.add(250, 1000);
+        }
+        assert!((window.factor() - 0.25).abs() < 1e-9);
+        // Back to one stream: samples with no other stream take the factor back to 1 within a few
+        // dozen.
+        for _ in 0..64 {
+            window.add(1000, 1000);
+        }
+        assert!(window.factor() > 0.95, "{}", window.factor());
+        let mut window = Window::default();
+        window.add(0, 1_000_000);
+        assert_eq!(window.factor(), MIN_FACTOR);
+        window.add(5, 0);
+        assert_eq!(window.factor(), MIN_FACTOR, "an empty bracket says nothing");
+        let mut window = Window::default();
+        window.add(u64::MAX, 10);
+        assert_eq!(window.factor(), 1.0, "a union above the sum counts as the sum");
+    }
+
+    #[test]
+    fn recent_streams_are_the_active_others() {
+        let recent = RecentStreams::default();
+        let stream = |n: usize| n as CUstream;
+        recent.note(stream(1), 1_000_000_000);
+        recent.note(stream(2), 1_000_000_000);
+        recent.note(stream(3), 1_000_000_000 - ACTIVE_NS);
+        let others: Vec<_> = recent.others(stream(1), 1_000_000_001).collect();
+        assert_eq!(others, vec![stream(2)]);
+        // A ninth stream replaces the least recently active one.
+        for n in 10..18 {
+            recent.note(stream(n), 2_000_000_000 + n as u64);
+        }
+        assert_eq!(recent.others(stream(0), 2_000_000_100).count(), RECENT_STREAMS);
+        assert_eq!(recent.others(stream(10), 2_000_000_100).count(), RECENT_STREAMS - 1);
+        recent.forget(stream(11));
+        assert_eq!(recent.others(stream(10), 2_000_000_100).count(), RECENT_STREAMS - 2);
+        assert!(is_default_stream(stream(0)) && is_default_stream(stream(2)) && !is_default_stream(stream(3)));
+    }
+}
