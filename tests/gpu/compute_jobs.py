@@ -22,6 +22,9 @@ read a loss or a flag, so that completed iterations are counted when they comple
   graph     a CUDA graph of 8 small kernels (the smallops iteration, captured), replayed; sync every 10
   train     a GPT-2-style step: 8 layers of width 1024, bf16 autocast, AdamW, batch 8, sequence 1024
   triton    a Triton kernel (fused multiply-add over 16M floats), sync every 10
+  streams   4 Python threads, each with a stream of its own, each launching 8 bf16 2048^3 matrix
+            products on it per iteration (the GPU runs the streams' kernels side by side); sync
+            every 10
 """
 import json
 import os
@@ -168,7 +171,45 @@ def triton_job():
     return first, step, 10
 
 
+def streams():
+    import threading
+
+    count = 4
+    pairs = [
+        (torch.empty(2048, 2048, device="cuda", dtype=torch.bfloat16), torch.empty(2048, 2048, device="cuda", dtype=torch.bfloat16))
+        for _ in range(count)
+    ]
+    outputs = [torch.empty(2048, 2048, device="cuda", dtype=torch.bfloat16) for _ in range(count)]
+    side = [torch.cuda.Stream() for _ in range(count)]
+    go = threading.Barrier(count + 1)
+    launched = threading.Barrier(count + 1)
+
+    def worker(index):
+        a, b = pairs[index]
+        with torch.cuda.stream(side[index]):
+            while True:
+                go.wait()
+                for _ in range(8):
+                    torch.mm(a, b, out=outputs[index])
+                launched.wait()
+
+    for index in range(count):
+        threading.Thread(target=worker, args=(index,), daemon=True).start()
+
+    def first():
+        for a, b in pairs:
+            a.normal_()
+            b.normal_()
+
+    def step():
+        go.wait()
+        launched.wait()
+
+    return first, step, 10
+
+
 JOBS = {
+    "streams": streams,
     "smallops": smallops,
     "paused": paused,
     "gemm": gemm,

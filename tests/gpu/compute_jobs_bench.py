@@ -47,7 +47,7 @@ the two-GPU case, COMPUTE_PART=all everything. Without COMPUTE_PART or COMPUTE_J
 9 minutes is refused with the commands to run instead. The planned time assumes START_UP seconds
 per process outside its measured time; the report ends with the time it took.
 
-Environment: COMPUTE_JOBS (default by part: "smallops paused gemm graph train triton"),
+Environment: COMPUTE_JOBS (default by part: "smallops paused gemm graph train triton streams"),
 COMPUTE_LIMITS ("10 25 50 75 90 unset"), COMPUTE_SECONDS (10), COMPUTE_MULTI (0 skips the
 multi-process cases; default 1, 0 in part 2), COMPUTE_POLICY, COMPUTE_GPUS (the number of GPUs,
 instead of counting `nvidia-smi -L`), COMPUTE_NATURAL ("job=percent ...": natural shares instead of
@@ -90,10 +90,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # COMPUTE_PART: (jobs, multi-process cases, two-GPU case).
 PARTS = {
     "1": ("smallops paused gemm", True, False),
-    "2": ("graph train triton", False, True),
+    "2": ("graph train triton streams", False, True),
     # The two-GPU case alone (tests/gpu/two_gpus.sh, issue 15).
     "two": ("", False, True),
-    "all": ("smallops paused gemm graph train triton", True, True),
+    "all": ("smallops paused gemm graph train triton streams", True, True),
 }
 PART = os.environ.get("COMPUTE_PART", "")
 if PART not in ("", *PARTS):
