@@ -17,8 +17,8 @@
 mod activity;
 mod boost;
 mod bucket;
-mod crosscheck;
 mod estimates;
+mod nvml_reading;
 mod runtime;
 mod sensor;
 mod trim;

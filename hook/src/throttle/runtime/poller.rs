@@ -1,6 +1,6 @@
 //! The limiter's background thread: it collects the sampled launches' measurements and corrects
 //! the charges, flushes this process's counters into the region, publishes its utilisation, and
-//! once a second reads NVML (the boost factor, the cross-check).
+//! once a second reads NVML (the boost factor, the trim).
 
 use std::sync::Once;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -10,10 +10,9 @@ use vgpu_region::{ComputeDevice, MAX_DEVICES};
 
 use crate::sys::cuda::CUdevice;
 use crate::throttle::boost::{self, PowerReading};
-use crate::throttle::crosscheck::{self, CrossCheck, Report};
 use crate::throttle::now_ns;
 use crate::throttle::sensor::{MIN_PAIR_PART_NS, Measured, SampleInfo};
-use crate::throttle::trim;
+use crate::throttle::{nvml_reading, trim};
 
 use super::{Device, FACTOR_UNIT, POLLER_IN_DRIVER, RUNTIME, Runtime, SHUTDOWN, add_signed, at_exit};
 
@@ -24,8 +23,8 @@ const POLL_IDLE: Duration = Duration::from_millis(20);
 /// (4 x 250 ms: the last second).
 const PUBLISH_PERIOD_NS: u64 = 250_000_000;
 const PUBLISH_WINDOW: usize = 4;
-/// How often NVML is read: the measured share is compared with its utilisation ([`crosscheck`])
-/// and the boost factor follows its power readings ([`boost`]).
+/// How often NVML is read: the trim follows its utilisation ([`trim`]) and the boost factor its
+/// power readings ([`boost`]).
 const NVML_PERIOD_NS: u64 = 1_000_000_000;
 /// For this long after the poller starts, NVML is read every [`START_NVML_PERIOD_NS`] and the
 /// boost factor takes each reading whole: the factor follows the power as it ramps up, so a
@@ -53,7 +52,6 @@ struct PollState {
     history: [[(u64, i64); PUBLISH_WINDOW]; MAX_DEVICES],
     last_publish: u64,
     publications: usize,
-    cross_check: CrossCheck,
     /// When the poller started (the process's first limited launch).
     started: u64,
     last_nvml: u64,
@@ -99,7 +97,6 @@ impl PollState {
             history: [[(0, 0); PUBLISH_WINDOW]; MAX_DEVICES],
             last_publish: now,
             publications: 0,
-            cross_check: CrossCheck::default(),
             started: now,
             last_nvml: now,
             // From the poller's start (the process's first limited launch), so that the first
@@ -197,8 +194,7 @@ impl Runtime {
     }
 
     /// Reads NVML for each device in use: the boost factor follows its power, the trim its
-    /// utilisation samples, and its utilisation cross-checks the sensor. Marked as inside the
-    /// driver, and stopped at exit between devices.
+    /// utilisation samples. Marked as inside the driver, and stopped at exit between devices.
     fn nvml_step(&self, state: &mut PollState, now: u64, starting: bool) {
         let Some(accounting) = crate::session::get() else {
             return;
@@ -213,14 +209,14 @@ impl Runtime {
             }
             // One handle lookup per device and step, for every reading.
             let handle = crate::nvml::device_handle(&device.uuid);
-            let utilisation = handle.and_then(crosscheck::nvml_utilisation);
+            let utilisation = handle.and_then(nvml_reading::utilisation);
             let power = handle.and_then(boost::read);
             // The first query returns NVML's whole buffer, seconds from before: it only sets
             // where the next one starts.
             let samples = match (handle, state.seen_at_nvml.get_mut(device.region_index)) {
                 (Some(handle), Some(seen)) => {
                     let started = seen.nvml_sample != 0;
-                    crosscheck::nvml_utilisation_samples(handle, &mut seen.nvml_sample).filter(|_| started)
+                    nvml_reading::utilisation_samples(handle, &mut seen.nvml_sample).filter(|_| started)
                 }
                 _ => None,
             };
@@ -237,10 +233,6 @@ impl Runtime {
                 &mut state.seen_at_nvml,
                 (now, starting, comparable),
             );
-            if !starting {
-                // Its persistence counts readings a second apart.
-                self.cross_check(accounting, ordinal, device, utilisation, &mut state.cross_check, now);
-            }
             POLLER_IN_DRIVER.store(false, Ordering::SeqCst);
         }
     }
@@ -399,46 +391,6 @@ impl Runtime {
         };
         if let Some(bucket) = accounting.region().extension().compute.get(info.region_index) {
             self.charge(bucket, info.region_index, correction);
-        }
-    }
-
-    /// Compares the region's measured share of a device with NVML's utilisation of the GPU, and
-    /// logs what [`crosscheck`] finds.
-    fn cross_check(
-        &self,
-        accounting: &'static crate::session::Session,
-        ordinal: CUdevice,
-        device: &crate::session::DeviceEntry,
-        nvml: Option<u32>,
-        check: &mut CrossCheck,
-        now: u64,
-    ) {
-        let index = device.region_index;
-        // The region's share: every live process of the container on this device.
-        let measured = accounting
-            .region()
-            .hami()
-            .procs
-            .iter()
-            .filter(|slot| slot.status.load(Ordering::Relaxed) == vgpu_region::SLOT_LIVE)
-            .filter_map(|slot| slot.device_util.get(index))
-            .map(|util| util.sm_util.load(Ordering::Relaxed))
-            .fold(0u64, u64::saturating_add)
-            .min(100);
-        // What the kernels took as the sensor measured them, before the boost compensation
-        // ([`boost`]) and NVML's trim ([`trim`]) scaled the charges.
-        let measured = (measured * u64::from(FACTOR_UNIT) / self.factor(index).max(1)) as u32;
-        match check.record(index, crosscheck::judge(measured, nvml), now) {
-            Report::Nothing => {}
-            Report::Unavailable => tracing::debug!(
-                "NVML cannot cross-check the compute limiter here: it reports {} while the container's kernels use {measured}% of device {ordinal}",
-                nvml.map_or_else(|| "no utilisation".to_owned(), |value| format!("{value}%"))
-            ),
-            Report::Warning => tracing::warn!(
-                "compute limiter: the container measured {measured}% of device {ordinal} but NVML reports {}% for the whole GPU; the sensor may over-count (checked for {} s)",
-                nvml.unwrap_or(0),
-                crosscheck::PERSISTENCE
-            ),
         }
     }
 
