@@ -15,6 +15,7 @@
 //! `docs/compute-limit.md` describes the design and its constants.
 
 mod activity;
+mod boards;
 mod boost;
 mod bucket;
 mod estimates;

@@ -1,6 +1,6 @@
-//! NVML's readings of a whole GPU that the limiter's background thread takes once a second: its
-//! utilisation, for NVML's trim ([`super::trim`]) and the boost compensation's busy share
-//! ([`super::boost`]).
+//! NVML's readings of a whole GPU that the limiter's background thread takes: its utilisation,
+//! once a second, for NVML's trim ([`super::trim`]) and the boost compensation's busy share
+//! ([`super::boost`]); its name, once, for the board's profile ([`super::boards`]).
 
 /// NVML's utilisation of the GPU with this handle, in percent; `None` where NVML cannot say.
 pub fn utilisation(device: crate::sys::nvml::nvmlDevice_t) -> Option<u32> {
@@ -9,6 +9,21 @@ pub fn utilisation(device: crate::sys::nvml::nvmlDevice_t) -> Option<u32> {
     let mut utilisation = nvmlUtilization_t::default();
     // SAFETY: a handle NVML gave and a local out-pointer.
     (unsafe { rates(device, &mut utilisation) } == NVML_SUCCESS).then_some(utilisation.gpu)
+}
+
+/// NVML's name of the GPU with this handle ("NVIDIA H200"); `None` where NVML cannot say.
+pub fn device_name(device: crate::sys::nvml::nvmlDevice_t) -> Option<String> {
+    use crate::sys::nvml::{NVML_DEVICE_NAME_V2_BUFFER_SIZE, NVML_SUCCESS};
+    let get_name = crate::hooks::real::nvmlDeviceGetName()?;
+    let mut buffer = [0u8; NVML_DEVICE_NAME_V2_BUFFER_SIZE as usize];
+    // SAFETY: a handle NVML gave, and a local buffer of the length passed.
+    let status = unsafe { get_name(device, buffer.as_mut_ptr().cast(), buffer.len() as std::ffi::c_uint) };
+    if status != NVML_SUCCESS {
+        return None;
+    }
+    // Up to the first NUL, within the buffer even where NVML wrote none.
+    let name = std::ffi::CStr::from_bytes_until_nul(&buffer).ok()?;
+    Some(name.to_string_lossy().into_owned())
 }
 
 /// Most samples read at once: more than NVML keeps (a few seconds of them).

@@ -9,10 +9,10 @@ use std::time::Duration;
 use vgpu_region::{ComputeDevice, MAX_DEVICES};
 
 use crate::sys::cuda::CUdevice;
-use crate::throttle::boost::{self, PowerReading};
+use crate::throttle::boost::{self, Compensation, PowerReading};
 use crate::throttle::now_ns;
 use crate::throttle::sensor::{MIN_PAIR_PART_NS, Measured, SampleInfo};
-use crate::throttle::{nvml_reading, trim};
+use crate::throttle::{boards, nvml_reading, trim};
 
 use super::{Device, FACTOR_UNIT, POLLER_IN_DRIVER, RUNTIME, Runtime, SHUTDOWN, add_signed, at_exit};
 
@@ -75,6 +75,9 @@ struct Seen {
     trim_window: trim::Window,
     /// NVML's timestamp of the newest utilisation sample read.
     nvml_sample: u64,
+    /// How the boost factor follows the power: chosen at the device's first reading, by its
+    /// board ([`boards`]).
+    compensation: Option<Compensation>,
 }
 
 impl Seen {
@@ -210,7 +213,15 @@ impl Runtime {
             // One handle lookup per device and step, for every reading.
             let handle = crate::nvml::device_handle(&device.uuid);
             let utilisation = handle.and_then(nvml_reading::utilisation);
-            let power = handle.and_then(boost::read);
+            let compensation = state.seen_at_nvml.get_mut(device.region_index).map(|seen| {
+                *seen
+                    .compensation
+                    .get_or_insert_with(|| self.choose_compensation(ordinal, handle))
+            });
+            // Without a power model the power readings are not needed.
+            let power = handle
+                .filter(|_| compensation.is_some_and(Compensation::reads_power))
+                .and_then(boost::read);
             // The first query returns NVML's whole buffer, seconds from before: it only sets
             // where the next one starts.
             let samples = match (handle, state.seen_at_nvml.get_mut(device.region_index)) {
@@ -256,6 +267,19 @@ impl Runtime {
             let launches = unflushed(&device.flushed_launches, || device.launches.load(Ordering::Relaxed));
             region_counters.launches.fetch_add(launches, Ordering::Relaxed);
         }
+    }
+
+    /// How a device's boost factor follows its power: its board's model, by NVML's name, unless
+    /// `VGPU_COMPUTE_PROFILE=off` (then its name is not read). Said once per device, at info level.
+    fn choose_compensation(&self, ordinal: CUdevice, handle: Option<crate::sys::nvml::nvmlDevice_t>) -> Compensation {
+        let setting = self.config.compute_profile;
+        let name = match setting {
+            vgpu_config::ComputeProfile::Off => None,
+            vgpu_config::ComputeProfile::Auto => handle.and_then(nvml_reading::device_name),
+        };
+        let choice = boards::choose(setting, name.as_deref());
+        tracing::info!("compute limiter: device {ordinal}: {}", choice.why);
+        choice.compensation
     }
 
     /// The visible devices this process has launched on, with their ordinals.
@@ -336,8 +360,9 @@ impl Runtime {
         // (they also read the front end's gaps between kernels, which the trim takes out).
         let trimmed_share = measured * trim;
         let share = boost::busy_share(trimmed_share, gpu, clock_known);
-        let target = nvml.power.map_or(1.0, |reading| boost::target_factor(reading, share));
-        let next = boost::smoothed(current, target, starting || last.readings == 0);
+        let compensation = last.compensation.unwrap_or(Compensation::TimeShare);
+        let target = compensation.target_factor(nvml.power, share);
+        let next = compensation.smoothed(current, target, starting || last.readings == 0);
         next_seen.readings = last.readings.saturating_add(1);
         *seen = next_seen;
         factors.boost.store((next * unit).round() as u32, Ordering::Relaxed);
