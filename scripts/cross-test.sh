@@ -38,9 +38,9 @@ cargo build -p vgpu-hook --features fault-injection --target-dir target/fault-in
 cargo test -p vgpu-test-spawn
 
 # Left out under emulation, each for its reason (all pass natively in `make test`):
-# - compute.rs, compute_jobs.rs (whole files): they hold GPU-time shares against wall-clock time,
-#   and qemu slows the host side of each launch unevenly (tens of times), so they would measure
-#   the emulator, not the limiter.
+# - compute.rs, compute_jobs.rs, board_profile.rs (whole files): they hold GPU-time shares against
+#   wall-clock time, and qemu slows the host side of each launch unevenly (tens of times), so they
+#   would measure the emulator, not the limiter.
 # - racing_processes_never_exceed_the_limit_together, kill_storm_never_blocks_survivors_and_leaves_
 #   no_charge, readers_see_consistent_snapshots_while_eight_processes_allocate_and_free: each
 #   requires a minimum of traffic in a fixed time (allocations, kills, allocate+free pairs), which

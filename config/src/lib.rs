@@ -1,6 +1,6 @@
 //! Configuration read from the environment when the library loads: memory and compute limits per
-//! device, where the shared region lives, the task priority, the utilisation policy and the log
-//! level.
+//! device, where the shared region lives, the task priority, the utilisation policy, what the
+//! compute limit is a share of, and the log level.
 //!
 //! The variable names and meanings are HAMi-core's, so that this library is a drop-in replacement,
 //! but parsing is strict: HAMi-core turns a malformed limit into "no limit" (or into a surprising
@@ -27,6 +27,7 @@ const SHARED_CACHE_VAR: &str = "CUDA_DEVICE_MEMORY_SHARED_CACHE";
 const TASK_PRIORITY_VAR: &str = "CUDA_TASK_PRIORITY";
 const SHARED_CACHE_ANY_OWNER_VAR: &str = "VGPU_SHARED_CACHE_ANY_OWNER";
 const UTILIZATION_POLICY_VAR: &str = "GPU_CORE_UTILIZATION_POLICY";
+const COMPUTE_PROFILE_VAR: &str = "VGPU_COMPUTE_PROFILE";
 const LOG_LEVEL_VAR: &str = "LIBCUDA_LOG_LEVEL";
 
 const DEFAULT_TASK_PRIORITY: i32 = 1;
@@ -65,6 +66,27 @@ fn parse_policy(text: &str) -> Result<UtilizationPolicy, String> {
     .ok_or_else(|| "unknown policy (expected force, disable or default)".to_owned())
 }
 
+/// What the compute limit's share is of (`VGPU_COMPUTE_PROFILE`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ComputeProfile {
+    /// `auto` (or unset, or empty): on a board with a profile (its power model, found by NVML's
+    /// name), a share of the work the GPU does unlimited, its boost clock compensated; on any
+    /// other GPU, a share of its time.
+    Auto,
+    /// `off`: a share of the GPU's time on every board.
+    Off,
+}
+
+/// `auto` or `off`, in any case (as the policy above). Anything else is an error: a misspelt
+/// `off` would otherwise leave the power model on.
+fn parse_compute_profile(text: &str) -> Result<ComputeProfile, String> {
+    [("auto", ComputeProfile::Auto), ("off", ComputeProfile::Off)]
+        .into_iter()
+        .find(|(name, _)| text.eq_ignore_ascii_case(name))
+        .map(|(_, profile)| profile)
+        .ok_or_else(|| "unknown value (expected auto or off)".to_owned())
+}
+
 /// Everything the hook needs from the environment, parsed once.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Config {
@@ -82,6 +104,8 @@ pub struct Config {
     pub task_priority: i32,
     /// `GPU_CORE_UTILIZATION_POLICY`.
     pub utilization_policy: UtilizationPolicy,
+    /// `VGPU_COMPUTE_PROFILE`.
+    pub compute_profile: ComputeProfile,
     /// `LIBCUDA_LOG_LEVEL`, 0..=4.
     pub log_level: u8,
 }
@@ -96,6 +120,7 @@ impl Default for Config {
             shared_cache_any_owner: false,
             task_priority: DEFAULT_TASK_PRIORITY,
             utilization_policy: UtilizationPolicy::FollowRegion,
+            compute_profile: ComputeProfile::Auto,
             log_level: DEFAULT_LOG_LEVEL,
         }
     }
@@ -203,9 +228,9 @@ impl Config {
 
     /// Variables are checked in a fixed order (global memory limit, per-device memory variables
     /// of no device among `listed`, per-device memory limits 0..15, the same three for the SM
-    /// limit, priority, `VGPU_SHARED_CACHE_ANY_OWNER`, shared region path, utilisation policy)
-    /// and the first malformed one is
-    /// the error, so the same environment always reports the same variable.
+    /// limit, priority, `VGPU_SHARED_CACHE_ANY_OWNER`, shared region path, utilisation policy,
+    /// `VGPU_COMPUTE_PROFILE`) and the first malformed one is the error, so the same environment
+    /// always reports the same variable.
     fn read(lookup: impl Fn(&str) -> Option<OsString>, listed: &[(OsString, OsString)]) -> Result<Config, ConfigError> {
         let mut config = Config::default();
 
@@ -255,6 +280,9 @@ impl Config {
 
         if let Some(policy) = read_setting(&lookup, UTILIZATION_POLICY_VAR, parse_policy)? {
             config.utilization_policy = policy;
+        }
+        if let Some(profile) = read_setting(&lookup, COMPUTE_PROFILE_VAR, parse_compute_profile)? {
+            config.compute_profile = profile;
         }
         config.log_level = log_level_from_value(lookup(LOG_LEVEL_VAR).as_deref());
         Ok(config)
@@ -729,6 +757,7 @@ mod tests {
         assert_eq!(config.shared_cache, PathBuf::from("/tmp/cudevshr.cache"));
         assert_eq!(config.task_priority, 1);
         assert_eq!(config.utilization_policy, UtilizationPolicy::FollowRegion);
+        assert_eq!(config.compute_profile, ComputeProfile::Auto);
         assert_eq!(config.log_level, 2);
     }
 
@@ -816,6 +845,7 @@ mod tests {
     #[test]
     fn first_malformed_variable_in_fixed_order_wins() {
         let all_bad = [
+            ("VGPU_COMPUTE_PROFILE", "none"),
             ("GPU_CORE_UTILIZATION_POLICY", "forced"),
             ("CUDA_DEVICE_MEMORY_SHARED_CACHE", "region"),
             ("CUDA_TASK_PRIORITY", "high"),
@@ -840,6 +870,7 @@ mod tests {
             "CUDA_TASK_PRIORITY",
             "CUDA_DEVICE_MEMORY_SHARED_CACHE",
             "GPU_CORE_UTILIZATION_POLICY",
+            "VGPU_COMPUTE_PROFILE",
         ];
         // Drop the reported variable each round; the next one in the order must be reported.
         let mut remaining = all_bad.to_vec();
@@ -976,6 +1007,57 @@ mod tests {
     }
 
     #[test]
+    fn compute_profile_is_auto_or_off() {
+        let profile_of =
+            |value: &str| config_of(&[("VGPU_COMPUTE_PROFILE", value)]).map(|config| config.compute_profile);
+        for value in ["auto", "AUTO", "Auto", ""] {
+            assert_eq!(profile_of(value), Ok(ComputeProfile::Auto), "{value:?}");
+        }
+        for value in ["off", "OFF", "Off"] {
+            assert_eq!(profile_of(value), Ok(ComputeProfile::Off), "{value:?}");
+        }
+        assert_eq!(config_of(&[]).map(|c| c.compute_profile), Ok(ComputeProfile::Auto));
+        for value in [
+            "on",
+            "0",
+            "1",
+            "none",
+            "disable",
+            " off",
+            "off ",
+            "auto,off",
+            "NVIDIA H200",
+            "h200",
+            "time",
+        ] {
+            let error = config_of(&[("VGPU_COMPUTE_PROFILE", value)]).err();
+            assert_eq!(
+                error
+                    .as_ref()
+                    .map(|e| (e.variable.as_str(), e.value.as_str(), e.reason.as_str())),
+                Some(("VGPU_COMPUTE_PROFILE", value, "unknown value (expected auto or off)")),
+                "{value:?}"
+            );
+            let line = error.map(|e| e.to_string()).unwrap_or_default();
+            assert!(
+                line.starts_with("invalid VGPU_COMPUTE_PROFILE=") && !line.contains('\n'),
+                "{line}"
+            );
+        }
+        let non_utf8 = |name: &str| (name == "VGPU_COMPUTE_PROFILE").then(|| OsString::from_vec(vec![b'o', 0xff]));
+        assert_eq!(
+            Config::from_lookup(non_utf8).err().map(|e| (e.variable, e.reason)),
+            Some(("VGPU_COMPUTE_PROFILE".to_owned(), "not valid UTF-8".to_owned()))
+        );
+        // Read from the whole environment too.
+        let vars = [("VGPU_COMPUTE_PROFILE", "off")].map(|(name, value)| (OsString::from(name), OsString::from(value)));
+        assert_eq!(
+            Config::from_vars(vars).map(|config| config.compute_profile),
+            Ok(ComputeProfile::Off)
+        );
+    }
+
+    #[test]
     fn the_whole_environment_includes_the_any_owner_switch() {
         let vars = [("VGPU_SHARED_CACHE_ANY_OWNER", "1"), ("HOME", "/root")]
             .map(|(name, value)| (OsString::from(name), OsString::from(value)));
@@ -1062,6 +1144,7 @@ mod tests {
             ("CUDA_DEVICE_SM_LIMIT_3", long.as_str()),
             ("CUDA_TASK_PRIORITY", long.as_str()),
             ("GPU_CORE_UTILIZATION_POLICY", long.as_str()),
+            ("VGPU_COMPUTE_PROFILE", long.as_str()),
             ("CUDA_DEVICE_MEMORY_SHARED_CACHE", long.as_str()),
         ] {
             let error = config_of(&[(variable, value)]).err();

@@ -10,7 +10,7 @@ use libfuzzer_sys::fuzz_target;
 
 // The hook's configuration crate. `from_env` and `log_level_from_env` read the real environment
 // and are not fuzzed.
-use vgpu_config::{Config, ConfigError, MAX_DEVICES, parse_percent, parse_size};
+use vgpu_config::{ComputeProfile, Config, ConfigError, MAX_DEVICES, parse_percent, parse_size};
 
 /// Variables that get a value from the input, in the order `from_lookup` checks them (the ones
 /// that can fail first), then the ones that never fail.
@@ -22,16 +22,18 @@ fn variable_names() -> Vec<String> {
     names.push("CUDA_TASK_PRIORITY".to_owned());
     names.push("CUDA_DEVICE_MEMORY_SHARED_CACHE".to_owned());
     names.push("GPU_CORE_UTILIZATION_POLICY".to_owned());
+    names.push("VGPU_COMPUTE_PROFILE".to_owned());
     names.push("LIBCUDA_LOG_LEVEL".to_owned());
     names
 }
 
 /// Positions in `variable_names` of the variables after the limits; everything up to
-/// GPU_CORE_UTILIZATION_POLICY can fail.
+/// VGPU_COMPUTE_PROFILE can fail.
 const PRIORITY: usize = 2 * MAX_DEVICES + 2;
 const SHARED_CACHE: usize = PRIORITY + 1;
 const POLICY: usize = PRIORITY + 2;
-const LAST_FALLIBLE: usize = POLICY;
+const COMPUTE_PROFILE: usize = PRIORITY + 3;
+const LAST_FALLIBLE: usize = COMPUTE_PROFILE;
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(text) = std::str::from_utf8(data) {
@@ -110,6 +112,10 @@ fn check_valid_config(config: &Config, names: &[String], values: &[&[u8]]) {
     assert_eq!(config.sm_limit_of(MAX_DEVICES), None);
     // A region path in use is absolute: a relative one would not be shared.
     assert!(config.shared_cache.is_absolute(), "{:?}", config.shared_cache);
+    // `off` in any case turns the board profiles off; unset, empty or `auto` leaves them on.
+    let off = text_at(values, COMPUTE_PROFILE).is_some_and(|text| text.eq_ignore_ascii_case("off"));
+    let expected = if off { ComputeProfile::Off } else { ComputeProfile::Auto };
+    assert_eq!(config.compute_profile, expected);
 }
 
 /// Whether a set, non-empty value of variable `position` is accepted on its own.
@@ -125,6 +131,7 @@ fn valid_at(position: usize, value: &[u8]) -> bool {
                 .iter()
                 .any(|name| text.eq_ignore_ascii_case(name))
         }),
+        COMPUTE_PROFILE => text.is_ok_and(|text| ["auto", "off"].iter().any(|name| text.eq_ignore_ascii_case(name))),
         _ => text.is_ok_and(|text| parse_percent(text).is_ok()),
     }
 }

@@ -1,8 +1,9 @@
-"""What compute-jobs reports say about the boost compensation's constants (hook/src/throttle/boost.rs):
-for a maintainer checking them on another GPU, another driver or another day, from the reports
+"""What compute-jobs reports say about a board's boost compensation constants (its profile in
+hook/src/throttle/boards.toml, the model in boost.rs): for a maintainer checking them on another GPU,
+another driver or another day, or fitting them for a board that has none, from the reports
 tests/gpu/compute_jobs.sh already writes.
 
-    boost_fit.py [--job gemm] [--limit-watts 700] [--rated-watts W] [--heaviest 1.3]
+    boost_fit.py [--board NAME] [--job gemm] [--limit-watts 700] [--rated-watts W] [--heaviest 1.3]
                  [--max-mhz 1980] [--min-busy 20] <report> [...]
 
 A report gives, for the job's native runs, the SM clock and power busy all the time (its full-load
@@ -12,17 +13,20 @@ runs, times their busy share), NVML's busy share `s` of the GPU, the SM clock `f
 whole percent) and the clock at least 2% above the full-load one, it prints:
 
 - speed-up: the work done per busy second against the native runs' (GPU share / `s`), which is
-  the factor the point needed; kernel time ~ clock^-BETA gives BETA = ln(speed-up) / ln(f / f_full);
+  the factor the point needed; kernel time ~ clock^-beta gives beta = ln(speed-up) / ln(f / f_full);
 - over: the dynamic power at full load that the model infers, `(P - P_idle) / s / (P_cap - P_idle)`
-  (idle: 17% of the rated power), which it turns into a factor as over^(BETA / ALPHA); dynamic
-  power ~ clock^ALPHA gives ALPHA = ln(over) / ln(f / f_full);
-- the model's factor (over^(BETA / ALPHA)) and the clock's bound ((f / f_floor)^BETA).
+  (idle: idle_share of the rated power), which it turns into a factor as over^(beta / alpha);
+  dynamic power ~ clock^alpha gives alpha = ln(over) / ln(f / f_full);
+- the model's factor (over^(beta / alpha)) and the clock's bound ((f / f_floor)^beta).
 
-The constants (IDLE_SHARE, ALPHA, BETA, HEAVIEST_WORK) are read from boost.rs itself, so the
-check follows the library it describes; --heaviest tries another HEAVIEST_WORK.
+The constants (idle_share, alpha, beta, heaviest_work) are the profile in boards.toml of the board
+the first report names in its first line (nvidia-smi's name, which is NVML's), or of --board, so
+the check follows the library it describes; --heaviest tries another heaviest_work. For a board
+without a profile, pass --board with a profiled board's name to start from its constants: the
+medians then say what this board's are.
 
-Then the medians of BETA and ALPHA against boost.rs's, and the floor check: no GPU busy all the
-time should run below `f_floor = f_max * ((P_cap - P_idle) / (HEAVIEST_WORK * P_rated))^(1/ALPHA)`,
+Then the medians of beta and alpha against the profile's, and the floor check: no GPU busy all the
+time should run below `f_floor = f_max * ((P_cap - P_idle) / (heaviest_work * P_rated))^(1/alpha)`,
 or the bound cuts the boost of every point held partly down by power (the GEMM at 90 on
 2026-12-03: floor 1549 MHz, full load 1478-1494 MHz).
 """
@@ -32,23 +36,31 @@ import os
 import re
 import statistics
 
-BOOST_RS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "hook", "src", "throttle", "boost.rs")
+BOARDS_TOML = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "hook", "src", "throttle", "boards.toml"
+)
+FIELDS = ("idle_share", "alpha", "beta", "heaviest_work")
 
 
-def boost_constants(path=BOOST_RS):
-    """The model's constants as boost.rs defines them (`pub const NAME: f64 = value;`)."""
-    with open(path, encoding="utf-8") as source:
-        text = source.read()
-    found = dict(re.findall(r"^pub const (\w+): f64 = ([\d.]+);", text, re.M))
-    names = ("IDLE_SHARE", "ALPHA", "BETA", "HEAVIEST_WORK")
-    missing = [name for name in names if name not in found]
-    if missing:
-        raise SystemExit(f"{path}: no f64 constant {', '.join(missing)}")
-    return {name: float(found[name]) for name in names}
+def board_profiles(path=BOARDS_TOML):
+    """Each board's model constants by NVML name, as boards.toml gives them."""
+    try:
+        import tomllib
+    except ImportError:
+        raise SystemExit("boost_fit.py reads boards.toml with tomllib: it needs Python 3.11 or newer")
+    with open(path, "rb") as source:
+        boards = tomllib.load(source).get("board", [])
+    return {name: {field: float(board[field]) for field in FIELDS} for board in boards for name in board["names"]}
 
 
-CONSTANTS = boost_constants()
-IDLE_SHARE, ALPHA, BETA = CONSTANTS["IDLE_SHARE"], CONSTANTS["ALPHA"], CONSTANTS["BETA"]
+def report_gpu(path):
+    """The GPU a report ran on, as its first line names it (nvidia-smi's name, NVML's)."""
+    with open(path, encoding="utf-8") as report:
+        first = report.readline()
+    named = re.search(r" UTC, (.+), [\d.]+\s*$", first)
+    return named.group(1).strip() if named else None
+
+
 # A point whose clock is within this share of the full-load clock has no boost to fit: the
 # exponents would divide by the log of a ratio near 1.
 MIN_BOOST = 0.02
@@ -60,12 +72,12 @@ POINT = re.compile(
 )
 
 
-def floor_mhz(max_mhz, limit_watts, rated_watts, heaviest):
+def floor_mhz(profile, max_mhz, limit_watts, rated_watts, heaviest):
     """The clock the heaviest work settles at busy all the time (boost.rs, ClockReading::bound)."""
-    headroom = limit_watts - IDLE_SHARE * rated_watts
+    headroom = limit_watts - profile["idle_share"] * rated_watts
     if headroom <= 0:
         return None
-    return max_mhz * min((heaviest * rated_watts / headroom) ** (-1.0 / ALPHA), 1.0)
+    return max_mhz * min((heaviest * rated_watts / headroom) ** (-1.0 / profile["alpha"]), 1.0)
 
 
 def read_report(path, job):
@@ -87,19 +99,29 @@ def read_report(path, job):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("reports", nargs="+")
+    parser.add_argument("--board", help="the profile's board, by NVML's name (default: the first report's GPU)")
     parser.add_argument("--job", default="gemm")
     parser.add_argument("--limit-watts", type=float, default=700.0, help="the enforced power limit (H200: 700)")
     parser.add_argument("--rated-watts", type=float, help="the board's default power limit (default: the enforced one)")
-    parser.add_argument(
-        "--heaviest", type=float, default=CONSTANTS["HEAVIEST_WORK"], help="HEAVIEST_WORK (default: boost.rs's)"
-    )
+    parser.add_argument("--heaviest", type=float, help="heaviest_work (default: the profile's)")
     parser.add_argument("--max-mhz", type=float, default=1980.0, help="the highest SM clock (H200: 1980)")
     parser.add_argument("--min-busy", type=int, default=20, help="NVML's busy percent below which a point is left out")
     args = parser.parse_args()
+    profiles = board_profiles()
+    board = args.board or report_gpu(args.reports[0])
+    if board not in profiles:
+        raise SystemExit(
+            f"no profile for the board {board!r} in boards.toml (boards: {', '.join(sorted(profiles))});"
+            " pass --board with one of them to check these reports against its constants"
+        )
+    profile = profiles[board]
+    idle_share, alpha, beta = profile["idle_share"], profile["alpha"], profile["beta"]
+    heaviest = profile["heaviest_work"] if args.heaviest is None else args.heaviest
+    print(f"profile: {board} ({', '.join(f'{field} {profile[field]}' for field in FIELDS)})")
     rated = args.rated_watts or args.limit_watts
-    idle = IDLE_SHARE * rated
+    idle = idle_share * rated
     headroom = args.limit_watts - idle
-    floor = floor_mhz(args.max_mhz, args.limit_watts, rated, args.heaviest)
+    floor = floor_mhz(profile, args.max_mhz, args.limit_watts, rated, heaviest)
     if floor is None:
         raise SystemExit(f"a power limit of {args.limit_watts:.0f} W leaves nothing above the idle power ({idle:.0f} W)")
     betas, alphas, lowest_full_load = [], [], None
@@ -112,7 +134,7 @@ def main():
         lowest = min(mhz for mhz, _ in full_load)
         lowest_full_load = lowest if lowest_full_load is None else min(lowest_full_load, lowest)
         print(f"{path}: {args.job} busy all the time at {f_full:.0f} MHz ({' '.join(f'{m:.0f}' for m, _ in full_load)})")
-        print("  limit  busy%    MHz      W  speed-up  BETA   over  ALPHA  model  bound")
+        print("  limit  busy%    MHz      W  speed-up  beta   over  alpha  model  bound")
         for limit, share, busy, mhz, watts in points:
             s = busy / 100.0
             reason = (
@@ -129,31 +151,31 @@ def main():
                 continue
             speed_up = share / busy
             clock_ratio = math.log(mhz / f_full)
-            beta = math.log(speed_up) / clock_ratio if speed_up > 0 else float("nan")
+            point_beta = math.log(speed_up) / clock_ratio if speed_up > 0 else float("nan")
             over = (watts - idle) / s / headroom
-            alpha = math.log(over) / clock_ratio if over > 0 else float("nan")
-            model = max(over, 1.0) ** (BETA / ALPHA)
-            bound = max((mhz / floor) ** BETA, 1.0)
-            for value, kept in ((beta, betas), (alpha, alphas)):
+            point_alpha = math.log(over) / clock_ratio if over > 0 else float("nan")
+            model = max(over, 1.0) ** (beta / alpha)
+            bound = max((mhz / floor) ** beta, 1.0)
+            for value, kept in ((point_beta, betas), (point_alpha, alphas)):
                 if math.isfinite(value):
                     kept.append(value)
             print(
-                f"  {limit:5}  {busy:5}  {mhz:5.0f}  {watts:5.0f}  {speed_up:8.3f}  {beta:4.2f}  "
-                f"{over:5.3f}  {alpha:5.2f}  {model:5.3f}  {bound:5.3f}"
+                f"  {limit:5}  {busy:5}  {mhz:5.0f}  {watts:5.0f}  {speed_up:8.3f}  {point_beta:4.2f}  "
+                f"{over:5.3f}  {point_alpha:5.2f}  {model:5.3f}  {bound:5.3f}"
             )
     if betas:
-        print(f"BETA: median {statistics.median(betas):.2f} over {len(betas)} points (boost.rs: {BETA})")
+        print(f"beta: median {statistics.median(betas):.2f} over {len(betas)} points (the profile's: {beta})")
     if alphas:
-        print(f"ALPHA: median {statistics.median(alphas):.2f} over {len(alphas)} points (boost.rs: {ALPHA})")
+        print(f"alpha: median {statistics.median(alphas):.2f} over {len(alphas)} points (the profile's: {alpha})")
     if lowest_full_load is not None:
         verdict = "at or above it" if lowest_full_load >= floor else "BELOW it: the bound cuts the boost"
         print(
-            f"floor: {floor:.0f} MHz with HEAVIEST_WORK {args.heaviest}; the lowest full-load clock"
+            f"floor: {floor:.0f} MHz with heaviest_work {heaviest}; the lowest full-load clock"
             f" {lowest_full_load:.0f} MHz is {verdict}"
         )
         if lowest_full_load < floor:
-            needed = (args.max_mhz / lowest_full_load) ** ALPHA * headroom / rated
-            print(f"  HEAVIEST_WORK of at least {needed:.2f} puts the floor at {lowest_full_load:.0f} MHz")
+            needed = (args.max_mhz / lowest_full_load) ** alpha * headroom / rated
+            print(f"  heaviest_work of at least {needed:.2f} puts the floor at {lowest_full_load:.0f} MHz")
 
 
 if __name__ == "__main__":

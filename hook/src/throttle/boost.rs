@@ -4,71 +4,100 @@
 //! GEMM on the H200: 1578 MHz at 662 W). Held to half of its time by the limiter, the same GPU
 //! stays under its power limit and runs at its highest clock (1980 MHz), so each kernel takes
 //! less time (176 us instead of 206 us) and half of the GPU's time does 58% of the unlimited
-//! work (docs/gpu/2026-11-30-compute-time-share.txt, before this compensation). The limit is a share of the GPU; so that it holds in work done, and not only in time,
-//! a kernel is charged what it would take on the GPU busy with this container's work alone.
+//! work (docs/gpu/2026-11-30-compute-time-share.txt, before this compensation). The limit is a
+//! share of the GPU; so that it holds in work done, and not only in time, a kernel is charged
+//! what it would take on the GPU busy with this container's work alone.
 //!
-//! That time comes from a model of the GPU's power, fed by NVML once a second:
+//! That time comes from a model of the GPU's power, fed by NVML once a second, whose constants
+//! are the board's ([`Profile`], from `boards.toml` by NVML's name: [`super::boards`]). A GPU
+//! without a profile, or with `VGPU_COMPUTE_PROFILE=off`, has no model: its factor is 1
+//! ([`Compensation::TimeShare`]), and the limit is a share of its time.
 //!
 //! - the GPU's power `P` (NVML's average), its enforced power limit `P_cap`, an idle power of
-//!   [`IDLE_SHARE`] of the board's default power limit `P_rated` (the clocks stay up between
-//!   kernels; idle power is the board's, whatever limit an administrator set), and the share `s` of the
-//!   GPU's time that kernels take: the container's own, measured by the sensor before
-//!   compensation and trimmed to NVML's busy time (the brackets also read the front end's gaps
-//!   between kernels, which draw no dynamic power) ([`busy_share`] says why NVML's utilisation is
-//!   used only without a clock reading);
+//!   [`Profile::idle_share`] of the board's default power limit `P_rated` (the clocks stay up
+//!   between kernels; idle power is the board's, whatever limit an administrator set), and the
+//!   share `s` of the GPU's time that kernels take: the container's own, measured by the sensor
+//!   before compensation and trimmed to NVML's busy time (the brackets also read the front end's
+//!   gaps between kernels, which draw no dynamic power) ([`busy_share`] says why NVML's
+//!   utilisation is used only without a clock reading);
 //! - the GPU's dynamic power were it busy all the time at this clock: `(P - P_idle) / s`;
-//! - dynamic power grows as the clock to the power [`ALPHA`], a kernel's time shrinks as the clock
-//!   to the power [`BETA`] (both measured on the H200: a GEMM's time is not all compute); so a
-//!   GPU over its limit at full load would run each kernel slower by
-//!   `((P - P_idle) / s / (P_cap - P_idle)) ^ (BETA / ALPHA)`, which is the factor charged.
+//! - dynamic power grows as the clock to the power [`Profile::alpha`], a kernel's time shrinks as
+//!   the clock to the power [`Profile::beta`] (a GEMM's time is not all compute); so a GPU over
+//!   its limit at full load would run each kernel slower by
+//!   `((P - P_idle) / s / (P_cap - P_idle)) ^ (beta / alpha)`, which is the factor charged.
 //!
 //! NVML cannot tell whose work the GPU's power is for: another container's work is counted as this
 //! one's, and the power alone would charge a container sharing a saturated GPU for a boost it does
 //! not get. The clock bounds that:
 //!
-//! - no work draws more than [`HEAVIEST_WORK`] times the board's default power limit in dynamic
-//!   power at the highest clock `f_max` (were the GPU busy all the time), so no GPU busy all the
-//!   time settles below `f_floor = f_max * ((P_cap - P_idle) / (HEAVIEST_WORK * P_rated))^(1 /
-//!   ALPHA)` (H200 at its default limit: 1468 MHz), and a kernel running at the present clock `f`
-//!   takes at most `(f / f_floor)^BETA` less time than it would at full load: the factor never
-//!   exceeds that. A GPU saturated by one GEMM runs near `f_floor`; the GEMMs of several
-//!   containers saturating it together run a little faster (the switches between their contexts
-//!   leave it idle a little), and each is charged the same bound, which their kernels do gain
-//!   over one GEMM alone at full load. One whose clock a power slowdown holds partly down keeps
-//!   the part of the boost its clock shows. The clock is one instantaneous reading (NVML's power
-//!   is a 1 s average), so the bound moves from reading to reading; the factor's smoothing
+//! - no work draws more than [`Profile::heaviest_work`] times the board's default power limit in
+//!   dynamic power at the highest clock `f_max` (were the GPU busy all the time), so no GPU busy
+//!   all the time settles below `f_floor = f_max * ((P_cap - P_idle) / (heaviest_work *
+//!   P_rated))^(1 / alpha)` (H200 at its default limit: 1468 MHz), and a kernel running at the
+//!   present clock `f` takes at most `(f / f_floor)^beta` less time than it would at full load:
+//!   the factor never exceeds that. A GPU saturated by one GEMM runs near `f_floor`; the GEMMs of
+//!   several containers saturating it together run a little faster (the switches between their
+//!   contexts leave it idle a little), and each is charged the same bound, which their kernels do
+//!   gain over one GEMM alone at full load. One whose clock a power slowdown holds partly down
+//!   keeps the part of the boost its clock shows. The clock is one instantaneous reading (NVML's
+//!   power is a 1 s average), so the bound moves from reading to reading; the factor's smoothing
 //!   averages it;
 //! - without the clock readings, while the GPU reports a power or thermal slowdown the factor is
 //!   1 (the kernels may already run at the clock the power limit allows);
-//! - the factor never exceeds [`MAX_FACTOR`], a little above the H200's whole boost range (1980
-//!   MHz over 1470 MHz, the lowest clock seen under a GEMM, to the power [`BETA`]: 1.22);
+//! - the factor never exceeds [`Profile::max_factor`], a little above the board's whole boost
+//!   range;
 //! - without NVML's power readings the factor stays 1 (time share).
 
-/// Idle power with the clocks up, as a share of the default power limit (H200: the GEMM held to
-/// 10, 25 and 50% of the time draws 201, 318 and 501 W, a line through about 125 W of 700 W at
-/// 0%: docs/gpu/2026-11-30-compute-time-share.txt).
-pub const IDLE_SHARE: f64 = 0.17;
-/// Dynamic power ~ clock^ALPHA over the boost range, fitted to the H200 GEMM: held to 10-50% of
-/// the time at 1980 MHz it draws 750 W of dynamic power were it busy all the time (the slope of
-/// the idle-power note's line), unlimited 540-570 W (662-690 W less the idle) at 1470-1656 MHz
-/// (docs/gpu/2026-11-30-compute*.txt and -boost-probe.txt).
-pub const ALPHA: f64 = 1.5;
-/// Kernel time ~ clock^-BETA (H200 bf16 GEMM: 176.1 us at 1980 MHz, the limiter's mean charge at
-/// limit 50 before this compensation, against 205.9 us per product unlimited at 1578 MHz, from the
-/// rate: docs/gpu/2026-11-30-compute-time-share.txt; that pair alone gives 0.69).
-pub const BETA: f64 = 0.66;
-/// The largest factor charged.
-pub const MAX_FACTOR: f64 = 1.25;
-/// The most dynamic power any work draws were the GPU busy all the time at its highest clock, as
-/// a share of the default power limit. The H200 bf16 GEMM, as power-hungry as work gets, draws
-/// 730-790 W for a 700 W limit (1.05-1.13): `(P - 119 W) / share / (f / 1980 MHz)^ALPHA` from
-/// its mean power and clock held to 10-75% of the time (1980 and 1878 MHz; share: the limiter's
-/// count) and unlimited (1629 MHz), in docs/gpu/2026-11-30-compute-boost-clock-branch.txt.
-/// Single samples give more (690 W at 1470 MHz: 1.28, -boost-probe.txt), and the same GEMM busy
-/// all the time ran at 1478-1494 MHz on 2026-12-03 (-trimmed-share-compute-jobs-part1.txt), below
-/// the 1549 MHz floor that 1.2 set: 1.3 puts the floor at 1468 MHz, the lowest clock seen under
-/// it. A heavier work is charged less than its boost at a partial slowdown, never more.
-pub const HEAVIEST_WORK: f64 = 1.3;
+/// A board's power model: the constants of the model above, fitted to one kind of GPU
+/// (`boards.toml`, which documents each; [`super::boards`] reads and checks them).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Profile {
+    /// Idle power with the clocks up, as a share of the board's default power limit.
+    pub idle_share: f64,
+    /// Dynamic power grows as the SM clock to this power over the boost range.
+    pub alpha: f64,
+    /// A kernel's time shrinks as the SM clock to this power.
+    pub beta: f64,
+    /// The most dynamic power any work draws were the GPU busy all the time at its highest
+    /// clock, as a share of the board's default power limit.
+    pub heaviest_work: f64,
+    /// The largest factor charged.
+    pub max_factor: f64,
+}
+
+/// How a device's charges follow its power readings.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Compensation {
+    /// The board's power model: the limit is a share of the work the GPU does unlimited.
+    Modelled(Profile),
+    /// No power model: the limit is a share of the GPU's time (a factor of 1).
+    TimeShare,
+}
+
+impl Compensation {
+    /// Whether the power readings are needed at all.
+    pub fn reads_power(self) -> bool {
+        matches!(self, Compensation::Modelled(_))
+    }
+
+    /// The factor a reading calls for (1 without a model or a reading), given the share of the
+    /// GPU's time the container's kernels took (0..=1, before compensation).
+    pub fn target_factor(self, reading: Option<PowerReading>, busy_share: f64) -> f64 {
+        match (self, reading) {
+            (Compensation::Modelled(profile), Some(reading)) => profile.target_factor(reading, busy_share),
+            _ => 1.0,
+        }
+    }
+
+    /// The factor applied now ([`Profile::smoothed`]); 1 without a model.
+    pub fn smoothed(self, previous: f64, target: f64, whole: bool) -> f64 {
+        match self {
+            Compensation::Modelled(profile) => profile.smoothed(previous, target, whole),
+            Compensation::TimeShare => 1.0,
+        }
+    }
+}
+
 /// Below this busy share the power says nothing about the container's work.
 const MIN_SHARE: f64 = 0.02;
 /// Weight of a new reading in the factor (readings come once a second; NVML's power is itself
@@ -102,17 +131,17 @@ pub struct ClockReading {
 
 impl ClockReading {
     /// The most a kernel can run faster at this clock than on a GPU busy all the time:
-    /// `(f / f_floor)^BETA`, at least 1, where the heaviest work at full load would need
+    /// `(f / f_floor)^beta`, at least 1, where the heaviest work at full load would need
     /// `heaviest_over_limit` times the dynamic power the limit allows; `None` for a clock no GPU
     /// reports.
-    fn bound(&self, heaviest_over_limit: f64) -> Option<f64> {
+    fn bound(&self, profile: &Profile, heaviest_over_limit: f64) -> Option<f64> {
         let positive = |value: f64| value.is_finite() && value > 0.0;
         if !positive(self.sm_mhz) || !positive(self.max_sm_mhz) || !positive(heaviest_over_limit) {
             return None;
         }
-        let floor_ratio = heaviest_over_limit.powf(-1.0 / ALPHA).min(1.0);
+        let floor_ratio = heaviest_over_limit.powf(-1.0 / profile.alpha).min(1.0);
         let ratio = (self.sm_mhz / self.max_sm_mhz).min(1.0);
-        Some((ratio / floor_ratio).powf(BETA).max(1.0))
+        Some((ratio / floor_ratio).powf(profile.beta).max(1.0))
     }
 }
 
@@ -133,50 +162,53 @@ pub fn busy_share(own: f64, gpu: Option<f64>, clock_known: bool) -> f64 {
     }
 }
 
-/// The factor for one reading, given the share of the GPU's time the container's kernels took
-/// (0..=1, before compensation).
-pub fn target_factor(reading: PowerReading, busy_share: f64) -> f64 {
-    let unusable = |value: f64, least: f64| value.is_nan() || value < least;
-    if unusable(busy_share, MIN_SHARE)
-        || unusable(reading.limit_watts, f64::MIN_POSITIVE)
-        || !reading.watts.is_finite()
-        || !reading.limit_watts.is_finite()
-    {
-        return 1.0;
+impl Profile {
+    /// The factor for one reading, given the share of the GPU's time the container's kernels took
+    /// (0..=1, before compensation).
+    pub fn target_factor(&self, reading: PowerReading, busy_share: f64) -> f64 {
+        let unusable = |value: f64, least: f64| value.is_nan() || value < least;
+        if unusable(busy_share, MIN_SHARE)
+            || unusable(reading.limit_watts, f64::MIN_POSITIVE)
+            || !reading.watts.is_finite()
+            || !reading.limit_watts.is_finite()
+        {
+            return 1.0;
+        }
+        let rated = reading
+            .rated_watts
+            .filter(|watts| watts.is_finite() && *watts > 0.0)
+            .unwrap_or(reading.limit_watts);
+        let idle = self.idle_share * rated;
+        // The dynamic power the enforced limit leaves (none for a limit at or below idle power).
+        let headroom = reading.limit_watts - idle;
+        if headroom.is_nan() || headroom <= 0.0 {
+            return 1.0;
+        }
+        let clock_bound = reading
+            .clock
+            .and_then(|clock| clock.bound(self, self.heaviest_work * rated / headroom));
+        let bound = match (clock_bound, reading.slowed) {
+            (Some(bound), _) => bound,
+            (None, true) => return 1.0,
+            (None, false) => self.max_factor,
+        };
+        let full_load_dynamic = (reading.watts - idle).max(0.0) / busy_share.min(1.0);
+        let over_limit = full_load_dynamic / headroom;
+        if over_limit <= 1.0 {
+            1.0
+        } else {
+            over_limit.powf(self.beta / self.alpha).min(bound).min(self.max_factor)
+        }
     }
-    let rated = reading
-        .rated_watts
-        .filter(|watts| watts.is_finite() && *watts > 0.0)
-        .unwrap_or(reading.limit_watts);
-    let idle = IDLE_SHARE * rated;
-    // The dynamic power the enforced limit leaves (none for a limit at or below idle power).
-    let headroom = reading.limit_watts - idle;
-    if headroom.is_nan() || headroom <= 0.0 {
-        return 1.0;
-    }
-    let clock_bound = reading
-        .clock
-        .and_then(|clock| clock.bound(HEAVIEST_WORK * rated / headroom));
-    let bound = match (clock_bound, reading.slowed) {
-        (Some(bound), _) => bound,
-        (None, true) => return 1.0,
-        (None, false) => MAX_FACTOR,
-    };
-    let full_load_dynamic = (reading.watts - idle).max(0.0) / busy_share.min(1.0);
-    let over_limit = full_load_dynamic / headroom;
-    if over_limit <= 1.0 {
-        1.0
-    } else {
-        over_limit.powf(BETA / ALPHA).min(bound).min(MAX_FACTOR)
-    }
-}
 
-/// The factor applied now: the target itself while `whole` (the first readings), then moved a
-/// step towards the target at each reading.
-pub fn smoothed(previous: f64, target: f64, whole: bool) -> f64 {
-    let weight = if whole { 1.0 } else { SMOOTHING };
-    let next = previous + weight * (target - previous);
-    next.clamp(1.0, MAX_FACTOR)
+    /// The factor applied now: the target itself while `whole` (the first readings), then moved a
+    /// step towards the target at each reading.
+    pub fn smoothed(&self, previous: f64, target: f64, whole: bool) -> f64 {
+        let weight = if whole { 1.0 } else { SMOOTHING };
+        let next = previous + weight * (target - previous);
+        // Never a panic, even for a profile that broke the rules boards.rs checks.
+        next.clamp(1.0, self.max_factor.max(1.0))
+    }
 }
 
 /// NVML's reading of the GPU with this handle; `None` where NVML has no power readings.
@@ -243,7 +275,18 @@ fn read_clock(device: crate::sys::nvml::nvmlDevice_t) -> Option<ClockReading> {
 
 #[cfg(test)]
 mod tests {
+    use vgpu_config::ComputeProfile;
+
     use super::*;
+    use crate::throttle::boards;
+
+    /// The H200's profile, looked up by its NVML name.
+    fn board() -> Profile {
+        match boards::choose(ComputeProfile::Auto, Some("NVIDIA H200")).compensation {
+            Compensation::Modelled(profile) => profile,
+            Compensation::TimeShare => panic!("the H200 has no board profile"),
+        }
+    }
 
     fn h200(watts: f64) -> PowerReading {
         PowerReading {
@@ -276,22 +319,22 @@ mod tests {
         // The GEMM held to half the GPU by two processes is charged about its boost (1.16, under
         // the clock's bound of 1.18 at 1980 MHz), not the 1.08-1.10 that NVML's share gave.
         let reading = at_clock(501.0, 1980.0, false);
-        let two = target_factor(reading, busy_share(0.47, Some(0.6), true));
+        let two = board().target_factor(reading, busy_share(0.47, Some(0.6), true));
         assert!((1.15..=1.19).contains(&two), "{two}");
-        assert!(target_factor(reading, 0.6) < 1.11);
+        assert!(board().target_factor(reading, 0.6) < 1.11);
     }
 
     #[test]
     fn a_boosted_gemm_is_charged_its_time_at_full_load() {
         // The H200 GEMM held to half its time: 501 W at 1980 MHz, 176 us per product against
         // 206 us unlimited (a factor of 1.17; docs/gpu/2026-11-30-compute-time-share.txt).
-        let factor = target_factor(h200(501.0), 0.5);
+        let factor = board().target_factor(h200(501.0), 0.5);
         assert!((1.12..=1.19).contains(&factor), "{factor}");
-        assert_eq!(target_factor(at_clock(501.0, 1980.0, false), 0.5), factor);
+        assert_eq!(board().target_factor(at_clock(501.0, 1980.0, false), 0.5), factor);
         // The same GPU at a tenth and at a quarter of its time: the same full-load power, so
         // about the same factor.
         for (watts, share) in [(201.0, 0.1), (318.0, 0.25)] {
-            let other = target_factor(h200(watts), share);
+            let other = board().target_factor(h200(watts), share);
             assert!(
                 (other - factor).abs() < 0.06,
                 "{watts} W at {share}: {other} against {factor}"
@@ -303,11 +346,11 @@ mod tests {
     fn a_gpu_at_its_power_limit_keeps_the_boost_its_clock_shows() {
         // The H200 GEMM held to 75%: 658 W at 1860 MHz with a power-cap slowdown
         // (-gemm75-clock-trace.txt); unlimited it runs at 1625 MHz (-compute-boost-clock-branch), so each product takes (1860 / 1625)^0.66 = 1.09 less time.
-        let factor = target_factor(at_clock(658.0, 1860.0, true), 0.75);
+        let factor = board().target_factor(at_clock(658.0, 1860.0, true), 0.75);
         assert!((1.07..=1.13).contains(&factor), "{factor}");
         // Without the clock, a slowed GPU is charged its time.
         assert_eq!(
-            target_factor(
+            board().target_factor(
                 PowerReading {
                     slowed: true,
                     ..h200(658.0)
@@ -325,16 +368,16 @@ mod tests {
         // 1478-1494 MHz. Each sees all the power as its own; the clock bounds the charge, the
         // same for both: (1618 / 1468)^0.66 = 1.066 (the old floor's 1549 MHz gave 1.029).
         let reading = at_clock(690.0, 1618.0, true);
-        let small = target_factor(reading, busy_share(0.3, Some(1.0), true));
+        let small = board().target_factor(reading, busy_share(0.3, Some(1.0), true));
         assert!((1.05..1.08).contains(&small), "{small}");
-        assert_eq!(small, target_factor(reading, busy_share(0.63, Some(1.0), true)));
+        assert_eq!(small, board().target_factor(reading, busy_share(0.63, Some(1.0), true)));
         // A GEMM held to 90% alone at 1630 MHz: the power (685 W over a trimmed share of 0.86)
         // calls for 1.056, under the clock's bound of (1630 / 1468)^0.66 = 1.072; the old floor
         // cut it to 1.034.
-        let held = target_factor(at_clock(685.0, 1630.0, true), 0.86);
+        let held = board().target_factor(at_clock(685.0, 1630.0, true), 0.86);
         assert!((1.045..=1.075).contains(&held), "{held}");
         // Without the clock the power alone charges the whole range.
-        assert_eq!(target_factor(h200(671.0), 0.3), MAX_FACTOR);
+        assert_eq!(board().target_factor(h200(671.0), 0.3), board().max_factor);
     }
 
     #[test]
@@ -347,30 +390,30 @@ mod tests {
             rated_watts,
             ..at_clock(480.0, 1500.0, true)
         };
-        let factor = target_factor(lowered(Some(700.0)), 0.75);
+        let factor = board().target_factor(lowered(Some(700.0)), 0.75);
         assert!((1.05..=1.15).contains(&factor), "{factor}");
         // Scaled by the enforced limit instead, the idle power and the heaviest work shrink with
         // it and 1500 MHz looks like full load (the floor's 1468 MHz: at most 1.02).
-        assert!(target_factor(lowered(None), 0.75) < 1.02);
+        assert!(board().target_factor(lowered(None), 0.75) < 1.02);
         // A limit at or below the idle power leaves nothing to model.
         let starved = PowerReading {
             limit_watts: 100.0,
             ..lowered(Some(700.0))
         };
-        assert_eq!(target_factor(starved, 0.75), 1.0);
+        assert_eq!(board().target_factor(starved, 0.75), 1.0);
     }
 
     #[test]
     fn light_work_is_charged_its_time() {
         // Small kernels: 130 W at half the time is far below the limit at full load.
-        assert_eq!(target_factor(h200(130.0), 0.5), 1.0);
-        assert_eq!(target_factor(at_clock(130.0, 1980.0, false), 0.5), 1.0);
+        assert_eq!(board().target_factor(h200(130.0), 0.5), 1.0);
+        assert_eq!(board().target_factor(at_clock(130.0, 1980.0, false), 0.5), 1.0);
     }
 
     #[test]
     fn the_factor_is_bounded_whatever_the_readings() {
-        // Another container's power counted as ours: at most MAX_FACTOR.
-        assert_eq!(target_factor(h200(650.0), 0.05), MAX_FACTOR);
+        // Another container's power counted as ours: at most the board's largest factor.
+        assert_eq!(board().target_factor(h200(650.0), 0.05), board().max_factor);
         for reading in [
             h200(f64::NAN),
             h200(-5.0),
@@ -387,14 +430,14 @@ mod tests {
                 ..at_clock(600.0, 1900.0, true)
             },
         ] {
-            assert_eq!(target_factor(reading, 0.5), 1.0, "{reading:?}");
+            assert_eq!(board().target_factor(reading, 0.5), 1.0, "{reading:?}");
         }
-        assert_eq!(target_factor(h200(500.0), f64::NAN), 1.0);
-        assert_eq!(target_factor(h200(500.0), 0.0), 1.0);
-        assert!(target_factor(h200(5000.0), 1.5) <= MAX_FACTOR);
+        assert_eq!(board().target_factor(h200(500.0), f64::NAN), 1.0);
+        assert_eq!(board().target_factor(h200(500.0), 0.0), 1.0);
+        assert!(board().target_factor(h200(5000.0), 1.5) <= board().max_factor);
         // A clock above the highest counts as the highest.
-        let over = target_factor(at_clock(650.0, 5000.0, false), 0.05);
-        assert!(over <= MAX_FACTOR && over == target_factor(at_clock(650.0, 1980.0, false), 0.05));
+        let over = board().target_factor(at_clock(650.0, 5000.0, false), 0.05);
+        assert!(over <= board().max_factor && over == board().target_factor(at_clock(650.0, 1980.0, false), 0.05));
     }
 
     impl PowerReading {
@@ -408,12 +451,58 @@ mod tests {
     fn smoothing_moves_towards_the_target_within_bounds() {
         let mut factor = 1.0;
         for _ in 0..20 {
-            factor = smoothed(factor, 1.15, false);
+            factor = board().smoothed(factor, 1.15, false);
         }
         assert!((factor - 1.15).abs() < 0.01, "{factor}");
-        assert_eq!(smoothed(1.0, 1.2, false), 1.1);
-        assert_eq!(smoothed(1.0, 1.2, true), 1.2, "the first reading is taken whole");
-        assert_eq!(smoothed(1.0, 0.5, true), 1.0);
-        assert_eq!(smoothed(1.2, 9.0, false), MAX_FACTOR);
+        assert_eq!(board().smoothed(1.0, 1.2, false), 1.1);
+        assert_eq!(
+            board().smoothed(1.0, 1.2, true),
+            1.2,
+            "the first reading is taken whole"
+        );
+        assert_eq!(board().smoothed(1.0, 0.5, true), 1.0);
+        assert_eq!(board().smoothed(1.2, 9.0, false), board().max_factor);
+    }
+
+    /// Readings that call for every factor the H200's model gives, up to its largest.
+    fn hungry_readings() -> Vec<(PowerReading, f64)> {
+        vec![
+            (h200(501.0), 0.5),
+            (at_clock(501.0, 1980.0, false), 0.5),
+            (at_clock(658.0, 1860.0, true), 0.75),
+            (h200(650.0), 0.05),
+            (h200(5000.0), 1.5),
+        ]
+    }
+
+    #[test]
+    fn a_board_without_a_profile_is_charged_its_time_whatever_the_power() {
+        let unknown = boards::choose(ComputeProfile::Auto, Some("NVIDIA A100-SXM4-80GB")).compensation;
+        assert_eq!(unknown, Compensation::TimeShare);
+        assert!(!unknown.reads_power());
+        for (reading, share) in hungry_readings() {
+            assert!(board().target_factor(reading, share) > 1.05, "{reading:?}");
+            assert_eq!(unknown.target_factor(Some(reading), share), 1.0, "{reading:?}");
+        }
+        assert_eq!(unknown.smoothed(1.0, 1.2, true), 1.0);
+        assert_eq!(unknown.smoothed(1.2, 1.2, false), 1.0);
+    }
+
+    #[test]
+    fn off_charges_a_profiled_board_its_time() {
+        let modelled = boards::choose(ComputeProfile::Auto, Some("NVIDIA H200")).compensation;
+        assert!(modelled.reads_power());
+        let off = boards::choose(ComputeProfile::Off, Some("NVIDIA H200")).compensation;
+        assert_eq!(off, Compensation::TimeShare);
+        for (reading, share) in hungry_readings() {
+            let factor = modelled.target_factor(Some(reading), share);
+            assert_eq!(factor, board().target_factor(reading, share));
+            assert!(factor > 1.05, "{reading:?}");
+            assert_eq!(off.target_factor(Some(reading), share), 1.0, "{reading:?}");
+        }
+        assert_eq!(modelled.smoothed(1.0, 1.2, true), 1.2);
+        assert_eq!(off.smoothed(1.0, 1.2, true), 1.0);
+        // Without a power reading even the model charges the time.
+        assert_eq!(modelled.target_factor(None, 0.5), 1.0);
     }
 }

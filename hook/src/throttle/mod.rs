@@ -15,10 +15,11 @@
 //! `docs/compute-limit.md` describes the design and its constants.
 
 mod activity;
+mod boards;
 mod boost;
 mod bucket;
-mod crosscheck;
 mod estimates;
+mod nvml_reading;
 mod overlap;
 mod runtime;
 mod sensor;

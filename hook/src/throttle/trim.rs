@@ -8,7 +8,7 @@
 //! GPU, so it can only show that the container's measurements are too high, never too low
 //! (another container's work adds to it): the trim is at most 1. A reading far below the measured
 //! share is not this error but a GPU whose NVML does not see the work (a VM, a pinned or broken
-//! figure, which `crosscheck` reports): it is left out, and so is a share too small to compare.
+//! figure): it is left out, and so is a share too small to compare.
 //!
 //! The trim is the ratio of NVML's busy time to the measured busy time over a window of recent
 //! readings (sums that decay with [`WINDOW_S`]), not a smoothed trim: the charges follow the trim,

@@ -315,6 +315,7 @@ impl Run {
             "CUDA_DEVICE_SM_LIMIT",
             "CUDA_VISIBLE_DEVICES",
             "GPU_CORE_UTILIZATION_POLICY",
+            "VGPU_COMPUTE_PROFILE",
             "LIBCUDA_LOG_LEVEL",
         ] {
             command.env_remove(variable);

@@ -449,6 +449,7 @@ fn strict_configuration_fails_cuinit_with_one_short_line() {
     let refused = [
         ("GPU_CORE_UTILIZATION_POLICY", "forced"),
         ("GPU_CORE_UTILIZATION_POLICY", "on"),
+        ("VGPU_COMPUTE_PROFILE", "none"),
         ("CUDA_DEVICE_MEMORY_LIMIT_16", "1g"),
         ("CUDA_DEVICE_MEMORY_LIMIT_99", "1g"),
         ("CUDA_DEVICE_MEMORY_LIMIT_00", "1g"),

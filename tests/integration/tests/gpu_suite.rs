@@ -225,12 +225,17 @@ fn the_jobs_benchmark_scores_a_matrix() {
 
 /// The boost constants' check (`boost_fit.py`) reads a real report of the jobs benchmark: the H200
 /// GEMM's matrix of 2026-12-03 afternoon, busy all the time at 1478-1494 MHz, under the floor
-/// HEAVIEST_WORK 1.2 set (1549 MHz) and over the one 1.3 sets (1468 MHz).
+/// heaviest_work 1.2 set (1549 MHz) and over the one 1.3 sets (1468 MHz), with the constants of the
+/// profile the report's GPU has in boards.toml.
 #[test]
 fn the_boost_check_reads_a_jobs_report() {
     let report = workspace_root().join("docs/gpu/2026-12-03-trimmed-share-compute-jobs-part1.txt");
     let check = |heaviest: &str| stdout_of(python("boost_fit.py").args(["--heaviest", heaviest]).arg(&report));
     let now = check("1.3");
+    assert!(
+        now.starts_with("profile: NVIDIA H200 (idle_share 0.17, alpha 1.5, beta 0.66, heaviest_work 1.3)\n"),
+        "{now}"
+    );
     assert!(
         now.contains("gemm busy all the time at 1484 MHz (1480 1494 1478)"),
         "{now}"
@@ -254,7 +259,7 @@ fn the_boost_check_reads_a_jobs_report() {
         "the limit of 10 (NVML 9%) is left out: {now}"
     );
     assert!(
-        now.contains("floor: 1468 MHz with HEAVIEST_WORK 1.3; the lowest full-load clock 1478 MHz is at or above it"),
+        now.contains("floor: 1468 MHz with heaviest_work 1.3; the lowest full-load clock 1478 MHz is at or above it"),
         "{now}"
     );
     // The training step busy all the time runs at its highest clock already (1976-1979 MHz): no
@@ -271,11 +276,11 @@ fn the_boost_check_reads_a_jobs_report() {
         4,
         "the limits of 25 to 90 at 1980 MHz: {train}"
     );
-    assert!(!train.contains("BETA: median"), "{train}");
+    assert!(!train.contains("beta: median"), "{train}");
     let before = check("1.2");
     assert!(
-        before.contains("floor: 1549 MHz with HEAVIEST_WORK 1.2; the lowest full-load clock 1478 MHz is BELOW it")
-            && before.contains("HEAVIEST_WORK of at least 1.29"),
+        before.contains("floor: 1549 MHz with heaviest_work 1.2; the lowest full-load clock 1478 MHz is BELOW it")
+            && before.contains("heaviest_work of at least 1.29"),
         "{before}"
     );
 }

@@ -1,6 +1,6 @@
 //! The limiter's background thread: it collects the sampled launches' measurements and corrects
 //! the charges, flushes this process's counters into the region, publishes its utilisation, and
-//! once a second reads NVML (the boost factor, the cross-check).
+//! once a second reads NVML (the boost factor, the trim).
 
 use std::sync::Once;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -9,11 +9,10 @@ use std::time::Duration;
 use vgpu_region::{ComputeDevice, MAX_DEVICES};
 
 use crate::sys::cuda::CUdevice;
-use crate::throttle::boost::{self, PowerReading};
-use crate::throttle::crosscheck::{self, CrossCheck, Report};
+use crate::throttle::boost::{self, Compensation, PowerReading};
 use crate::throttle::now_ns;
 use crate::throttle::sensor::{MIN_PAIR_PART_NS, Measured, SampleInfo};
-use crate::throttle::trim;
+use crate::throttle::{boards, nvml_reading, trim};
 
 use super::{Device, FACTOR_UNIT, POLLER_IN_DRIVER, RUNTIME, Runtime, SHUTDOWN, add_signed, at_exit};
 
@@ -24,8 +23,8 @@ const POLL_IDLE: Duration = Duration::from_millis(20);
 /// (4 x 250 ms: the last second).
 const PUBLISH_PERIOD_NS: u64 = 250_000_000;
 const PUBLISH_WINDOW: usize = 4;
-/// How often NVML is read: the measured share is compared with its utilisation ([`crosscheck`])
-/// and the boost factor follows its power readings ([`boost`]).
+/// How often NVML is read: the trim follows its utilisation ([`trim`]) and the boost factor its
+/// power readings ([`boost`]).
 const NVML_PERIOD_NS: u64 = 1_000_000_000;
 /// For this long after the poller starts, NVML is read every [`START_NVML_PERIOD_NS`] and the
 /// boost factor takes each reading whole: the factor follows the power as it ramps up, so a
@@ -53,7 +52,6 @@ struct PollState {
     history: [[(u64, i64); PUBLISH_WINDOW]; MAX_DEVICES],
     last_publish: u64,
     publications: usize,
-    cross_check: CrossCheck,
     /// When the poller started (the process's first limited launch).
     started: u64,
     last_nvml: u64,
@@ -77,6 +75,9 @@ struct Seen {
     trim_window: trim::Window,
     /// NVML's timestamp of the newest utilisation sample read.
     nvml_sample: u64,
+    /// How the boost factor follows the power: chosen at the device's first reading, by its
+    /// board ([`boards`]).
+    compensation: Option<Compensation>,
 }
 
 impl Seen {
@@ -99,7 +100,6 @@ impl PollState {
             history: [[(0, 0); PUBLISH_WINDOW]; MAX_DEVICES],
             last_publish: now,
             publications: 0,
-            cross_check: CrossCheck::default(),
             started: now,
             last_nvml: now,
             // From the poller's start (the process's first limited launch), so that the first
@@ -197,8 +197,7 @@ impl Runtime {
     }
 
     /// Reads NVML for each device in use: the boost factor follows its power, the trim its
-    /// utilisation samples, and its utilisation cross-checks the sensor. Marked as inside the
-    /// driver, and stopped at exit between devices.
+    /// utilisation samples. Marked as inside the driver, and stopped at exit between devices.
     fn nvml_step(&self, state: &mut PollState, now: u64, starting: bool) {
         let Some(accounting) = crate::session::get() else {
             return;
@@ -213,14 +212,22 @@ impl Runtime {
             }
             // One handle lookup per device and step, for every reading.
             let handle = crate::nvml::device_handle(&device.uuid);
-            let utilisation = handle.and_then(crosscheck::nvml_utilisation);
-            let power = handle.and_then(boost::read);
+            let utilisation = handle.and_then(nvml_reading::utilisation);
+            let compensation = state.seen_at_nvml.get_mut(device.region_index).map(|seen| {
+                *seen
+                    .compensation
+                    .get_or_insert_with(|| self.choose_compensation(ordinal, handle))
+            });
+            // Without a power model the power readings are not needed.
+            let power = handle
+                .filter(|_| compensation.is_some_and(Compensation::reads_power))
+                .and_then(boost::read);
             // The first query returns NVML's whole buffer, seconds from before: it only sets
             // where the next one starts.
             let samples = match (handle, state.seen_at_nvml.get_mut(device.region_index)) {
                 (Some(handle), Some(seen)) => {
                     let started = seen.nvml_sample != 0;
-                    crosscheck::nvml_utilisation_samples(handle, &mut seen.nvml_sample).filter(|_| started)
+                    nvml_reading::utilisation_samples(handle, &mut seen.nvml_sample).filter(|_| started)
                 }
                 _ => None,
             };
@@ -237,10 +244,6 @@ impl Runtime {
                 &mut state.seen_at_nvml,
                 (now, starting, comparable),
             );
-            if !starting {
-                // Its persistence counts readings a second apart.
-                self.cross_check(accounting, ordinal, device, utilisation, &mut state.cross_check, now);
-            }
             POLLER_IN_DRIVER.store(false, Ordering::SeqCst);
         }
     }
@@ -264,6 +267,19 @@ impl Runtime {
             let launches = unflushed(&device.flushed_launches, || device.launches.load(Ordering::Relaxed));
             region_counters.launches.fetch_add(launches, Ordering::Relaxed);
         }
+    }
+
+    /// How a device's boost factor follows its power: its board's model, by NVML's name, unless
+    /// `VGPU_COMPUTE_PROFILE=off` (then its name is not read). Said once per device, at info level.
+    fn choose_compensation(&self, ordinal: CUdevice, handle: Option<crate::sys::nvml::nvmlDevice_t>) -> Compensation {
+        let setting = self.config.compute_profile;
+        let name = match setting {
+            vgpu_config::ComputeProfile::Off => None,
+            vgpu_config::ComputeProfile::Auto => handle.and_then(nvml_reading::device_name),
+        };
+        let choice = boards::choose(setting, name.as_deref());
+        tracing::info!("compute limiter: device {ordinal}: {}", choice.why);
+        choice.compensation
     }
 
     /// The visible devices this process has launched on, with their ordinals.
@@ -344,8 +360,9 @@ impl Runtime {
         // (they also read the front end's gaps between kernels, which the trim takes out).
         let trimmed_share = measured * trim;
         let share = boost::busy_share(trimmed_share, gpu, clock_known);
-        let target = nvml.power.map_or(1.0, |reading| boost::target_factor(reading, share));
-        let next = boost::smoothed(current, target, starting || last.readings == 0);
+        let compensation = last.compensation.unwrap_or(Compensation::TimeShare);
+        let target = compensation.target_factor(nvml.power, share);
+        let next = compensation.smoothed(current, target, starting || last.readings == 0);
         next_seen.readings = last.readings.saturating_add(1);
         *seen = next_seen;
         factors.boost.store((next * unit).round() as u32, Ordering::Relaxed);
@@ -399,46 +416,6 @@ impl Runtime {
         };
         if let Some(bucket) = accounting.region().extension().compute.get(info.region_index) {
             self.charge(bucket, info.region_index, correction);
-        }
-    }
-
-    /// Compares the region's measured share of a device with NVML's utilisation of the GPU, and
-    /// logs what [`crosscheck`] finds.
-    fn cross_check(
-        &self,
-        accounting: &'static crate::session::Session,
-        ordinal: CUdevice,
-        device: &crate::session::DeviceEntry,
-        nvml: Option<u32>,
-        check: &mut CrossCheck,
-        now: u64,
-    ) {
-        let index = device.region_index;
-        // The region's share: every live process of the container on this device.
-        let measured = accounting
-            .region()
-            .hami()
-            .procs
-            .iter()
-            .filter(|slot| slot.status.load(Ordering::Relaxed) == vgpu_region::SLOT_LIVE)
-            .filter_map(|slot| slot.device_util.get(index))
-            .map(|util| util.sm_util.load(Ordering::Relaxed))
-            .fold(0u64, u64::saturating_add)
-            .min(100);
-        // What the kernels took as the sensor measured them, before the boost compensation
-        // ([`boost`]) and NVML's trim ([`trim`]) scaled the charges.
-        let measured = (measured * u64::from(FACTOR_UNIT) / self.factor(index).max(1)) as u32;
-        match check.record(index, crosscheck::judge(measured, nvml), now) {
-            Report::Nothing => {}
-            Report::Unavailable => tracing::debug!(
-                "NVML cannot cross-check the compute limiter here: it reports {} while the container's kernels use {measured}% of device {ordinal}",
-                nvml.map_or_else(|| "no utilisation".to_owned(), |value| format!("{value}%"))
-            ),
-            Report::Warning => tracing::warn!(
-                "compute limiter: the container measured {measured}% of device {ordinal} but NVML reports {}% for the whole GPU; the sensor may over-count (checked for {} s)",
-                nvml.unwrap_or(0),
-                crosscheck::PERSISTENCE
-            ),
         }
     }
 
