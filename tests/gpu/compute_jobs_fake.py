@@ -21,8 +21,8 @@ import random
 import sys
 import time
 
-RATES = {"smallops": 20000.0, "paused": 1500.0, "gemm": 4800.0, "graph": 30000.0, "train": 45.0, "triton": 19000.0}
-NATURAL = {"smallops": 40.0, "paused": 20.0, "gemm": 100.0, "graph": 90.0, "train": 95.0, "triton": 100.0}
+RATES = {"smallops": 20000.0, "paused": 1500.0, "gemm": 4800.0, "graph": 30000.0, "train": 45.0, "triton": 19000.0, "streams": 3000.0}
+NATURAL = {"smallops": 40.0, "paused": 20.0, "gemm": 100.0, "graph": 90.0, "train": 95.0, "triton": 100.0, "streams": 100.0}
 OVERSHOOT = {"paused": 3.0}
 # Two threads of one process share the interpreter: the small-op loop runs slower in each.
 TWO_THREADS = {"gemm": 1.0, "smallops": 0.6}
