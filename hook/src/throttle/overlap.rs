@@ -22,6 +22,13 @@ use crate::sys::cuda::CUstream;
 pub const RECENT_STREAMS: usize = 8;
 /// A stream that launched within this long is active: another stream's samples probe it.
 pub const ACTIVE_NS: u64 = 10_000_000;
+/// How long after its sample began a window brackets the other streams' launches: longer than the
+/// sample's kernel takes to come up in its queue and run, for the kernels the limiter sees.
+pub const WINDOW_NS: u64 = 2_000_000;
+/// A window opens at most this often: its members cost two event records each.
+pub const WINDOW_SPACING_NS: u64 = 10_000_000;
+/// The most launches a window brackets.
+pub const MAX_MEMBERS: usize = 16;
 /// Samples over which the factor mostly follows a change of the job's overlap.
 pub const SMOOTHING: f64 = 16.0;
 /// The lowest factor: at most this many streams' kernels are taken to share the GPU at once.
@@ -86,7 +93,6 @@ pub fn is_default_stream(stream: CUstream) -> bool {
 }
 
 /// The union and the sum of brackets, each given as its start and end (ns) on one timeline.
-#[cfg(test)]
 pub fn union_and_sum(spans: &mut [(i64, i64)]) -> (u64, u64) {
     spans.sort_unstable();
     let (mut union, mut sum) = (0u64, 0u64);

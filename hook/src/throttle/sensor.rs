@@ -53,6 +53,9 @@ use crate::sys::cuda::{
 /// Samples in flight at most; beyond, launches go unmeasured (their charges are corrected by the
 /// next measurement of their key).
 pub const MAX_PENDING: usize = 64;
+/// A window's leader waits this long at most for its probes and members to complete; then those
+/// not complete count as covering the rest of its bracket.
+const WINDOW_TIMEOUT_NS: u64 = 200_000_000;
 /// Events a context's pool may create (two per sample in flight).
 const MAX_EVENTS_PER_POOL: usize = 2 * MAX_PENDING;
 /// Contexts with pools; the least recently used pool is forgotten beyond.
@@ -165,8 +168,8 @@ pub struct InFlight {
     /// The first launch of a pair: the end event follows the next launch (see the module description).
     pair: bool,
     submitted_ns: u64,
-    /// Events recorded on the device's other active streams when the sample began ([`overlap`]).
-    probes: Vec<usize>,
+    /// How the sample tells the streams' overlap ([`overlap`]).
+    overlap: Overlap,
 }
 
 impl InFlight {
@@ -205,7 +208,55 @@ struct Pending {
     queued: bool,
     /// A pair's second key.
     pair_with: Option<u64>,
-    probes: Vec<usize>,
+    overlap: Overlap,
+}
+
+/// A sample's part in measuring the overlap of the device's streams ([`overlap`]).
+#[derive(Clone, Debug, Default)]
+enum Overlap {
+    /// No other stream was active: it counts in full.
+    #[default]
+    Alone,
+    /// Others were active but another window was open: it says nothing.
+    Unseen,
+    /// It leads a window: the probes recorded on the other active streams `(stream, event)`.
+    Leads { window: u64, probes: Vec<(usize, usize)> },
+}
+
+impl Overlap {
+    fn probe_events(&self) -> impl Iterator<Item = usize> + '_ {
+        let probes = match self {
+            Overlap::Leads { probes, .. } => probes.as_slice(),
+            _ => &[],
+        };
+        probes.iter().map(|&(_, event)| event)
+    }
+}
+
+/// A window: the launches of the other streams while a sample that leads it runs are bracketed
+/// (members), so that the time they had work beside it is known ([`overlap`]).
+struct Window {
+    id: u64,
+    pool: (usize, u64),
+    leader: usize,
+    opened_ns: u64,
+    until_ns: u64,
+    /// Members begun and not yet ended.
+    running: usize,
+    /// Members ended: `(stream, start event, end event)`.
+    members: Vec<MemberEvents>,
+}
+
+/// An ended member of a window: its stream, its start and end events.
+type MemberEvents = (usize, usize, usize);
+
+/// A launch bracketed as a member of a window, between its two records.
+pub struct Member {
+    window: u64,
+    stream: CUstream,
+    pool: (usize, u64),
+    start: usize,
+    end: usize,
 }
 
 struct Pool {
@@ -226,6 +277,8 @@ struct State {
     pools: Vec<Pool>,
     pending: Vec<Pending>,
     uses: u64,
+    windows: Vec<Window>,
+    next_window: u64,
 }
 
 #[derive(Default)]
@@ -245,6 +298,9 @@ pub struct Sensor {
     /// before the first sample: 1).
     overlap: Mutex<overlap::Window>,
     overlap_permille: AtomicU64,
+    /// Until when (ns) the open window takes members; when the last one opened.
+    window_until: AtomicU64,
+    window_opened: AtomicU64,
 }
 
 /// The unique id of `context` (0 when the driver predates `cuCtxGetId`).
@@ -500,7 +556,7 @@ impl Sensor {
             idle,
             pair,
             submitted_ns: 0,
-            probes: Vec::new(),
+            overlap: if pair { Overlap::Unseen } else { Overlap::Alone },
         };
         if !record(launch.start, stream) {
             launch.release();
@@ -533,7 +589,7 @@ impl Sensor {
         let mut state = self.state.lock();
         if !ended {
             Self::give_back(&mut state, launch.pool, [launch.start, launch.end]);
-            Self::give_back(&mut state, launch.pool, launch.probes.iter().copied());
+            Self::give_back(&mut state, launch.pool, launch.overlap.probe_events());
             self.outstanding.fetch_sub(1, Ordering::Relaxed);
             return false;
         }
@@ -545,7 +601,7 @@ impl Sensor {
             host_gap_ns,
             queued: !launch.idle,
             pair_with,
-            probes: launch.probes.clone(),
+            overlap: launch.overlap.clone(),
         });
         true
     }
@@ -568,69 +624,195 @@ impl Sensor {
         self.recent.forget(stream);
     }
 
-    /// After a sample's start was recorded: an event on each other stream of the device that
-    /// launched recently, which completes when the work queued there now has run
-    /// ([`overlap`]). Streams being captured are left alone (an event recorded there would join
-    /// the capture), and so are the default streams (the legacy one waits for every stream; the
-    /// per-thread one is the calling thread's own).
-    pub fn probe_others(&self, launch: &mut InFlight, now: u64) {
+    /// Takes one event of `pool` (created when the pool has room).
+    fn pool_event(state: &mut State, pool: (usize, u64)) -> Option<usize> {
+        let pool = state.pools.iter_mut().find(|p| (p.context, p.id) == pool)?;
+        match pool.free.pop() {
+            Some(event) => Some(event),
+            None if pool.created < MAX_EVENTS_PER_POOL => {
+                let event = create_event()?;
+                pool.created += 1;
+                Some(event)
+            }
+            None => None,
+        }
+    }
+
+    /// After a sample's start was recorded, when other streams of the device launched recently:
+    /// opens a window ([`overlap`]) unless one is open or opened less than
+    /// [`overlap::WINDOW_SPACING_NS`] ago, with an event on each of those streams (a probe, which
+    /// completes when the work queued there now has run). Streams being captured are left alone
+    /// (an event recorded there would join the capture), and so are the default streams (the
+    /// legacy one waits for every stream; the per-thread one is the calling thread's own).
+    pub fn open_window(&self, launch: &mut InFlight, now: u64) {
         if launch.pair {
             return;
         }
         let Some(_shared) = super::runtime::probing() else {
-            return; // a stream is being destroyed
+            launch.overlap = Overlap::Unseen; // a stream is being destroyed
+            return;
         };
-        for other in self.recent.others(launch.stream, now) {
-            if overlap::is_default_stream(other) || crate::capture::capturing(other) {
+        let others: Vec<CUstream> = self
+            .recent
+            .others(launch.stream, now)
+            .filter(|&other| !overlap::is_default_stream(other))
+            .collect();
+        if others.is_empty() {
+            return;
+        }
+        launch.overlap = Overlap::Unseen;
+        let spaced = now.saturating_sub(self.window_opened.load(Ordering::Relaxed)) >= overlap::WINDOW_SPACING_NS;
+        if now < self.window_until.load(Ordering::Relaxed) || !spaced {
+            return;
+        }
+        let mut probes = Vec::new();
+        for other in others {
+            if crate::capture::capturing(other) {
                 continue;
             }
-            let mut state = self.state.lock();
-            let Some(pool) = state.pools.iter_mut().find(|p| (p.context, p.id) == launch.pool) else {
-                return;
+            let Some(event) = Self::pool_event(&mut self.state.lock(), launch.pool) else {
+                break;
             };
-            let event = match pool.free.pop() {
-                Some(event) => event,
-                None if pool.created < MAX_EVENTS_PER_POOL => match create_event() {
-                    Some(event) => {
-                        pool.created += 1;
-                        event
-                    }
-                    None => return,
-                },
-                None => return,
-            };
-            drop(state);
             if record(event, other) {
-                launch.probes.push(event);
+                probes.push((other as usize, event));
             } else {
-                let mut state = self.state.lock();
-                Self::give_back(&mut state, launch.pool, [event]);
+                Self::give_back(&mut self.state.lock(), launch.pool, [event]);
             }
+        }
+        let mut state = self.state.lock();
+        state.next_window += 1;
+        let window = state.next_window;
+        state.windows.push(Window {
+            id: window,
+            pool: launch.pool,
+            leader: launch.stream as usize,
+            opened_ns: now,
+            until_ns: now.saturating_add(overlap::WINDOW_NS),
+            running: 0,
+            members: Vec::new(),
+        });
+        self.window_opened.store(now, Ordering::Relaxed);
+        self.window_until
+            .store(now.saturating_add(overlap::WINDOW_NS), Ordering::Relaxed);
+        launch.overlap = Overlap::Leads { window, probes };
+    }
+
+    /// Before a launch on `stream` that is not sampled: brackets it as a member of the open
+    /// window when it is another stream's and the window has room (its start recorded now; end it
+    /// with [`Self::end_member`]). Never on a stream being captured.
+    pub fn begin_member(&self, stream: CUstream, now: u64) -> Option<Member> {
+        if now >= self.window_until.load(Ordering::Relaxed) || overlap::is_default_stream(stream) {
+            return None;
+        }
+        if crate::capture::capturing(stream) {
+            return None;
+        }
+        let context = current_context()?;
+        let pool = (context as usize, context_id(context));
+        let (window, start, end) = {
+            let mut state = self.state.lock();
+            let open = state.windows.iter_mut().rev().find(|w| now < w.until_ns)?;
+            if open.leader == stream as usize
+                || open.pool != pool
+                || open.running + open.members.len() >= overlap::MAX_MEMBERS
+            {
+                return None;
+            }
+            open.running += 1;
+            let window = open.id;
+            let start = Self::pool_event(&mut state, pool);
+            let end = Self::pool_event(&mut state, pool);
+            match (start, end) {
+                (Some(start), Some(end)) => (window, start, end),
+                (start, end) => {
+                    Self::give_back(&mut state, pool, start.into_iter().chain(end));
+                    Self::member_gone(&mut state, window);
+                    return None;
+                }
+            }
+        };
+        if record(start, stream) {
+            return Some(Member {
+                window,
+                stream,
+                pool,
+                start,
+                end,
+            });
+        }
+        let mut state = self.state.lock();
+        Self::give_back(&mut state, pool, [start, end]);
+        Self::member_gone(&mut state, window);
+        None
+    }
+
+    /// After a member's launch returned `status`: records its end and gives it to its window.
+    pub fn end_member(&self, member: Member, status: CUresult) {
+        let ended = status == CUDA_SUCCESS && record(member.end, member.stream);
+        let mut state = self.state.lock();
+        Self::member_gone(&mut state, member.window);
+        match state.windows.iter_mut().find(|w| w.id == member.window) {
+            Some(window) if ended => window.members.push((member.stream as usize, member.start, member.end)),
+            _ => Self::give_back(&mut state, member.pool, [member.start, member.end]),
         }
     }
 
-    /// How many of the container's streams had work on the GPU during a sample's bracket of
-    /// `reading` ns that began at `start`: 1 for its own, plus for each probe the part of the
-    /// bracket before the work queued on its stream ran out (all of it when that work is still
-    /// running).
-    fn streams_busy(start: usize, reading: u64, probes: &[usize]) -> f64 {
-        let reading = reading.max(1);
-        let others: f64 = probes
-            .iter()
-            .map(|&probe| {
-                let busy = if complete(probe) {
-                    offset(start, probe).map_or(0, |ns| ns.clamp(0, reading as i64) as u64)
-                } else {
-                    reading
-                };
-                busy as f64 / reading as f64
-            })
-            .sum();
+    fn member_gone(state: &mut State, window: u64) {
+        if let Some(window) = state.windows.iter_mut().find(|w| w.id == window) {
+            window.running = window.running.saturating_sub(1);
+        }
+    }
+
+    /// How many of the container's streams had work on the GPU during a bracket of `reading` ns
+    /// that began at `start`: 1 for its own, plus for each other stream the part of the bracket
+    /// its work covered: from the start until its probe completed (the work queued there when the
+    /// bracket's sample began), and its members' brackets (work launched there while it ran).
+    /// `None` while a probe or member is not complete (and `wait` allows waiting).
+    fn streams_busy(
+        start: usize,
+        reading: u64,
+        probes: &[(usize, usize)],
+        members: &[MemberEvents],
+        wait: bool,
+    ) -> Option<f64> {
+        let reading = reading.max(1) as i64;
+        let clip = |from: i64, to: i64| (from.clamp(0, reading), to.clamp(0, reading));
+        let mut spans: Vec<(usize, (i64, i64))> = Vec::new();
+        for &(stream, probe) in probes {
+            if complete(probe) {
+                if let Some(end) = offset(start, probe) {
+                    spans.push((stream, clip(0, end)));
+                }
+            } else if wait {
+                return None;
+            } else {
+                spans.push((stream, (0, reading)));
+            }
+        }
+        for &(stream, from, to) in members {
+            if !complete(to) {
+                if wait {
+                    return None;
+                }
+                continue;
+            }
+            if let (Some(from), Some(to)) = (offset(start, from), offset(start, to)) {
+                spans.push((stream, clip(from, to)));
+            }
+        }
+        spans.sort_unstable();
+        let mut others = 0u64;
+        for stream_spans in spans.chunk_by(|a, b| a.0 == b.0) {
+            let mut intervals: Vec<(i64, i64)> = stream_spans.iter().map(|&(_, span)| span).collect();
+            others += overlap::union_and_sum(&mut intervals).0;
+        }
+        let streams = 1.0 + others as f64 / reading as f64;
         tracing::debug!(
-            "compute limiter: {} probes, {others:.2} streams beside a bracket of {reading} ns",
-            probes.len()
+            "compute limiter: {} probes and {} members: {streams:.2} streams busy during a bracket of {reading} ns",
+            probes.len(),
+            members.len()
         );
-        1.0 + others
+        Some(streams)
     }
 
     /// Gives up a begun sample (a pair whose second launch did not come on its stream).
@@ -730,10 +912,44 @@ impl Sensor {
         let mut done = Vec::new();
         let mut waiting = Vec::new();
         let mut finished = Vec::new();
-        // (reading, streams busy during it) of each sample measured.
+        let mut probe_events: Vec<((usize, u64), Vec<usize>)> = Vec::new();
+        // (reading, streams busy during it) of each sample measured, and the windows they closed.
         let mut overlaps: Vec<(u64, f64)> = Vec::new();
+        let mut closed: Vec<u64> = Vec::new();
+        let now = now_ns();
+        let windows: Vec<(u64, bool, bool, Vec<MemberEvents>)> = {
+            let state = self.state.lock();
+            state
+                .windows
+                .iter()
+                .map(|w| {
+                    let ready = now >= w.until_ns && w.running == 0;
+                    let expired = now.saturating_sub(w.opened_ns) >= WINDOW_TIMEOUT_NS;
+                    (w.id, ready, expired, w.members.clone())
+                })
+                .collect()
+        };
         for sample in batch {
-            match poll(sample.start, sample.end) {
+            let polled = poll(sample.start, sample.end);
+            if let (Poll::Done(reading), Overlap::Leads { window, probes }) = (&polled, &sample.overlap) {
+                let found = windows.iter().find(|w| w.0 == *window);
+                let busy = match found {
+                    Some((_, ready, expired, members)) if *ready || *expired => {
+                        Self::streams_busy(sample.start, *reading, probes, members, !*expired)
+                    }
+                    Some(_) => None,
+                    None => Self::streams_busy(sample.start, *reading, probes, &[], false),
+                };
+                let Some(busy) = busy else {
+                    waiting.push(sample);
+                    continue;
+                };
+                overlaps.push((*reading, busy));
+                closed.push(*window);
+            } else if let (Poll::Done(reading), Overlap::Alone) = (&polled, &sample.overlap) {
+                overlaps.push((*reading, 1.0));
+            }
+            match polled {
                 Poll::Done(elapsed) if sample.pair_with.is_some() => {
                     done.push(Measured {
                         info: sample.info,
@@ -742,10 +958,9 @@ impl Sensor {
                         queued: true,
                         pair_with: sample.pair_with,
                     });
-                    finished.push((sample.pool, [vec![sample.start, sample.end], sample.probes].concat()));
+                    finished.push((sample.pool, [sample.start, sample.end]));
                 }
                 Poll::Done(elapsed) => {
-                    overlaps.push((elapsed, Self::streams_busy(sample.start, elapsed, &sample.probes)));
                     let overhead = if sample.queued {
                         queued_overhead
                     } else {
@@ -767,7 +982,9 @@ impl Sensor {
                         queued: sample.queued,
                         pair_with: None,
                     });
-                    finished.push((sample.pool, [vec![sample.start, sample.end], sample.probes].concat()));
+                    finished.push((sample.pool, [sample.start, sample.end]));
+                    let probes: Vec<usize> = sample.overlap.probe_events().collect();
+                    probe_events.push((sample.pool, probes));
                 }
                 Poll::NotReady => waiting.push(sample),
                 // A destroyed context or a driver error: forget the sample and its events.
@@ -779,6 +996,34 @@ impl Sensor {
         state.pending.extend(waiting);
         for (pool, events) in finished {
             Self::give_back(&mut state, pool, events);
+        }
+        for (pool, events) in probe_events {
+            Self::give_back(&mut state, pool, events);
+        }
+        // Windows whose leader is measured, and windows whose leader was lost, are closed: their
+        // members' events go back.
+        let leading: Vec<u64> = state
+            .pending
+            .iter()
+            .filter_map(|p| match p.overlap {
+                Overlap::Leads { window, .. } => Some(window),
+                _ => None,
+            })
+            .collect();
+        let mut ended = Vec::new();
+        state.windows.retain_mut(|w| {
+            let done = closed.contains(&w.id) || (w.running == 0 && now >= w.until_ns && !leading.contains(&w.id));
+            if done {
+                ended.push((w.pool, std::mem::take(&mut w.members)));
+            }
+            !done
+        });
+        for (pool, members) in ended {
+            Self::give_back(
+                &mut state,
+                pool,
+                members.into_iter().flat_map(|(_, start, end)| [start, end]),
+            );
         }
         drop(state);
         if !overlaps.is_empty() {

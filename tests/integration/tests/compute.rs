@@ -461,62 +461,6 @@ fn switching_the_limit_off_releases_a_waiting_launch() {
     assert!(share > 90.0, "after the switch went off: busy share {share:.1}");
 }
 
-/// Starts the loop at limit 50 for 7.5 s with the fake's NVML utilisation pinned (or, with
-/// `None`, taken from the truth), logging at debug level.
-fn cross_checked_run(dir: &ScratchDir, nvml_utilisation: Option<&str>) -> Session {
-    let mut env = vec![("CUDA_DEVICE_SM_LIMIT", "50"), ("LIBCUDA_LOG_LEVEL", "4")];
-    if let Some(percent) = nvml_utilisation {
-        env.push(("FAKE_NVML_UTILIZATION", percent));
-    }
-    // Ten seconds: the five checks in a row start once the first second's share is published,
-    // with room for a slow second on a loaded machine.
-    start(compute_loop(dir, &env, &["kernel", KERNEL, "10"]))
-}
-
-/// The program's log, after checking that it ran without launch errors.
-fn log_of(mut session: Session) -> String {
-    let output = session.finish();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(output.status.success(), "the program failed: {output:?}");
-    assert!(stdout.contains(" errors=0 "), "launches failed: {stdout}");
-    String::from_utf8_lossy(&output.stderr).into_owned()
-}
-
-/// The percentage after `measured ` in the first warning of the log.
-fn measured_in_warning(log: &str) -> Option<u32> {
-    let (_, after) = log.split_once("the container measured ")?;
-    after.split('%').next()?.parse().ok()
-}
-
-#[test]
-fn nvml_cross_checks_the_sensor_where_it_works() {
-    const OVER_COUNT: &str = "the sensor may over-count";
-    const BLIND: &str = "NVML cannot cross-check";
-    let dirs = ["nvml-agrees", "nvml-disagrees", "nvml-blind"].map(|name| ScratchDir::new(&format!("compute-{name}")));
-    // NVML sees the GPU (the truth's utilisation, about 50%); NVML claims 20% of the whole GPU
-    // while the container measures 50%; NVML blind (0% while kernels run, as on the H200 VM).
-    let sessions = [
-        cross_checked_run(&dirs[0], None),
-        cross_checked_run(&dirs[1], Some("20")),
-        cross_checked_run(&dirs[2], Some("0")),
-    ];
-    let [agreeing, disagreeing, blind] = sessions.map(log_of);
-    assert!(!agreeing.contains(OVER_COUNT), "{agreeing}");
-    assert!(!agreeing.contains(BLIND), "{agreeing}");
-    assert_eq!(
-        disagreeing.matches(OVER_COUNT).count(),
-        1,
-        "one warning a minute: {disagreeing}"
-    );
-    let measured = measured_in_warning(&disagreeing);
-    assert!(
-        measured.is_some_and(|percent| (45..=55).contains(&percent)),
-        "measured {measured:?} in {disagreeing}"
-    );
-    assert!(!blind.contains(OVER_COUNT), "{blind}");
-    assert_eq!(blind.matches(BLIND).count(), 1, "{blind}");
-}
-
 /// The fake GPU draws 900 W when busy all the time (limit 700 W, idle 120 W): at limit 50 and
 /// its highest clock the boost compensation charges each kernel about 1.14 times its time, so the
 /// kernels take about 44% of the device. A GPU held by its power limit to 1860 MHz keeps the part

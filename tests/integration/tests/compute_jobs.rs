@@ -621,12 +621,10 @@ fn four_streams(limit: &str) -> (f64, f64) {
 }
 
 /// Kernels of several streams that overlap on the GPU are charged for the streams that had work
-/// beside them (probes on the other streams), and run side by side under the limit (bursts): four
-/// streams at limit 50 never keep the device busy beyond the limit, and do more than a fifth of
-/// the work they do unlimited. Charged the sum of their brackets and admitted one by one, they ran
-/// one after another and did an eighth of it. The target, half, is not reached on this fake: the
-/// probes see only the work queued on the other streams when a sample begins, not the work
-/// launched there while it runs.
+/// beside them (a window of brackets on the other streams says how many), and run side by side
+/// under the limit (bursts): four streams at limit 50 keep the device busy half the time and do
+/// close to half the work they do unlimited. Charged the sum of their brackets and admitted one
+/// by one, they ran one after another and did an eighth of it.
 #[test]
 fn kernels_of_four_streams_side_by_side_are_charged_for_their_overlap() {
     let (unlimited, unlimited_summed) = four_streams("unset");
@@ -637,7 +635,7 @@ fn kernels_of_four_streams_side_by_side_are_charged_for_their_overlap() {
     let (occupied, summed) = four_streams("50");
     let work = summed / unlimited_summed;
     assert!(
-        occupied <= 54.0 && work >= 0.2,
+        (occupied - 50.0).abs() <= 5.0 && work >= 0.4,
         "four streams at limit 50: the device was busy {occupied:.1}% of the run, doing {:.1}% of the unlimited work",
         work * 100.0
     );

@@ -10,7 +10,7 @@ use vgpu_region::{ComputeDevice, SharedRegion};
 
 use crate::capture::capturing;
 use crate::sys::cuda::{CUDA_SUCCESS, CUresult, CUstream};
-use crate::throttle::sensor::{InFlight, MIN_PAIR_PART_NS, SampleInfo};
+use crate::throttle::sensor::{InFlight, MIN_PAIR_PART_NS, Member, SampleInfo};
 use crate::throttle::{Stream, activity, bucket, now_ns};
 
 use super::pairs::{self, OpenPair};
@@ -42,6 +42,8 @@ pub struct Ticket {
     sample: Option<Box<InFlight>>,
     /// The pair this launch is the second launch of.
     closes: Option<OpenPair>,
+    /// The launch is bracketed for an overlap window (boxed as the sample).
+    member: Option<Box<Member>>,
 }
 
 /// Before a launch on the limited path: waits for budget, charges, and starts a sample. `Ok(None)`
@@ -141,7 +143,7 @@ impl Runtime {
                 return None;
             }
             device.sensor.begin(stream, info, false).map(|mut launch| {
-                device.sensor.probe_others(&mut launch, now);
+                device.sensor.open_window(&mut launch, now);
                 Box::new(launch)
             })
         } else if measurable
@@ -154,7 +156,11 @@ impl Runtime {
         } else {
             None
         };
+        let member = (sample.is_none() && measurable)
+            .then(|| device.sensor.begin_member(stream, now).map(Box::new))
+            .flatten();
         Some(Ticket {
+            member,
             runtime: self,
             key,
             planned: plan.charge,
@@ -172,6 +178,9 @@ impl Runtime {
         };
         if let Some(pair) = ticket.closes {
             pair.close(ticket.key, status);
+        }
+        if let Some(member) = ticket.member {
+            device.sensor.end_member(*member, status);
         }
         // A pair's first launch is never a planned sample of its key.
         let measured = match ticket.sample {
