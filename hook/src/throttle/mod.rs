@@ -23,6 +23,8 @@ mod nvml_reading;
 mod overlap;
 mod runtime;
 mod sensor;
+#[cfg(test)]
+mod sim;
 mod trim;
 
 use std::ffi::c_uint;

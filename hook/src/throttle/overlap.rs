@@ -116,11 +116,12 @@ pub fn union_and_sum(spans: &mut [(i64, i64)]) -> (u64, u64) {
 }
 
 /// The factor over recent samples: the time they occupied the GPU together over their brackets,
-/// both decaying.
+/// both averaged over the first [`SMOOTHING`] samples, then decaying.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Window {
     union: f64,
     sum: f64,
+    samples: u32,
 }
 
 impl Window {
@@ -130,7 +131,10 @@ impl Window {
         if sum == 0 {
             return;
         }
-        let keep = 1.0 - 1.0 / SMOOTHING;
+        // The plain mean of the first samples, then decaying: a job's first second is charged
+        // from its first samples, and a steady job is not moved much by one sample.
+        self.samples = self.samples.saturating_add(1);
+        let keep = 1.0 - 1.0 / SMOOTHING.min(f64::from(self.samples));
         self.union = self.union * keep + union.min(sum) as f64;
         self.sum = self.sum * keep + sum as f64;
     }
@@ -171,8 +175,8 @@ mod tests {
         }
         assert!((window.factor() - 0.25).abs() < 1e-9);
         // Back to one stream: samples with no other stream take the factor back to 1 within a few
-        // dozen.
-        for _ in 0..64 {
+        // times the smoothing.
+        for _ in 0..(4 * SMOOTHING as usize) {
             window.add(1000, 1000);
         }
         assert!(window.factor() > 0.95, "{}", window.factor());
