@@ -87,5 +87,6 @@ fn give_back() {
         }
         std::thread::sleep(Duration::from_micros(200));
     }
+    crate::throttle::write_kernel_time_at_exit();
     crate::session::detach_at_exit();
 }

@@ -40,6 +40,10 @@ fn seconds(ns: u64) -> f64 {
 struct Families {
     region_up: GaugeFamily,
     region_processes: GaugeFamily,
+    utilization_switch: GaugeFamily,
+    recent_kernel: GaugeFamily,
+    priority: GaugeFamily,
+    last_kernel_time: GaugeFamily,
     memory_limit: GaugeFamily,
     memory_used: GaugeFamily,
     memory_by_kind: GaugeFamily,
@@ -92,6 +96,22 @@ impl Families {
             region_processes: family(
                 "vgpu_region_processes",
                 "Process slots in use in the region (one container's processes)",
+            ),
+            utilization_switch: family(
+                "vgpu_region_utilization_switch",
+                "HAMi's utilization_switch: 1 while the compute limit applies, 0 while HAMi lifts it",
+            ),
+            recent_kernel: family(
+                "vgpu_region_recent_kernel",
+                "HAMi's recent_kernel: 2 after a launch, counted down by HAMi's monitor; -1 while HAMi holds the launches for a higher-priority container",
+            ),
+            priority: family(
+                "vgpu_region_priority",
+                "The container's CUDA_TASK_PRIORITY as HAMi reads it from the region",
+            ),
+            last_kernel_time: family(
+                "vgpu_region_last_kernel_time_seconds",
+                "Unix time of the container's last launch (or process attach), in seconds",
             ),
             memory_limit: family(
                 "vgpu_device_memory_limit_bytes",
@@ -158,6 +178,16 @@ pub fn encode_report(report: &Report) -> Result<String, std::fmt::Error> {
             .region_processes
             .get_or_create(&region_labels)
             .set(gauge_value(region.processes.len() as u64));
+        if let Some(hami) = &region.hami {
+            for (family, value) in [
+                (&families.utilization_switch, i64::from(hami.utilization_switch)),
+                (&families.recent_kernel, i64::from(hami.recent_kernel)),
+                (&families.priority, i64::from(hami.priority)),
+                (&families.last_kernel_time, hami.last_kernel_time_unix_secs),
+            ] {
+                family.get_or_create(&region_labels).set(value);
+            }
+        }
         for device in &region.devices {
             let device_pairs = [
                 ("region", region_label.clone()),

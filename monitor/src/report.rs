@@ -35,8 +35,26 @@ pub struct RegionReport {
     pub extension_version: Option<u32>,
     /// When the region was created (seconds since the epoch), from the vgpu extension.
     pub created_unix_secs: Option<u64>,
+    /// What HAMi's monitor reads and writes to hold or release the container; `null` when the
+    /// region could not be read.
+    pub hami: Option<HamiReport>,
     pub devices: Vec<DeviceReport>,
     pub processes: Vec<ProcessReport>,
+}
+
+/// The region's fields HAMi's monitor uses to schedule the container's launches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HamiReport {
+    /// 1: the compute limit applies; 0: HAMi lifted it (the container is alone on its GPU, under
+    /// the default `GPU_CORE_UTILIZATION_POLICY`).
+    pub utilization_switch: i32,
+    /// HAMi's activity count (set to 2 by a launch, counted down by HAMi's monitor); -1: the
+    /// container's launches are held while a higher-priority container runs.
+    pub recent_kernel: i32,
+    /// `CUDA_TASK_PRIORITY` of the container (lower is more urgent, as HAMi reads it).
+    pub priority: i32,
+    /// Unix seconds of the container's last launch (or of a process's attach).
+    pub last_kernel_time_unix_secs: i64,
 }
 
 /// One device of a region, summed over the region's live processes.
@@ -145,6 +163,7 @@ fn region_report(read: &RegionRead, is_alive: &impl Fn(i32, Option<u64>) -> bool
                 layout_version: None,
                 extension_version: None,
                 created_unix_secs: None,
+                hami: None,
                 devices: Vec::new(),
                 processes: Vec::new(),
             };
@@ -238,6 +257,12 @@ fn region_report(read: &RegionRead, is_alive: &impl Fn(i32, Option<u64>) -> bool
         layout_version: Some(format!("{}.{}", snapshot.major_version, snapshot.minor_version)),
         extension_version: snapshot.extension.as_ref().map(|extension| extension.version),
         created_unix_secs: snapshot.extension.as_ref().map(|extension| extension.created_unix_secs),
+        hami: Some(HamiReport {
+            utilization_switch: snapshot.utilization_switch,
+            recent_kernel: snapshot.recent_kernel,
+            priority: snapshot.priority,
+            last_kernel_time_unix_secs: snapshot.last_kernel_time,
+        }),
         devices,
         processes,
     }

@@ -15,6 +15,8 @@
 //! period, and one whose limit is lifted goes back to the fast path
 //! ([`super::runtime::follow_live_limits`]).
 //!
+//! At normal exit, a launch since the tick's last write is written too ([`write_at_exit`]).
+//!
 //! The tick is started by the process's first launch, which always takes the handler's path (the
 //! limiter decides its mode there: [`ensure_tick`]); a process that never launches has none.
 //! Fork: the child has no tick thread; the `pthread_atfork` child handler clears the flags and
@@ -120,6 +122,19 @@ fn tick(written: &mut u64) {
         *written = now;
     }
     super::runtime::follow_live_limits(session);
+}
+
+/// At normal exit: writes `last_kernel_time` when a launch happened since the tick last wrote it.
+/// A process that launches and exits within a tick period would otherwise leave its last launches
+/// out (HAMi would see the time it attached). Nothing is added to the launch path: the same flags
+/// the tick reads say whether a launch happened.
+pub fn write_at_exit() {
+    let Some(session) = crate::session::get() else {
+        return;
+    };
+    if take_launches() {
+        crate::session::write_kernel_time(session.region());
+    }
 }
 
 /// Whether a launch happened since the last call. `OFF` means one did (the process's first launch

@@ -45,6 +45,8 @@ const IDLE: u8 = 3;
 
 static MODE: AtomicU8 = AtomicU8::new(UNDECIDED);
 
+pub use activity::write_at_exit as write_kernel_time_at_exit;
+
 /// The whole cost of the limiter when nothing is limited: one load and one branch. The table's
 /// fast path of every launch entry point: while it holds, the generated wrapper calls the driver
 /// directly (after its suspend prologue).

@@ -325,6 +325,34 @@ fn wait_for_kernel_time(region: &vgpu_region::Region, limit: Duration) -> Option
     None
 }
 
+/// A process that launches and exits within the tick's period leaves its last launches in
+/// `last_kernel_time`, limited or not (before, it left the time it attached).
+#[test]
+fn the_last_launches_before_exit_are_in_last_kernel_time() {
+    for (name, variables) in [
+        ("unlimited", &[][..]),
+        ("limited", &[("CUDA_DEVICE_SM_LIMIT", "50")][..]),
+    ] {
+        let dir = TestDir::new("kernel-time-exit");
+        let mut process = holding(&dir, "monitor_launch", 0, variables);
+        ok(&mut process, "load");
+        let region = join(&dir);
+        region
+            .hami()
+            .last_kernel_time
+            .store(LONG_AGO, std::sync::atomic::Ordering::Relaxed);
+        ok(&mut process, "launch 5");
+        process.send("quit");
+        let output = process.finish();
+        assert!(output.status.success(), "{name}: {output:?}");
+        assert!(
+            last_kernel_time(&region) >= unix_now() - 2,
+            "{name}: the launches before exit are not in last_kernel_time ({})",
+            last_kernel_time(&region)
+        );
+    }
+}
+
 #[test]
 fn every_launch_moves_last_kernel_time_limited_or_not_and_every_attach_sets_it() {
     /// A name, the processes' variables, and what `utilization_switch` is set to.

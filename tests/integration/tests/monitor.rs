@@ -151,7 +151,7 @@ fn stdout(output: &Output) -> String {
 }
 
 /// Replaces what changes from run to run: the test folder, pids (kept at their column width in
-/// the table), and creation times in JSON.
+/// the table), and creation and last-kernel times in JSON.
 struct Redactions {
     dir: String,
     pids: Vec<(u32, String)>,
@@ -208,6 +208,9 @@ impl Redactions {
                         }
                         ("created_unix_secs", serde_json::Value::Number(_)) => {
                             *field = serde_json::Value::String("<created>".into());
+                        }
+                        ("last_kernel_time_unix_secs", serde_json::Value::Number(_)) => {
+                            *field = serde_json::Value::String("<last kernel>".into());
                         }
                         ("path" | "error", serde_json::Value::String(text)) => {
                             *field = serde_json::Value::String(text.replace(&self.dir, "<dir>"));
@@ -494,6 +497,53 @@ fn sample_value(scrape: &prometheus_parse::Scrape, name: &str, labels: &[(&str, 
             prometheus_parse::Value::Counter(value) => value,
             _ => f64::NAN,
         })
+}
+
+/// What HAMi's monitor reads and writes (`utilization_switch`, `recent_kernel`, `priority`,
+/// `last_kernel_time`) is in `vgpu-smi --json` and in the Prometheus metrics, as the region holds
+/// it: an operator can see why a container is held.
+#[test]
+fn json_and_metrics_show_what_hami_reads() {
+    let dir = TestDir::new("hami-fields");
+    let region = dir.region("container");
+    let _process = container_process(
+        &dir,
+        &region,
+        &[("CUDA_DEVICE_SM_LIMIT", "50"), ("CUDA_TASK_PRIORITY", "0")],
+        &[0],
+        MIB,
+    );
+    let joined = Region::open(&region, &InitParams::default()).expect("join the region");
+    // As HAMi's monitor writes them: the limit lifted, the launches held by priority.
+    joined.hami().utilization_switch.store(0, Ordering::Relaxed);
+    joined.hami().recent_kernel.store(-1, Ordering::Relaxed);
+    joined.hami().last_kernel_time.store(1_765_000_000, Ordering::Relaxed);
+    let priority = joined.hami().priority.load(Ordering::Relaxed);
+
+    let region_argument = region.display().to_string();
+    let json: serde_json::Value =
+        serde_json::from_str(&stdout(&run_smi(&["--region", &region_argument, "--json"]))).expect("JSON");
+    let hami = &json["regions"][0]["hami"];
+    assert_eq!(hami["utilization_switch"], 0, "{json}");
+    assert_eq!(hami["recent_kernel"], -1, "{json}");
+    assert_eq!(hami["priority"], priority, "{json}");
+    assert_eq!(hami["last_kernel_time_unix_secs"], 1_765_000_000i64, "{json}");
+
+    let (server, address) = serve(&["--region", &region_argument]);
+    let (status, body) = http_get(&address, "/metrics");
+    drop(server);
+    assert!(status.contains("200"), "{status}");
+    let scrape =
+        prometheus_parse::Scrape::parse(body.lines().map(|line| Ok(line.to_string()))).expect("parse the exposition");
+    let labels = [("region", region_argument.as_str())];
+    for (name, value) in [
+        ("vgpu_region_utilization_switch", 0.0),
+        ("vgpu_region_recent_kernel", -1.0),
+        ("vgpu_region_priority", f64::from(priority)),
+        ("vgpu_region_last_kernel_time_seconds", 1_765_000_000.0),
+    ] {
+        assert_eq!(sample_value(&scrape, name, &labels), Some(value), "{name}: {body}");
+    }
 }
 
 #[test]
