@@ -440,6 +440,39 @@ fn switch_off_lifts_the_limit_unless_forced() {
     }
 }
 
+/// With the switch off (HAMi lifted the limit: the container alone on its GPU) the container runs
+/// unheld, and its share is still published in its slot's `sm_util`, as HAMi-core does whenever a
+/// limit is set: HAMi's utilisation metric does not show a busy pod as idle (it showed 0).
+#[test]
+fn the_share_is_published_while_the_switch_is_off() {
+    let dir = ScratchDir::new("compute-switch-published");
+    let region = hold_region(&dir, 20);
+    region.hami().utilization_switch.store(0, Ordering::Relaxed);
+    let run = compute_loop(
+        &dir,
+        &[("CUDA_DEVICE_SM_LIMIT", "20")],
+        &["kernel", KERNEL, RUN_SECONDS, "stream"],
+    );
+    let session = start(run);
+    let pid = session.pid() as i32;
+    let truth = dir.truth();
+    std::thread::sleep(WARM_UP);
+    let share = busy_share(&truth);
+    let snapshot = read_snapshot(&std::fs::read(dir.region()).expect("read the region")).expect("decode the region");
+    let published = snapshot
+        .processes
+        .iter()
+        .find(|p| p.pid == pid && p.status == SLOT_LIVE)
+        .map(|p| p.sm_util[0])
+        .expect("the program's slot");
+    finish(session);
+    assert!(share > 90.0, "switch off: busy share {share:.1}");
+    assert!(
+        published >= 85,
+        "published sm_util {published} while the container ran at {share:.1}% with the switch off"
+    );
+}
+
 #[test]
 fn switching_the_limit_off_releases_a_waiting_launch() {
     // At 1% a 2 ms kernel admits one launch per 200 ms, so the program is waiting most of the

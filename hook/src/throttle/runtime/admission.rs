@@ -94,9 +94,10 @@ impl Runtime {
         let hami = region.hami();
         let bucket = region.extension().compute.get(region_index)?;
         let device = self.devices.get(region_index)?;
-        if !self.active(hami) {
-            return None;
-        }
+        // With the switch off (HAMi lifted the limit) a launch neither waits nor is held, but is
+        // still charged and measured: the container's share stays published for HAMi's monitor,
+        // from the same measurements, as HAMi-core publishes it whenever a limit is set.
+        let active = self.active(hami);
         self.start_poller();
 
         let now = now_ns();
@@ -108,7 +109,9 @@ impl Runtime {
         // as much as the rest of this path, so it is asked only when the launch would wait or be
         // measured; one that passes at once is charged like any other (at most one burst's worth
         // while a capture lasts).
-        let first = if hami.recent_kernel.load(Ordering::Relaxed) < 0 {
+        let first = if !active {
+            Ok(())
+        } else if hami.recent_kernel.load(Ordering::Relaxed) < 0 {
             Err(BLOCKED_POLL_NS)
         } else {
             bucket::try_take(bucket, now, limit, charge)
@@ -129,7 +132,7 @@ impl Runtime {
                 (waited, true)
             }
         };
-        self.account(hami, bucket, region_index, charge as i64, waited);
+        self.account(hami, bucket, region_index, charge as i64, waited, active);
         let closes = pairs::take_closable(region_index, stream, measurable && !plan.sample);
         let info = SampleInfo {
             key,
@@ -241,9 +244,17 @@ impl Runtime {
     }
 
     /// Records an admitted launch: this process's counters (the background thread adds them to
-    /// the region's), the wait, HAMi's `recent_kernel` (`last_kernel_time` is every launch's:
-    /// `activity`).
-    fn account(&self, hami: &SharedRegion, bucket: &ComputeDevice, region_index: usize, charge: i64, waited: u64) {
+    /// the region's), the wait, and while the limit applies (`active`) HAMi's `recent_kernel`
+    /// (`last_kernel_time` is every launch's: `activity`).
+    fn account(
+        &self,
+        hami: &SharedRegion,
+        bucket: &ComputeDevice,
+        region_index: usize,
+        charge: i64,
+        waited: u64,
+        active: bool,
+    ) {
         if waited > 0 {
             bucket.wait_ns.fetch_add(waited, Ordering::Relaxed);
         }
@@ -255,7 +266,7 @@ impl Runtime {
             }
         }
         let recent = hami.recent_kernel.load(Ordering::Relaxed);
-        if recent >= 0 && recent != RECENT_KERNEL_ACTIVE {
+        if active && recent >= 0 && recent != RECENT_KERNEL_ACTIVE {
             // Only over the value read: a -1 the monitor writes meanwhile must stand.
             let _ =
                 hami.recent_kernel
