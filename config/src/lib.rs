@@ -29,6 +29,7 @@ const SHARED_CACHE_ANY_OWNER_VAR: &str = "VGPU_SHARED_CACHE_ANY_OWNER";
 const UTILIZATION_POLICY_VAR: &str = "GPU_CORE_UTILIZATION_POLICY";
 const COMPUTE_PROFILE_VAR: &str = "VGPU_COMPUTE_PROFILE";
 const LOG_LEVEL_VAR: &str = "LIBCUDA_LOG_LEVEL";
+const DISABLE_CONTROL_VAR: &str = "CUDA_DISABLE_CONTROL";
 
 const DEFAULT_TASK_PRIORITY: i32 = 1;
 const DEFAULT_LOG_LEVEL: u8 = 2;
@@ -108,6 +109,13 @@ pub struct Config {
     pub compute_profile: ComputeProfile,
     /// `LIBCUDA_LOG_LEVEL`, 0..=4.
     pub log_level: u8,
+    /// `CUDA_DISABLE_CONTROL=true` (HAMi's device plugin sets it for a container whose limits
+    /// it does not enforce): the library passes every call through, with no region, no limit
+    /// and no accounting; the other variables are then not read.
+    pub control_disabled: bool,
+    /// A `CUDA_DISABLE_CONTROL` value that is neither true nor false: HAMi's device plugin reads
+    /// such a value as false (it mounts the library), so the limits apply; `cuInit` says so once.
+    pub disable_control_unread: Option<String>,
 }
 
 impl Default for Config {
@@ -122,6 +130,8 @@ impl Default for Config {
             utilization_policy: UtilizationPolicy::FollowRegion,
             compute_profile: ComputeProfile::Auto,
             log_level: DEFAULT_LOG_LEVEL,
+            control_disabled: false,
+            disable_control_unread: None,
         }
     }
 }
@@ -232,7 +242,20 @@ impl Config {
     /// `VGPU_COMPUTE_PROFILE`) and the first malformed one is the error, so the same environment
     /// always reports the same variable.
     fn read(lookup: impl Fn(&str) -> Option<OsString>, listed: &[(OsString, OsString)]) -> Result<Config, ConfigError> {
-        let mut config = Config::default();
+        let mut config = Config {
+            log_level: log_level_from_value(lookup(LOG_LEVEL_VAR).as_deref()),
+            ..Config::default()
+        };
+        if let Some(raw) = lookup(DISABLE_CONTROL_VAR).filter(|raw| !raw.is_empty()) {
+            match raw.to_str().map(parse_disable_control) {
+                Some(Ok(true)) => {
+                    config.control_disabled = true;
+                    return Ok(config);
+                }
+                Some(Ok(false)) => {}
+                _ => config.disable_control_unread = Some(raw.to_string_lossy().into_owned()),
+            }
+        }
 
         // A value of 0 means "no limit from this variable", as in HAMi-core: a per-device 0 falls
         // back to the global limit, and a global 0 means unlimited.
@@ -284,7 +307,6 @@ impl Config {
         if let Some(profile) = read_setting(&lookup, COMPUTE_PROFILE_VAR, parse_compute_profile)? {
             config.compute_profile = profile;
         }
-        config.log_level = log_level_from_value(lookup(LOG_LEVEL_VAR).as_deref());
         Ok(config)
     }
 
@@ -393,6 +415,16 @@ fn parse_priority(text: &str) -> Result<i32, String> {
 }
 
 /// `1` or `0`: a switch that widens what is trusted is never guessed from a typo.
+/// `CUDA_DISABLE_CONTROL` as HAMi's device plugin reads it (Go's `strconv.ParseBool`): `1`, `t`,
+/// `true` or `0`, `f`, `false`, in any case.
+fn parse_disable_control(text: &str) -> Result<bool, String> {
+    match text.to_ascii_lowercase().as_str() {
+        "true" | "t" | "1" => Ok(true),
+        "false" | "f" | "0" => Ok(false),
+        _ => Err("expected true or false".to_owned()),
+    }
+}
+
 fn parse_switch(text: &str) -> Result<bool, String> {
     match text {
         "1" => Ok(true),
@@ -1242,5 +1274,41 @@ mod tests {
             log_level_from_env(),
             log_level_from_value(std::env::var_os("LIBCUDA_LOG_LEVEL").as_deref())
         );
+    }
+
+    #[test]
+    fn disable_control_passes_through_whatever_the_other_variables_say() {
+        for value in ["true", "TRUE", "t", "1"] {
+            let config = Config::from_lookup(lookup_of(&[
+                ("CUDA_DISABLE_CONTROL", value),
+                ("CUDA_DEVICE_MEMORY_LIMIT", "not a size"),
+                ("CUDA_DEVICE_SM_LIMIT", "50"),
+                ("LIBCUDA_LOG_LEVEL", "4"),
+            ]))
+            .expect("control disabled: the limits are not read");
+            assert!(config.control_disabled, "{value}");
+            assert_eq!(config.memory_limit_of(0), None);
+            assert_eq!(config.sm_limit_of(0), None);
+            assert_eq!(config.log_level, 4);
+        }
+        for value in ["false", "F", "0", ""] {
+            let config = Config::from_lookup(lookup_of(&[
+                ("CUDA_DISABLE_CONTROL", value),
+                ("CUDA_DEVICE_SM_LIMIT", "50"),
+            ]))
+            .unwrap();
+            assert!(!config.control_disabled, "{value}");
+            assert_eq!(config.sm_limit_of(0), Some(50));
+        }
+        // What HAMi's device plugin reads as false (it then mounts the library): the limits apply,
+        // and the value is kept for cuInit's warning.
+        let config = Config::from_lookup(lookup_of(&[
+            ("CUDA_DISABLE_CONTROL", "yes"),
+            ("CUDA_DEVICE_SM_LIMIT", "50"),
+        ]))
+        .unwrap();
+        assert!(!config.control_disabled);
+        assert_eq!(config.sm_limit_of(0), Some(50));
+        assert_eq!(config.disable_control_unread.as_deref(), Some("yes"));
     }
 }

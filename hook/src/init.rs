@@ -14,6 +14,22 @@ pub fn cu_init(call: impl FnOnce() -> CUresult) -> CUresult {
             return CUDA_ERROR_INVALID_VALUE;
         }
     };
+    if let Some(value) = &config.disable_control_unread {
+        static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            tracing::warn!(
+                "CUDA_DISABLE_CONTROL={value:?} is neither true nor false; read as false, as HAMi's device plugin \
+                 reads it: the limits apply"
+            );
+        }
+    }
+    if config.control_disabled {
+        static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+        if !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+            tracing::info!("CUDA_DISABLE_CONTROL is set: no limit, no accounting, every call passes through");
+        }
+        return call();
+    }
     let result = call();
     if result != CUDA_SUCCESS {
         return result;

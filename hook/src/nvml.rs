@@ -148,7 +148,10 @@ fn monitor_region() -> Option<&'static Region> {
     static REGION: OnceLock<Option<Region>> = OnceLock::new();
     REGION
         .get_or_init(|| {
-            let config = crate::session::config().ok()?;
+            // With control disabled nothing is virtualised: NVML's own answers.
+            let config = crate::session::config()
+                .ok()
+                .filter(|config| !config.control_disabled)?;
             crate::session::open_region(config, &InitParams::default())
                 .map_err(|error| tracing::warn!("{error}; NVML reports physical memory"))
                 .ok()
@@ -170,9 +173,13 @@ fn limit_and_usage(device: nvmlDevice_t) -> Option<(u64, u64)> {
     }
     let region = monitor_region()?;
     let index = region.device_index(&uuid).ok()?;
-    // The container's limit is the region's while its processes use it; a region this process
-    // has just created (or re-created) holds no limits yet: the variables say what it will get.
-    let limit = if matches!(region.open_kind(), OpenKind::Joined | OpenKind::Repaired(_)) {
+    // The container's limit is the region's while its processes use it or once it was reused (it
+    // keeps its limits); a region this process has just created (or rebuilt) holds no limits yet:
+    // the variables say what it will get.
+    let limit = if matches!(
+        region.open_kind(),
+        OpenKind::Joined | OpenKind::Repaired(_) | OpenKind::Reinitialised
+    ) {
         let limit = region
             .hami()
             .limit

@@ -3,9 +3,9 @@
 //! live (`docs/memory-accounting.md`, `docs/compute-limit.md`), so the change takes effect in all
 //! of them; the values are checked as `libvgpu.so` checks its variables.
 //!
-//! Only a region that processes use is changed: a missing or unused one is re-created from the
-//! variables of the next process to start, so a change there would not last (the variables are
-//! what to change then).
+//! A region no process uses is changed too: a valid region keeps its limits when the container's
+//! next process reuses it (`vgpu_region::OpenKind::Reinitialised`), so the change lasts. A
+//! missing file is not created.
 
 use std::path::Path;
 
@@ -82,14 +82,11 @@ pub fn set_limits(
     let fail = |problem: String| format!("{}: {problem}", shown(path));
     // An operator's tool: the file may belong to whichever user started the container's first
     // process. Only the two limit fields are written.
-    let region = Region::open_in_use(path, Owners::Any).map_err(|error| match error {
-        vgpu_region::RegionError::NotInUse { .. } => fail(
-            "no process uses this region: the next one to start re-creates it from its variables \
-             (CUDA_DEVICE_MEMORY_LIMIT, CUDA_DEVICE_SM_LIMIT), so change those instead"
-                .into(),
-        ),
-        other => other.to_string(),
-    })?;
+    let region = match Region::open_in_use(path, Owners::Any) {
+        Ok(region) => region,
+        Err(vgpu_region::RegionError::NotInUse { .. }) => open_idle(path).map_err(&fail)?,
+        Err(other) => return Err(other.to_string()),
+    };
     // Dropped before the region (declared after it): unwatched before the unmap. The open itself
     // is not watched (the region crate reads the file before it returns).
     let (start, len) = region.mapped_range();
@@ -99,6 +96,20 @@ pub fn set_limits(
         return Err(fail(crate::read::SHRANK.into()));
     }
     changes
+}
+
+/// A region no process uses, opened to change its limits: reinitialised with its own devices, so
+/// that it keeps its limits and HAMi's fields (and drops its dead processes' slots). Refused when
+/// the file is not a valid region (it would be rebuilt empty).
+fn open_idle(path: &Path) -> Result<Region, String> {
+    let bytes = std::fs::read(path).map_err(|error| format!("cannot read it: {error}"))?;
+    let snapshot = vgpu_region::read_snapshot(&bytes)
+        .map_err(|problem| format!("no process uses it and it is not a valid region ({problem})"))?;
+    let init = vgpu_region::InitParams {
+        device_uuids: snapshot.uuids,
+        ..vgpu_region::InitParams::default()
+    };
+    Region::open_with(path, &init, Owners::Any).map_err(|error| error.to_string())
 }
 
 fn change_limits(

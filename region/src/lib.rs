@@ -158,7 +158,8 @@ pub enum OpenKind {
     /// The file was new or empty, and was initialised.
     Created,
     /// A valid region nobody was using: stale slots dropped, header rewritten from the
-    /// [`InitParams`].
+    /// [`InitParams`] but for what the container's life keeps: its limits (while its devices are
+    /// the same) and the fields HAMi's monitor owns ([`Kept`]).
     Reinitialised,
     /// An invalid file nobody was using, rebuilt; the problem found.
     Rebuilt(LayoutError),
@@ -371,10 +372,14 @@ impl Region {
             // Only read so far; dropping the region unmaps it.
             return Err(foreign_invalid(owner, problem.clone()));
         }
+        let kept = matches!(region.open_kind, OpenKind::Reinitialised).then(|| Kept::read(region.file()));
         // SAFETY: the mapping is REGION_FILE_SIZE bytes, no reference into it is alive (the
         // validation above is over), and no other process uses it (we hold the file exclusively).
         unsafe { sys::zero(mapping, REGION_FILE_SIZE) };
         write_initial_state(region.file(), init);
+        if let Some(kept) = kept {
+            kept.restore(region.file(), init);
+        }
         Ok(region)
     }
 
@@ -1022,6 +1027,56 @@ pub fn initial_image(init: &InitParams) -> Result<Vec<u8>, InitError> {
 
 /// Fills an all-zero region: semaphores, header, devices, limits, the extension (its lock words
 /// stay zero: nobody holds or waits for the lock), and `initialized_flag` last.
+/// What a valid region nobody uses keeps when a process reinitialises it (HAMi-core initialises only
+/// a file without its magic): the container's limits, set by its first process's variables,
+/// `vgpu-smi set` or HAMi, while its devices are the same ones in the same order (another device
+/// list is another container's configuration: the new variables' limits apply); and the fields
+/// HAMi's monitor writes or reads as the container's (`utilization_switch`, `recent_kernel`,
+/// `priority`). Everything else (slots, totals, the limiter's bucket) belonged to processes that
+/// are gone and starts afresh.
+struct Kept {
+    uuids: Vec<String>,
+    limits: [u64; MAX_DEVICES],
+    sm_limits: [u64; MAX_DEVICES],
+    utilization_switch: i32,
+    recent_kernel: i32,
+    priority: i32,
+}
+
+impl Kept {
+    fn read(file: &RegionFile) -> Kept {
+        let hami = &file.hami;
+        let devices =
+            usize::try_from(hami.device_num.load(Ordering::Relaxed)).map_or(MAX_DEVICES, |n| n.min(MAX_DEVICES));
+        Kept {
+            uuids: hami.uuids[..devices].iter().map(snapshot::read_uuid).collect(),
+            limits: std::array::from_fn(|index| hami.limit[index].load(Ordering::Relaxed)),
+            sm_limits: std::array::from_fn(|index| hami.sm_limit[index].load(Ordering::Relaxed)),
+            utilization_switch: hami.utilization_switch.load(Ordering::Relaxed),
+            recent_kernel: hami.recent_kernel.load(Ordering::Relaxed),
+            priority: hami.priority.load(Ordering::Relaxed),
+        }
+    }
+
+    fn restore(&self, file: &RegionFile, init: &InitParams) {
+        let hami = &file.hami;
+        let same_devices = self.uuids.len() == init.device_uuids.len().min(MAX_DEVICES)
+            && self.uuids.iter().zip(&init.device_uuids).all(|(kept, new)| kept == new);
+        if same_devices {
+            for (limit, value) in hami.limit.iter().zip(self.limits) {
+                limit.store(value, Ordering::Relaxed);
+            }
+            for (limit, value) in hami.sm_limit.iter().zip(self.sm_limits) {
+                limit.store(value, Ordering::Relaxed);
+            }
+        }
+        hami.utilization_switch
+            .store(self.utilization_switch, Ordering::Relaxed);
+        hami.recent_kernel.store(self.recent_kernel, Ordering::Relaxed);
+        hami.priority.store(self.priority, Ordering::Relaxed);
+    }
+}
+
 fn write_initial_state(file: &RegionFile, init: &InitParams) {
     let hami = &file.hami;
     let ext = &file.ext;

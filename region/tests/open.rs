@@ -97,7 +97,64 @@ fn a_valid_file_nobody_uses_is_reinitialised_without_stale_slots() {
     let region = Region::open(&path, &init).unwrap();
     assert_eq!(region.open_kind(), &OpenKind::Reinitialised);
     assert_valid_and_fresh(&region);
-    assert_eq!(region.snapshot().priority, 9, "the header comes from the new creator");
+    assert_eq!(region.snapshot().priority, 1, "the container's priority is kept");
+}
+
+/// A region reused by the container's next process keeps what HAMi wrote and the limits set while
+/// it lived (`vgpu-smi set`, HAMi), not the new process's variables; with another device list it
+/// takes the new variables' limits, and keeps HAMi's fields.
+#[test]
+fn a_reused_region_keeps_its_limits_and_hamis_fields() {
+    let dir = ScratchDir::new("reuse-keeps");
+    let path = dir.region_path();
+    {
+        let first = open(&path).unwrap();
+        let hami = first.hami();
+        hami.limit[0].store(3 << 30, Ordering::Relaxed);
+        hami.sm_limit[0].store(30, Ordering::Relaxed);
+        hami.utilization_switch.store(0, Ordering::Relaxed);
+        hami.recent_kernel.store(-1, Ordering::Relaxed);
+        hami.priority.store(0, Ordering::Relaxed);
+    }
+    let variables = InitParams {
+        priority: 5,
+        limits: [1 << 30; vgpu_region::MAX_DEVICES],
+        sm_limits: [50; vgpu_region::MAX_DEVICES],
+        ..one_device()
+    };
+    let reused = Region::open(&path, &variables).unwrap();
+    assert_eq!(reused.open_kind(), &OpenKind::Reinitialised);
+    let snapshot = reused.snapshot();
+    assert_eq!(
+        (
+            snapshot.limits[0],
+            snapshot.sm_limits[0],
+            snapshot.limits[1],
+            snapshot.sm_limits[1]
+        ),
+        (3 << 30, 30, 0, 0),
+        "the container's limits are kept, every index"
+    );
+    assert_eq!(
+        (snapshot.utilization_switch, snapshot.recent_kernel, snapshot.priority),
+        (0, -1, 0)
+    );
+    drop(reused);
+    let other_devices = InitParams {
+        device_uuids: vec!["GPU-11111111-2222-3333-4444-555555555555".to_string()],
+        ..variables
+    };
+    let moved = Region::open(&path, &other_devices).unwrap();
+    let snapshot = moved.snapshot();
+    assert_eq!(
+        (snapshot.limits[0], snapshot.sm_limits[0]),
+        (1 << 30, 50),
+        "another device list: the variables' limits"
+    );
+    assert_eq!(
+        (snapshot.utilization_switch, snapshot.recent_kernel, snapshot.priority),
+        (0, -1, 0)
+    );
 }
 
 #[test]

@@ -175,6 +175,17 @@ pub fn start(config: &Config) -> Result<(), String> {
         }
         _ => {}
     }
+    // A reused region keeps the container's priority (HAMi reads it as the container's); the
+    // limits are compared with the variables per device below (`limits::seed`).
+    let priority = region.hami().priority.load(std::sync::atomic::Ordering::Relaxed);
+    if priority != config.task_priority {
+        tracing::warn!(
+            "the shared region {} holds priority {priority} where CUDA_TASK_PRIORITY gives {}; the region's applies \
+             (it is the container's, kept while the region is valid: delete the file to start afresh)",
+            config.shared_cache.display(),
+            config.task_priority
+        );
+    }
     let mut entries = Vec::with_capacity(uuids.len());
     for (ordinal, uuid) in uuids.into_iter().enumerate() {
         let region_index = region.device_index(&uuid).map_err(|e| e.to_string())?;

@@ -325,6 +325,61 @@ fn wait_for_kernel_time(region: &vgpu_region::Region, limit: Duration) -> Option
     None
 }
 
+/// `CUDA_DISABLE_CONTROL=true` (HAMi's device plugin sets it for a container it does not limit):
+/// the preloaded library passes everything through: no region file, no memory limit (even a
+/// malformed one), launches not limited, the driver's own memory figures.
+#[test]
+fn disable_control_passes_everything_through() {
+    let dir = TestDir::new("disable-control");
+    let variables = [
+        ("CUDA_DISABLE_CONTROL", "true"),
+        ("CUDA_DEVICE_MEMORY_LIMIT", "1g"),
+        ("CUDA_DEVICE_SM_LIMIT", "10"),
+    ];
+    let mut process = holding(&dir, "monitor_launch", 0, &variables);
+    ok(&mut process, &format!("alloc {}", 2048 * MIB));
+    ok(&mut process, "load");
+    // 100 launches of 1 ms: at limit 10 they would take a second.
+    let took: f64 = ok(&mut process, "launch 100")[0].parse().expect("milliseconds");
+    assert!(took < 500.0, "launches took {took} ms: limited");
+    process.send("quit");
+    let output = process.finish();
+    assert!(output.status.success(), "{output:?}");
+    assert!(!dir.region().exists(), "a region file was made");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!stderr.contains("ERROR") && !stderr.contains("WARN"), "{stderr}");
+    // Malformed limits are not read either; a CUDA_DISABLE_CONTROL that is neither true nor false
+    // is read as false, as HAMi's device plugin reads it (it mounts the library), with a warning.
+    let mut malformed = start(
+        &dir,
+        "monitor_launch",
+        &[("CUDA_DISABLE_CONTROL", "true"), ("CUDA_DEVICE_MEMORY_LIMIT", "lots")],
+    );
+    ok(&mut malformed, "init");
+    malformed.send("quit");
+    assert!(malformed.finish().status.success());
+    let mut unread = holding(
+        &dir,
+        "mem_ops",
+        0,
+        &[("CUDA_DISABLE_CONTROL", "yes"), ("CUDA_DEVICE_MEMORY_LIMIT", "1g")],
+    );
+    assert_eq!(
+        status(&unread.ask(&format!("alloc {}", 2048 * MIB))),
+        CUDA_ERROR_OUT_OF_MEMORY
+    );
+    unread.send("quit");
+    let output = unread.finish();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(
+        stderr
+            .matches("CUDA_DISABLE_CONTROL=\"yes\" is neither true nor false")
+            .count(),
+        1,
+        "{stderr}"
+    );
+}
+
 /// A process that launches and exits within the tick's period leaves its last launches in
 /// `last_kernel_time`, limited or not (before, it left the time it attached).
 #[test]
@@ -672,15 +727,33 @@ fn vgpu_smi_set_changes_a_running_containers_limits() {
         "a refused set wrote"
     );
 
-    // Once no process uses the region, the next one re-creates it from its variables: refused.
+    // Once no process uses the region, a change still lasts: the container's next process, with
+    // other variables, keeps the region's limits (and says so once).
     session.send("quit");
     assert!(session.finish().status.success());
-    let before = std::fs::read(dir.region()).expect("read the region");
     let output = vgpu_smi(&["set", "--region", &region, "--sm", "20"]);
-    assert_eq!(output.status.code(), Some(1), "{output:?}");
-    assert!(
-        String::from_utf8_lossy(&output.stderr).contains("no process uses this region"),
-        "{output:?}"
+    assert!(output.status.success(), "{output:?}");
+    assert_eq!((dir.snapshot().limits[0], dir.snapshot().sm_limits[0]), (200 * MIB, 20));
+    let mut next = holding(
+        &dir,
+        "mem_ops",
+        0,
+        &[("CUDA_DEVICE_MEMORY_LIMIT", "1g"), ("CUDA_DEVICE_SM_LIMIT", "60")],
     );
-    assert_eq!(std::fs::read(dir.region()).expect("read the region"), before);
+    assert_eq!((dir.snapshot().limits[0], dir.snapshot().sm_limits[0]), (200 * MIB, 20));
+    next.send("quit");
+    let output = next.finish();
+    assert!(output.status.success(), "{output:?}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("holds a memory limit of") && stderr.contains("holds a compute limit of"),
+        "{stderr}"
+    );
+    // A file that is not a region is refused with one line and left as it is.
+    let not_a_region = dir.0.path().join("not-a-region");
+    std::fs::write(&not_a_region, b"hello").expect("write");
+    let output = vgpu_smi(&["set", "--region", &not_a_region.display().to_string(), "--sm", "20"]);
+    assert_eq!(output.status.code(), Some(1), "{output:?}");
+    assert_eq!(String::from_utf8_lossy(&output.stderr).lines().count(), 1, "{output:?}");
+    assert_eq!(std::fs::read(&not_a_region).expect("read"), b"hello");
 }
