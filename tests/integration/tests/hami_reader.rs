@@ -35,8 +35,9 @@ mod hami {
     const SLOT_SIZE: usize = 1960;
     const SLOTS: usize = 1024;
     const PROCNUM: usize = 2_008_896;
-    const UTILIZATION_SWITCH: usize = 2_008_900;
-    const RECENT_KERNEL: usize = 2_008_904;
+    /// Written by HAMi's monitor (`cmd/vGPUmonitor/feedback.go`).
+    pub const UTILIZATION_SWITCH: usize = 2_008_900;
+    pub const RECENT_KERNEL: usize = 2_008_904;
     const PRIORITY: usize = 2_008_908;
     const LAST_KERNEL_TIME: usize = 2_008_912;
     /// In a slot: `used [16]deviceMemory` (five u64 and `unused [3]uint64`: 64 bytes each),
@@ -371,4 +372,127 @@ fn hamis_reader_sees_the_container_while_it_runs_and_nothing_after_it_exits() {
     assert_eq!(reaped.counted_slots(), 2);
     drop(next);
     drop(keeper);
+}
+
+/// What HAMi's monitor writes into a region, at its Go struct's offsets.
+fn hami_writes(region: &Path, offset: usize, value: i32) {
+    use std::os::unix::fs::FileExt;
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(region)
+        .expect("open the region as HAMi's monitor does");
+    file.write_all_at(&value.to_ne_bytes(), offset as u64)
+        .expect("write into the region");
+}
+
+fn vgpu_smi_json(region: &Path) -> serde_json::Value {
+    let path = vgpu_integration::profile_dir().join("vgpu-smi");
+    let output = vgpu_test_spawn::output_started(vgpu_integration::command(&path).args([
+        "--region",
+        &region.display().to_string(),
+        "--json",
+    ]))
+    .expect("run vgpu-smi");
+    assert!(output.status.success(), "{output:?}");
+    serde_json::from_slice(&output.stdout).expect("vgpu-smi --json is JSON")
+}
+
+/// HAMi's reader and `vgpu-smi --json` (read just after it) agree on what HAMi reads. The
+/// published share and the last launch's time may move between the two reads (every 250 ms, at
+/// most once a second): they agree within that.
+fn agree(spec: &hami::Spec, json: &serde_json::Value, when: &str) {
+    let region = &json["regions"][0];
+    let hami = &region["hami"];
+    assert_eq!(hami["utilization_switch"], spec.utilization_switch(), "{when}");
+    assert_eq!(hami["recent_kernel"], spec.recent_kernel(), "{when}");
+    assert_eq!(hami["priority"], spec.priority(), "{when}");
+    let shown_time = hami["last_kernel_time_unix_secs"].as_i64().expect("a time");
+    assert!(
+        (shown_time - spec.last_kernel_time()).abs() <= 2,
+        "{when}: {shown_time} against {}",
+        spec.last_kernel_time()
+    );
+    for index in 0..spec.device_num() {
+        let device = &region["devices"][index];
+        let sm = spec.device_sm_limit(index);
+        let expected_sm = if sm == 0 { serde_json::Value::Null } else { sm.into() };
+        assert_eq!(device["sm_limit_percent"], expected_sm, "{when}");
+        assert_eq!(device["memory_limit_bytes"], spec.device_memory_limit(index), "{when}");
+        let shown_util = device["sm_util_percent"].as_u64().expect("a share");
+        assert!(
+            shown_util.abs_diff(spec.device_sm_util(index)) <= 15,
+            "{when}: device {index} sm_util {shown_util} against {}",
+            spec.device_sm_util(index)
+        );
+    }
+}
+
+/// Through a container's life, HAMi's reader sees what HAMi expects, and agrees with
+/// `vgpu-smi --json` at every step: the share published while HAMi has lifted the limit, HAMi's
+/// writes and a limit changed while no process runs kept when the next process starts.
+#[test]
+fn hamis_view_holds_through_a_containers_life() {
+    let dir = ScratchDir::new("hami-life");
+    let region = dir.join("vgpu.cache");
+    let mut first = holding(&dir, 16 * MIB, 0);
+    ok(&mut first, "load");
+    agree(&read(&region), &vgpu_smi_json(&region), "started");
+
+    // HAMi's monitor lifts the limit (the container is alone on its GPU): the container runs
+    // unheld and its share is still published.
+    hami_writes(&region, hami::UTILIZATION_SWITCH, 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let lifted = loop {
+        ok(&mut first, "launch 50");
+        let spec = read(&region);
+        if spec.device_sm_util(0) > 40 {
+            break spec;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no share published with the switch off (sm_util {})",
+            spec.device_sm_util(0)
+        );
+    };
+    assert_eq!(lifted.utilization_switch(), 0);
+    agree(&lifted, &vgpu_smi_json(&region), "limit lifted");
+
+    // A higher-priority container runs: HAMi holds this one. Then its last process exits.
+    hami_writes(&region, hami::RECENT_KERNEL, -1);
+    first.send("quit");
+    assert!(first.finish().status.success());
+    let idle = read(&region);
+    assert_eq!(
+        (idle.counted_slots(), idle.recent_kernel(), idle.utilization_switch()),
+        (0, -1, 0)
+    );
+    agree(&idle, &vgpu_smi_json(&region), "idle");
+
+    // An operator changes the limit while no process runs; the next process keeps it, and
+    // HAMi's writes.
+    let path = vgpu_integration::profile_dir().join("vgpu-smi");
+    let set = vgpu_test_spawn::output_started(vgpu_integration::command(&path).args([
+        "set",
+        "--region",
+        &region.display().to_string(),
+        "--sm",
+        "25",
+    ]))
+    .expect("run vgpu-smi set");
+    assert!(set.status.success(), "{set:?}");
+    let next = holding(&dir, 8 * MIB, 0);
+    let restarted = read(&region);
+    assert_eq!(
+        (
+            restarted.device_sm_limit(0),
+            restarted.device_memory_limit(0),
+            restarted.utilization_switch(),
+            restarted.recent_kernel(),
+            restarted.priority(),
+            restarted.counted_slots()
+        ),
+        (25, 2 * GIB, 0, -1, 3, 1)
+    );
+    agree(&restarted, &vgpu_smi_json(&region), "next process");
+    drop(next);
 }
