@@ -2,7 +2,8 @@
 # Issue 12's GPU checks (HAMi integration), with PyTorch: a process that exits normally leaves no
 # slot and no memory in the region (vgpu-smi's USED and the slots HAMi sums); a killed one is listed
 # dead and not counted; last_kernel_time follows an unlimited GEMM; a compute limit set live with
-# vgpu-smi set holds a running unlimited GEMM within a second and lifting it frees it again; a
+# vgpu-smi set holds a running unlimited GEMM within a second and lifting it frees it again; with a
+# limit set and HAMi's utilization_switch at 0 a GEMM runs unheld and its share is published; a
 # memory limit lowered below the usage refuses the next allocation. Run from the repository root
 # with .device/ prepared by scripts/gpu-prepare.sh (libvgpu.so and vgpu-smi). About 1 minute.
 # Report in $OUT/hami.txt; each check prints PASS or FAIL.
@@ -107,6 +108,25 @@ after = sum(rate[s] for s in (12, 13, 14)) / 3
 print(f"unlimited {free:.0f} it/s, seconds 5-9 at 30%: {held:.0f} it/s ({100 * held / free:.1f}%), seconds 12-14 after lifting: {after:.0f} it/s")
 print("PASS live compute limit" if abs(100 * held / free - 30) <= 8 and after > 0.9 * free else "FAIL live compute limit")
 EOF
+
+log; log "## the share published while HAMi lifts the limit (sm 30, utilization_switch 0)"
+$smi set --sm 30 | tail -1 | tee -a "$report"
+switch() { python3 - "$CUDA_DEVICE_MEMORY_SHARED_CACHE" "$1" <<'EOF'
+import struct, sys
+with open(sys.argv[1], "r+b") as f:
+    f.seek(2008900); f.write(struct.pack("<i", int(sys.argv[2])))
+EOF
+}
+switch 0
+LD_PRELOAD=$hook python3 tests/gpu/monitor_gemm.py 5 > /dev/null 2>&1 &
+lifted=$!
+sleep 4
+published=$($smi --json | python3 -c 'import json,sys; r=json.load(sys.stdin)["regions"][0]; print(max([d["sm_util_percent"] for p in r["processes"] for d in p["devices"]] or [0]), r["hami"]["utilization_switch"])')
+wait $lifted
+log "a GEMM at sm 30 with the switch at 0, its 4th second: published sm_util and switch: $published"
+[ "$(echo $published | awk '{print ($1 >= 80 && $2 == 0)}')" = 1 ]; check $? "with the switch at 0 the GEMM runs unheld and its share is published (HAMi-core publishes it whenever a limit is set)"
+switch 1
+$smi set --sm 0 | tail -1 | tee -a "$report"
 
 log; log "## live memory limit lowered below the usage (keeper holds 100 MiB and a context)"
 $smi set --memory 64m | tail -1 | tee -a "$report"
