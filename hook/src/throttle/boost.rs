@@ -1,12 +1,11 @@
 //! Compensation for the GPU's boost clock.
 //!
-//! A GPU that a workload keeps busy all the time runs at the clock its power limit allows (a bf16
-//! GEMM on the H200: 1578 MHz at 662 W). Held to half of its time by the limiter, the same GPU
-//! stays under its power limit and runs at its highest clock (1980 MHz), so each kernel takes
-//! less time (176 us instead of 206 us) and half of the GPU's time does 58% of the unlimited
-//! work (docs/gpu/2026-11-30-compute-time-share.txt, before this compensation). The limit is a
-//! share of the GPU; so that it holds in work done, and not only in time, a kernel is charged
-//! what it would take on the GPU busy with this container's work alone.
+//! A GPU that a workload keeps busy all the time runs at the clock its power limit allows. Held to
+//! part of its time by the limiter, the same GPU stays under its power limit and runs at a higher
+//! clock, so each kernel takes less time and half of the GPU's time does more than half of the
+//! unlimited work (the figures: docs/compute-limit.md, "The boost compensation"). On a board with
+//! a profile the limit holds in work done, not only in time: a kernel is charged what it would
+//! take on the GPU busy with this container's work alone.
 //!
 //! That time comes from a model of the GPU's power, fed by NVML once a second, whose constants
 //! are the board's ([`Profile`], from `boards.toml` by NVML's name: [`super::boards`]). A GPU
@@ -33,7 +32,7 @@
 //! - no work draws more than [`Profile::heaviest_work`] times the board's default power limit in
 //!   dynamic power at the highest clock `f_max` (were the GPU busy all the time), so no GPU busy
 //!   all the time settles below `f_floor = f_max * ((P_cap - P_idle) / (heaviest_work *
-//!   P_rated))^(1 / alpha)` (H200 at its default limit: 1468 MHz), and a kernel running at the
+//!   P_rated))^(1 / alpha)`, and a kernel running at the
 //!   present clock `f` takes at most `(f / f_floor)^beta` less time than it would at full load:
 //!   the factor never exceeds that. A GPU saturated by one GEMM runs near `f_floor`; the GEMMs of
 //!   several containers saturating it together run a little faster (the switches between their

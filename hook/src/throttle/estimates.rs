@@ -9,16 +9,15 @@
 //! Which launches are measured is decided by count, not by time. A limited loop runs in bursts:
 //! the first launch after the limiter's pause finds an idle GPU and takes longer than the ones
 //! queued behind it. Picking "the first launch after 50 ms" picked that one about as often as the
-//! GPU is paused, and over-charged the key (on the H200 a 64K-element kernel: 3.6 us charged on
-//! average, 3.3 us timed inside a burst, docs/compute-limit.md), while
+//! GPU is paused, and over-charged the key (docs/compute-limit.md, "Why by count"), while
 //! skipping launches that waited would under-charge a GEMM loop, where nearly every launch waits.
 //! So after each sample a key counts down a random number of launches, centred on about 50 ms
 //! worth at its current rate: every launch is equally likely to be measured.
 //!
 //! A key's first launch is never measured: with lazy module loading (CUDA's default) the driver
 //! loads the function inside that call and may synchronise the context, so its time is the
-//! host's, not the kernel's (on the H200 such calls took 10-22 ms, and a 3 us kernel was measured
-//! at 0.15-2 ms: docs/compute-limit.md). While a key is young its
+//! host's, not the kernel's (docs/compute-limit.md, "The first launch is never measured"). While a
+//! key is young its
 //! estimate is the median of its measurements (the smaller of two): one distorted measurement
 //! (the host, another context) cannot set it, and a kernel whose time varies is not under-charged
 //! as it would be by the smallest.

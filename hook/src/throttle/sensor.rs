@@ -62,22 +62,24 @@ const MAX_EVENTS_PER_POOL: usize = 2 * MAX_PENDING;
 const MAX_POOLS: usize = 16;
 /// A hold on a stream is released by the background thread after this long at the latest.
 pub const HOLD_RELEASE_NS: u64 = 2_000_000;
-/// Without a hold, a sample whose launch call took longer than this on the host is not kept (a
-/// launch call takes 2-10 us on the H200; module loading takes milliseconds).
+/// Without a hold, a sample whose launch call took longer than this on the host is not kept: far
+/// above a launch call (microseconds), far below a module load (milliseconds), which lets the GPU
+/// pass the start event early (docs/compute-limit.md, "How it is measured").
 pub const LONG_CALL_NS: u64 = 500_000;
 /// What an event pair adds to a launch it brackets on an idle stream: the GPU's launch latency and
 /// the completion the end event waits for, time in which no kernel executes (NVML counts it idle)
-/// and which launches queued back to back overlap. On the H200 a bracket reads about 1 us more than
-/// NVML's busy time per launch, for a 3 us kernel and a graph of eight alike
-/// (docs/compute-limit.md). Taken off every measurement of an idle stream, and of a queued one
-/// until pairs have measured it there, but never more than a third of the measurement.
+/// and which launches queued back to back overlap (its measurement: docs/compute-limit.md, "The
+/// bracket's own time"). Taken off every measurement of an idle stream, and of a queued one until
+/// pairs have measured it there, but never more than a third of the measurement.
 pub const BRACKET_OVERHEAD_NS: u64 = 1_000;
 /// One limited launch in this many (of those that may be) begins a pair (see the module
 /// description). Pairs are taken besides the samples, never instead of one: which samples a key
 /// gets must not depend on its stream's state (a key whose time follows its position in a
 /// synchronised loop would otherwise be measured at a skewed mix of its times).
 pub const PAIR_STRIDE: u64 = 64;
-/// The most a bracket is taken to add on a queued stream (the H200's highest reading is 2.9 us).
+/// The most a bracket is taken to add on a queued stream: above every reading of
+/// `tests/gpu/bracket_probe.cu` (docs/compute-limit.md), so that a pair holding other work moves
+/// the learned figure by a bounded step.
 pub const MAX_QUEUED_OVERHEAD_NS: u64 = 5_000;
 /// A pair is begun only for a launch charged at least this, and counts only where both keys'
 /// queued readings are at least this: a bracket around shorter kernels reads less over them than

@@ -2,8 +2,8 @@
 //! the sensor measured the container's kernels, the charges are trimmed to what NVML sees.
 //!
 //! A bracket of events reads a kernel's time plus some of the GPU's time between kernels (the
-//! front end starting the next one), which no pair of brackets can separate from the kernel: on
-//! the H200 a PyTorch training step was charged 3-4% more than NVML saw busy, so it ran 2-3 points
+//! front end starting the next one), which no pair of brackets can separate from the kernel: a job
+//! of many short kernels is charged a few percent more than NVML sees busy, and runs that much
 //! under its limit (docs/compute-limit.md, "NVML's trim"). NVML's utilisation covers the whole
 //! GPU, so it can only show that the container's measurements are too high, never too low
 //! (another container's work adds to it): the trim is at most 1. A reading far below the measured
