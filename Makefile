@@ -1,6 +1,8 @@
 # Common tasks. `make demo` builds and runs the demo, `make test` runs every check CI runs.
 CARGO ?= cargo
 FAULT_DIR := target/fault-injection
+# Each step of `make test` says how long it took (scripts/timed.sh).
+TIMED := scripts/timed.sh
 
 .PHONY: headers build release demo test versions lint fault-build cross-test dist bench-callgrind fuzz clean
 
@@ -8,31 +10,31 @@ headers:
 	scripts/fetch-headers.sh
 
 build: headers
-	$(CARGO) build --workspace
+	$(TIMED) build $(CARGO) build --workspace
 
 release: headers
 	$(CARGO) build --release -p vgpu-hook -p vgpu-monitor
 	cp vulkan-layer/hami.json target/release/hami.json
 
 fault-build: headers
-	$(CARGO) build -p vgpu-hook --features fault-injection --target-dir $(FAULT_DIR)
+	$(TIMED) fault-build $(CARGO) build -p vgpu-hook --features fault-injection --target-dir $(FAULT_DIR)
 
 demo: headers
 	scripts/demo.sh
 
 lint: headers
-	$(CARGO) fmt --all -- --check
-	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(TIMED) fmt $(CARGO) fmt --all -- --check
+	$(TIMED) clippy $(CARGO) clippy --workspace --all-targets -- -D warnings
 
 # Every older release of cuda-versions.txt first (its hook and fake driver, the header-dependent
 # tests), then the default build and every test, then the default library on an older fake driver.
 test: fault-build versions build lint
-	$(CARGO) test --workspace
-	scripts/test-versions.sh cross
+	$(TIMED) tests $(CARGO) test --workspace
+	$(TIMED) versions-cross scripts/test-versions.sh cross
 	# fuzzing needs nightly: `make fuzz` (see fuzz/README.md)
 
 versions: headers
-	scripts/test-versions.sh older
+	$(TIMED) versions-older scripts/test-versions.sh older
 
 # aarch64 under qemu-user (needs cross tools: see scripts/cross-test.sh); CI runs it after `test`.
 cross-test: headers
