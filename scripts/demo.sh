@@ -46,9 +46,12 @@ echo
 echo "== with LD_PRELOAD=libvgpu.so CUDA_DEVICE_MEMORY_LIMIT=1g CUDA_DEVICE_SM_LIMIT=50"
 echo "   (the kernels get at most half of the GPU's time: their span about doubles, less the 30 ms of"
 echo "   GPU time a fresh budget starts with, which they spend at full speed)"
+# A valid region keeps the container's limits for its next process (HAMi's writes and vgpu-smi set
+# last); to start from new variables, the file is deleted, as the HAMi-core README says.
+rm -f "$CUDA_DEVICE_MEMORY_SHARED_CACHE"
 LD_PRELOAD="$hook" CUDA_DEVICE_MEMORY_LIMIT=1g CUDA_DEVICE_SM_LIMIT=50 run "$work/demo"
 echo
-echo "== vgpu-smi --json on the region the two runs with libvgpu.so shared: the compute limiter's totals"
+echo "== vgpu-smi --json on the region of the last run: the compute limiter's totals"
 "$root/target/release/vgpu-smi" --region "$CUDA_DEVICE_MEMORY_SHARED_CACHE" --json > "$work/region.json"
 python3 - "$work/region.json" <<'PY'
 import json, sys

@@ -274,6 +274,21 @@ struct Pool {
     issued_ns: u64,
 }
 
+impl Pool {
+    /// One event of the pool, created while the pool has room.
+    fn take_event(&mut self) -> Option<usize> {
+        match self.free.pop() {
+            Some(event) => Some(event),
+            None if self.created < MAX_EVENTS_PER_POOL => {
+                let event = create_event()?;
+                self.created += 1;
+                Some(event)
+            }
+            None => None,
+        }
+    }
+}
+
 #[derive(Default)]
 struct State {
     pools: Vec<Pool>,
@@ -500,17 +515,8 @@ impl Sensor {
         };
         let pool = &mut state.pools[position];
         pool.last_use = uses;
-        let mut take = || match pool.free.pop() {
-            Some(event) => Some(event),
-            None if pool.created < MAX_EVENTS_PER_POOL => {
-                let event = create_event()?;
-                pool.created += 1;
-                Some(event)
-            }
-            None => None,
-        };
-        let start = take()?;
-        let Some(end) = take() else {
+        let start = pool.take_event()?;
+        let Some(end) = pool.take_event() else {
             pool.free.push(start);
             return None;
         };
@@ -626,18 +632,9 @@ impl Sensor {
         self.recent.forget(stream);
     }
 
-    /// Takes one event of `pool` (created when the pool has room).
+    /// Takes one event of `pool` ([`Pool::take_event`]).
     fn pool_event(state: &mut State, pool: (usize, u64)) -> Option<usize> {
-        let pool = state.pools.iter_mut().find(|p| (p.context, p.id) == pool)?;
-        match pool.free.pop() {
-            Some(event) => Some(event),
-            None if pool.created < MAX_EVENTS_PER_POOL => {
-                let event = create_event()?;
-                pool.created += 1;
-                Some(event)
-            }
-            None => None,
-        }
+        state.pools.iter_mut().find(|p| (p.context, p.id) == pool)?.take_event()
     }
 
     /// After a sample's start was recorded, when other streams of the device launched recently:
@@ -706,26 +703,28 @@ impl Sensor {
         if now >= self.window_until.load(Ordering::Relaxed) || overlap::is_default_stream(stream) {
             return None;
         }
-        if crate::capture::capturing(stream) {
-            return None;
-        }
-        let context = current_context()?;
-        let pool = (context as usize, context_id(context));
-        let (window, start, end) = {
+        // The window's own checks first (no driver call): the leader's stream and a full window
+        // are turned away at the cost of the lock alone.
+        let (window, pool) = {
             let mut state = self.state.lock();
             let open = state.windows.iter_mut().rev().find(|w| now < w.until_ns)?;
-            if open.leader == stream as usize
-                || open.pool != pool
-                || open.running + open.members.len() >= overlap::MAX_MEMBERS
-            {
+            if open.leader == stream as usize || open.running + open.members.len() >= overlap::MAX_MEMBERS {
                 return None;
             }
             open.running += 1;
-            let window = open.id;
+            (open.id, open.pool)
+        };
+        let same_context = current_context().is_some_and(|context| (context as usize, context_id(context)) == pool);
+        if !same_context || crate::capture::capturing(stream) {
+            Self::member_gone(&mut self.state.lock(), window);
+            return None;
+        }
+        let (start, end) = {
+            let mut state = self.state.lock();
             let start = Self::pool_event(&mut state, pool);
             let end = Self::pool_event(&mut state, pool);
             match (start, end) {
-                (Some(start), Some(end)) => (window, start, end),
+                (Some(start), Some(end)) => (start, end),
                 (start, end) => {
                     Self::give_back(&mut state, pool, start.into_iter().chain(end));
                     Self::member_gone(&mut state, window);

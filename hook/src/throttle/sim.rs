@@ -304,23 +304,15 @@ pub fn run(job: &Job) -> Outcome {
         kernels: Vec::new(),
     };
     for intervals in &gpu.intervals {
-        let mut spans: Vec<(u64, u64)> = intervals
-            .iter()
-            .map(|&(s, e, _)| (s, e.min(end)))
-            .filter(|&(s, e)| e > s)
-            .collect();
-        spans.sort_unstable();
-        let mut merged: Vec<(u64, u64)> = Vec::new();
-        for (s, e) in spans {
-            match merged.last_mut() {
-                Some(last) if s <= last.1 => last.1 = last.1.max(e),
-                _ => merged.push((s, e)),
-            }
-        }
+        // The time the container's kernels occupied the GPU in each second: their union there.
         let second = |n: u64| -> f64 {
             let (from, to) = (start + n * 1_000_000_000, start + (n + 1) * 1_000_000_000);
-            let busy: u64 = merged.iter().map(|&(s, e)| e.min(to).saturating_sub(s.max(from))).sum();
-            busy as f64 / 1e7
+            let mut spans: Vec<(i64, i64)> = intervals
+                .iter()
+                .filter(|&&(s, e, _)| e > from && s < to)
+                .map(|&(s, e, _)| (s.max(from) as i64, e.min(to) as i64))
+                .collect();
+            overlap::union_and_sum(&mut spans).0 as f64 / 1e7
         };
         let per_second: Vec<f64> = (0..job.seconds).map(second).collect();
         outcome.mean.push(per_second.iter().sum::<f64>() / job.seconds as f64);

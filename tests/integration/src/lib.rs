@@ -438,6 +438,23 @@ pub struct Session {
 }
 
 impl Run {
+    /// Starts a program that prints `ready` once it is set up ([`Run::spawn`]), and waits for
+    /// that line; anything else fails the test with what the program printed.
+    pub fn spawn_ready(self, limit: std::time::Duration) -> Session {
+        let mut session = self.spawn(limit);
+        match session.read_line() {
+            Some(line) if line == "ready" => session,
+            other => {
+                let output = session.finish();
+                panic!(
+                    "the program did not start ({other:?}): {}{}",
+                    String::from_utf8_lossy(&output.stdout),
+                    String::from_utf8_lossy(&output.stderr)
+                );
+            }
+        }
+    }
+
     /// Starts the program with stdin and stdout piped; it is killed after `limit`.
     pub fn spawn(mut self, limit: std::time::Duration) -> Session {
         use std::process::Stdio;

@@ -29,18 +29,7 @@ fn start(dir: &ScratchDir, profile: Option<&str>) -> Session {
     if let Some(profile) = profile {
         run = run.env("VGPU_COMPUTE_PROFILE", profile);
     }
-    let mut session = run.args(["kernel", KERNEL, "6.5"]).spawn(Duration::from_secs(30));
-    match session.read_line() {
-        Some(line) if line == "ready" => session,
-        other => {
-            let output = session.finish();
-            panic!(
-                "the program did not start ({other:?}): {}{}",
-                String::from_utf8_lossy(&output.stdout),
-                String::from_utf8_lossy(&output.stderr)
-            );
-        }
-    }
+    run.args(["kernel", KERNEL, "6.5"]).spawn_ready(Duration::from_secs(30))
 }
 
 /// The program's log, after checking that it ran without launch errors.

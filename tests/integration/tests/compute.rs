@@ -43,20 +43,22 @@ fn compute_loop(dir: &ScratchDir, env: &[(&str, &str)], args: &[&str]) -> Run {
     run.args(args)
 }
 
+/// The region now, and the share (percent) process `pid` publishes in its slot for HAMi's monitor
+/// (its `sm_util` on device 0).
+fn published_share(dir: &ScratchDir, pid: i32) -> (vgpu_region::Snapshot, u64) {
+    let snapshot = read_snapshot(&std::fs::read(dir.region()).expect("read the region")).expect("decode the region");
+    let published = snapshot
+        .processes
+        .iter()
+        .find(|p| p.pid == pid && p.status == SLOT_LIVE)
+        .map(|p| p.sm_util[0])
+        .expect("the program's slot");
+    (snapshot, published)
+}
+
 /// Starts a program and waits until it says it is set up.
 fn start(run: Run) -> Session {
-    let mut session = run.spawn(Duration::from_secs(30));
-    match session.read_line() {
-        Some(line) if line == "ready" => session,
-        other => {
-            let output = session.finish();
-            panic!(
-                "the program did not start ({other:?}): {}{}",
-                String::from_utf8_lossy(&output.stdout),
-                String::from_utf8_lossy(&output.stderr)
-            );
-        }
-    }
+    run.spawn_ready(Duration::from_secs(30))
 }
 
 /// The program's final line, parsed into its `key=value` fields.
@@ -165,13 +167,7 @@ fn limit_50_holds_and_is_published() {
     std::thread::sleep(WARM_UP);
     let share = busy_share(&truth);
     // What the process publishes for HAMi's monitor: its share over the last second.
-    let snapshot = read_snapshot(&std::fs::read(dir.region()).expect("read the region")).expect("decode the region");
-    let published = snapshot
-        .processes
-        .iter()
-        .find(|p| p.pid == pid && p.status == SLOT_LIVE)
-        .map(|p| p.sm_util[0])
-        .expect("the program's slot");
+    let (snapshot, published) = published_share(&dir, pid);
     let last_kernel_time = snapshot.last_kernel_time;
     finish(session);
     assert_share("default stream at limit 50", share, 50.0);
@@ -458,13 +454,7 @@ fn the_share_is_published_while_the_switch_is_off() {
     let truth = dir.truth();
     std::thread::sleep(WARM_UP);
     let share = busy_share(&truth);
-    let snapshot = read_snapshot(&std::fs::read(dir.region()).expect("read the region")).expect("decode the region");
-    let published = snapshot
-        .processes
-        .iter()
-        .find(|p| p.pid == pid && p.status == SLOT_LIVE)
-        .map(|p| p.sm_util[0])
-        .expect("the program's slot");
+    let (_, published) = published_share(&dir, pid);
     finish(session);
     assert!(share > 90.0, "switch off: busy share {share:.1}");
     assert!(
