@@ -118,12 +118,14 @@ with open(sys.argv[1], "r+b") as f:
 EOF
 }
 switch 0
-LD_PRELOAD=$hook python3 tests/gpu/monitor_gemm.py 5 > /dev/null 2>&1 &
+LD_PRELOAD=$hook python3 tests/gpu/monitor_gemm.py 6 > $work/lifted.txt 2>&1 &
 lifted=$!
-sleep 4
+# Read 3 s into the GEMM's loop (PyTorch's start-up takes seconds of its own before it).
+for i in $(seq 300); do grep -q "^reserved_MiB" $work/lifted.txt 2>/dev/null && break; sleep 0.1; done
+sleep 3
 published=$($smi --json | python3 -c 'import json,sys; r=json.load(sys.stdin)["regions"][0]; print(max([d["sm_util_percent"] for p in r["processes"] for d in p["devices"]] or [0]), r["hami"]["utilization_switch"])')
 wait $lifted
-log "a GEMM at sm 30 with the switch at 0, its 4th second: published sm_util and switch: $published"
+log "a GEMM at sm 30 with the switch at 0, 3 s into its loop: published sm_util and switch: $published"
 [ "$(echo $published | awk '{print ($1 >= 80 && $2 == 0)}')" = 1 ]; check $? "with the switch at 0 the GEMM runs unheld and its share is published (HAMi-core publishes it whenever a limit is set)"
 switch 1
 $smi set --sm 0 | tail -1 | tee -a "$report"

@@ -441,26 +441,27 @@ fn switch_off_lifts_the_limit_unless_forced() {
 /// limit is set: HAMi's utilisation metric does not show a busy pod as idle (it showed 0).
 #[test]
 fn the_share_is_published_while_the_switch_is_off() {
-    let dir = ScratchDir::new("compute-switch-published");
-    let region = hold_region(&dir, 20);
-    region.hami().utilization_switch.store(0, Ordering::Relaxed);
-    let run = compute_loop(
-        &dir,
-        &[("CUDA_DEVICE_SM_LIMIT", "20")],
-        &["kernel", KERNEL, RUN_SECONDS, "stream"],
-    );
-    let session = start(run);
-    let pid = session.pid() as i32;
-    let truth = dir.truth();
-    std::thread::sleep(WARM_UP);
-    let share = busy_share(&truth);
-    let (_, published) = published_share(&dir, pid);
-    finish(session);
-    assert!(share > 90.0, "switch off: busy share {share:.1}");
-    assert!(
-        published >= 85,
-        "published sm_util {published} while the container ran at {share:.1}% with the switch off"
-    );
+    // The limit from the process's variable, and from the region alone (set by `vgpu-smi set` or
+    // HAMi before the process started, its variables naming none).
+    for env in [&[("CUDA_DEVICE_SM_LIMIT", "20")][..], &[]] {
+        let dir = ScratchDir::new("compute-switch-published");
+        let region = hold_region(&dir, 20);
+        region.hami().utilization_switch.store(0, Ordering::Relaxed);
+        let run = compute_loop(&dir, env, &["kernel", KERNEL, RUN_SECONDS, "stream"]);
+        let session = start(run);
+        let pid = session.pid() as i32;
+        let truth = dir.truth();
+        std::thread::sleep(WARM_UP);
+        let share = busy_share(&truth);
+        let (_, published) = published_share(&dir, pid);
+        finish(session);
+        assert!(share > 90.0, "switch off, {env:?}: busy share {share:.1}");
+        assert!(
+            published >= 85,
+            "published sm_util {published} while the container ran at {share:.1}% with the switch \
+             off, {env:?}"
+        );
+    }
 }
 
 #[test]
