@@ -3,9 +3,9 @@
 //! it), moved by every launch, limited or not, and written at attach (`session::start`).
 //!
 //! The unlimited launch path pays nothing for it: a background tick ([`TICK_PERIOD`]) that has
-//! written the time (at most once a second) turns the limiter's mode from `OFF` to `IDLE`. The
-//! fast path only goes to the driver directly while the mode is `OFF`, so the next launch takes
-//! the handler's path once, where [`launched`] turns it back to `OFF`: the next tick knows a launch
+//! written the time (at most once a second) turns the limiter's mode from `Off` to `Idle`. The
+//! fast path only goes to the driver directly while the mode is `Off`, so the next launch takes
+//! the handler's path once, where [`launched`] turns it back to `Off`: the next tick knows a launch
 //! happened. Launches on the limited path set a flag instead. So an unlimited launch makes no
 //! system call and no extra load, and the process's busy launches leave the fast path once a
 //! second.
@@ -26,7 +26,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use super::{IDLE, MODE, OFF, UNDECIDED};
+use super::{MODE, Mode};
 
 /// How often the tick runs.
 pub const TICK_PERIOD: Duration = Duration::from_millis(500);
@@ -39,14 +39,10 @@ static LAUNCHED: AtomicBool = AtomicBool::new(false);
 static TICKING: AtomicBool = AtomicBool::new(false);
 
 /// A launch on the handler's path notes that it happened. True when it is an unlimited launch
-/// that found the mode `IDLE` (the first since the tick wrote): it goes to the driver directly.
+/// that found the mode `Idle` (the first since the tick wrote): it goes to the driver directly.
 #[inline]
 pub fn launched() -> bool {
-    if MODE.load(Ordering::Relaxed) == IDLE
-        && MODE
-            .compare_exchange(IDLE, OFF, Ordering::Relaxed, Ordering::Relaxed)
-            .is_ok()
-    {
+    if MODE.is(Mode::Idle) && MODE.turn(Mode::Idle, Mode::Off) {
         return true;
     }
     note_launch();
@@ -78,7 +74,7 @@ extern "C" fn forked_child() {
     TICKING.store(false, Ordering::Relaxed);
     LAUNCHED.store(false, Ordering::Relaxed);
     // The child's first launch decides again, on the handler's path, where its tick starts.
-    MODE.store(UNDECIDED, Ordering::Relaxed);
+    MODE.store(Mode::Undecided);
 }
 
 fn start_tick() {
@@ -137,12 +133,10 @@ pub fn write_at_exit() {
     }
 }
 
-/// Whether a launch happened since the last call. `OFF` means one did (the process's first launch
-/// decided it, or a launch turned `IDLE` back): it becomes `IDLE`, so the next launch shows again.
+/// Whether a launch happened since the last call. `Off` means one did (the process's first launch
+/// decided it, or a launch turned `Idle` back): it becomes `Idle`, so the next launch shows again.
 fn take_launches() -> bool {
-    let unlimited = MODE
-        .compare_exchange(OFF, IDLE, Ordering::Relaxed, Ordering::Relaxed)
-        .is_ok();
+    let unlimited = MODE.turn(Mode::Off, Mode::Idle);
     let limited = LAUNCHED.swap(false, Ordering::Relaxed);
     unlimited || limited
 }

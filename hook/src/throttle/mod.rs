@@ -33,17 +33,52 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use crate::capture::STREAM_PER_THREAD;
 use crate::sys::cuda::{CUDA_LAUNCH_PARAMS, CUfunction, CUgraphExec, CUlaunchConfig, CUresult, CUstream};
 
-/// Not decided yet: the first launch reads the configuration.
-const UNDECIDED: u8 = 0;
-/// No device is limited: launches go straight to the driver.
-const OFF: u8 = 1;
-/// Some device is limited.
-const ON: u8 = 2;
-/// No device is limited, and no launch happened since the tick last wrote `last_kernel_time`:
-/// the next launch takes the handler's path once and sets `OFF` again ([`activity`]).
-const IDLE: u8 = 3;
+/// What the launch handlers do: the limiter's mode for the whole process.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+#[repr(u8)]
+enum Mode {
+    /// Not decided yet: the first launch reads the configuration.
+    Undecided = 0,
+    /// No device is limited: launches go straight to the driver.
+    Off = 1,
+    /// Some device is limited.
+    On = 2,
+    /// No device is limited, and no launch happened since the tick last wrote `last_kernel_time`:
+    /// the next launch takes the handler's path once and sets `Off` again ([`activity`]).
+    Idle = 3,
+}
 
-static MODE: AtomicU8 = AtomicU8::new(UNDECIDED);
+/// The process's [`Mode`], one byte that every launch loads.
+struct ModeCell(AtomicU8);
+
+impl ModeCell {
+    #[inline(always)]
+    fn is(&self, mode: Mode) -> bool {
+        self.0.load(Ordering::Relaxed) == mode as u8
+    }
+
+    fn load(&self) -> Mode {
+        match self.0.load(Ordering::Relaxed) {
+            1 => Mode::Off,
+            2 => Mode::On,
+            3 => Mode::Idle,
+            _ => Mode::Undecided,
+        }
+    }
+
+    fn store(&self, mode: Mode) {
+        self.0.store(mode as u8, Ordering::Relaxed);
+    }
+
+    /// Sets `new` where the mode is `current`; whether it was.
+    fn turn(&self, current: Mode, new: Mode) -> bool {
+        self.0
+            .compare_exchange(current as u8, new as u8, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    }
+}
+
+static MODE: ModeCell = ModeCell(AtomicU8::new(Mode::Undecided as u8));
 
 pub use activity::write_at_exit as write_kernel_time_at_exit;
 
@@ -52,7 +87,7 @@ pub use activity::write_at_exit as write_kernel_time_at_exit;
 /// directly (after its suspend prologue).
 #[inline(always)]
 pub fn unlimited() -> bool {
-    MODE.load(Ordering::Relaxed) == OFF
+    MODE.is(Mode::Off)
 }
 
 /// `CLOCK_MONOTONIC` in ns: the clock the region's bucket runs on, shared by all processes (the

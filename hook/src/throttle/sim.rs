@@ -20,12 +20,9 @@ use vgpu_region::ComputeDevice;
 use super::bucket;
 use super::estimates::Estimates;
 use super::overlap;
+use super::runtime::admission::{MAX_WAIT_NS, MIN_WAIT_NS};
+use super::runtime::poller::POLL_BUSY;
 
-/// Shortest and longest sleep of a waiting launch (as `runtime::admission`).
-const MIN_WAIT_NS: u64 = 100_000;
-const MAX_WAIT_NS: u64 = 10_000_000;
-/// The background thread's period while samples are in flight.
-const POLL_NS: u64 = 1_000_000;
 /// Host time of a launch call.
 const LAUNCH_CALL_NS: u64 = 3_000;
 
@@ -218,7 +215,7 @@ pub fn run(job: &Job) -> Outcome {
                     .window
                     .add((sample.reading as f64 / beside) as u64, sample.reading);
             }
-            queue.push(Reverse((now + POLL_NS, actor)));
+            queue.push(Reverse((now + POLL_BUSY.as_nanos() as u64, actor)));
             continue;
         }
         let thread = &job.threads[actor];

@@ -18,11 +18,10 @@ use super::{Runtime, SHUTDOWN, runtime};
 
 /// Shortest sleep of a waiting launch: below this, sleeping costs more than it saves, and the
 /// budget that builds up meanwhile lets several small launches through at once.
-const MIN_WAIT_NS: u64 = 100_000;
-/// Longest sleep before the controls (switch, `recent_kernel`) are looked at again.
-const MAX_WAIT_NS: u64 = 10_000_000;
-/// Poll period of a launch held by `recent_kernel` = -1.
-const BLOCKED_POLL_NS: u64 = 10_000_000;
+pub(in crate::throttle) const MIN_WAIT_NS: u64 = 100_000;
+/// Longest sleep before the controls (switch, `recent_kernel`, the limit) are looked at again: also
+/// the poll period of a launch held by `recent_kernel` = -1.
+pub(in crate::throttle) const MAX_WAIT_NS: u64 = 10_000_000;
 /// HAMi-core writes this into `recent_kernel` at each limited launch; HAMi's monitor counts it
 /// down to tell active containers from idle ones.
 const RECENT_KERNEL_ACTIVE: i32 = 2;
@@ -112,7 +111,7 @@ impl Runtime {
         let first = if !active {
             Ok(())
         } else if hami.recent_kernel.load(Ordering::Relaxed) < 0 {
-            Err(BLOCKED_POLL_NS)
+            Err(MAX_WAIT_NS)
         } else {
             bucket::try_take(bucket, now, limit, charge)
         };
@@ -233,7 +232,7 @@ impl Runtime {
             let now = now_ns();
             wait = if hami.recent_kernel.load(Ordering::Relaxed) < 0 {
                 // HAMi's monitor holds this container while a higher-priority one runs.
-                BLOCKED_POLL_NS
+                MAX_WAIT_NS
             } else {
                 match bucket::try_take(bucket, now, limit, cost) {
                     Ok(()) => return Some(now.saturating_sub(since)),

@@ -8,9 +8,9 @@
 //! older epoch: the parent's locks may be held by threads the child does not have, and its
 //! background thread is gone, so the child builds fresh state on its first limited launch.
 
-mod admission;
+pub(super) mod admission;
 mod pairs;
-mod poller;
+pub(super) mod poller;
 
 use std::sync::Once;
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicPtr, AtomicU32, AtomicU64, Ordering};
@@ -22,7 +22,7 @@ use vgpu_region::{ComputeDevice, MAX_DEVICES};
 
 use super::estimates::Estimates;
 use super::sensor::Sensor;
-use super::{IDLE, MODE, OFF, ON, UNDECIDED, activity, bucket};
+use super::{MODE, Mode, activity, bucket};
 use crate::sys::cuda::{CUDA_ERROR_NOT_INITIALIZED, CUresult, CUstream};
 
 pub use admission::{after, before};
@@ -137,17 +137,17 @@ fn runtime() -> Result<Option<&'static Runtime>, CUresult> {
 fn create(stale: *mut Runtime) -> Result<Option<&'static Runtime>, CUresult> {
     // The process's first launch comes here, limited or not.
     activity::ensure_tick();
-    if matches!(MODE.load(Ordering::Relaxed), OFF | IDLE) {
+    if matches!(MODE.load(), Mode::Off | Mode::Idle) {
         return Ok(None);
     }
     let Ok(config) = crate::session::config() else {
         // cuInit refuses a malformed configuration before the driver is initialised, so no
         // launch can succeed anyway.
-        MODE.store(OFF, Ordering::Relaxed);
+        MODE.store(Mode::Off);
         return Ok(None);
     };
     if config.utilization_policy == UtilizationPolicy::Disable {
-        MODE.store(OFF, Ordering::Relaxed);
+        MODE.store(Mode::Off);
         return Ok(None);
     }
     // The limits are the region's, live (`crate::limits`); without a region, the variables say
@@ -159,7 +159,7 @@ fn create(stale: *mut Runtime) -> Result<Option<&'static Runtime>, CUresult> {
         None => false,
     };
     if !limited {
-        MODE.store(OFF, Ordering::Relaxed);
+        MODE.store(Mode::Off);
         return Ok(None);
     }
     let fresh = Box::into_raw(Box::new(Runtime {
@@ -177,7 +177,7 @@ fn create(stale: *mut Runtime) -> Result<Option<&'static Runtime>, CUresult> {
             other
         }
     };
-    let _ = MODE.compare_exchange(UNDECIDED, ON, Ordering::Relaxed, Ordering::Relaxed);
+    MODE.turn(Mode::Undecided, Mode::On);
     // SAFETY: from Box::into_raw (ours or the winner's), never freed.
     Ok(Some(unsafe { &*winner }))
 }
@@ -194,16 +194,15 @@ pub fn follow_live_limits(session: &'static crate::session::Session) {
         return;
     }
     let limited = session.any_sm_limit();
-    let mode = MODE.load(Ordering::Relaxed);
-    if limited && matches!(mode, OFF | IDLE) {
-        let turned = MODE.compare_exchange(mode, ON, Ordering::Relaxed, Ordering::Relaxed);
-        if turned.is_ok() && mode == OFF {
-            // OFF stood for a launch since the tick last wrote last_kernel_time.
+    let mode = MODE.load();
+    if limited && matches!(mode, Mode::Off | Mode::Idle) {
+        if MODE.turn(mode, Mode::On) && mode == Mode::Off {
+            // Off stood for a launch since the tick last wrote last_kernel_time.
             activity::note_launch();
         }
-    } else if !limited && mode == ON {
-        // IDLE: the next launch goes back to the fast path, and shows the tick it happened.
-        let _ = MODE.compare_exchange(ON, IDLE, Ordering::Relaxed, Ordering::Relaxed);
+    } else if !limited && mode == Mode::On {
+        // Idle: the next launch goes back to the fast path, and shows the tick it happened.
+        MODE.turn(Mode::On, Mode::Idle);
     }
 }
 

@@ -17,7 +17,7 @@ use crate::throttle::{boards, nvml_reading, trim};
 use super::{Device, FACTOR_UNIT, POLLER_IN_DRIVER, RUNTIME, Runtime, SHUTDOWN, add_signed, at_exit};
 
 /// The background thread's period while samples are in flight, and while none are.
-const POLL_BUSY: Duration = Duration::from_millis(1);
+pub(in crate::throttle) const POLL_BUSY: Duration = Duration::from_millis(1);
 const POLL_IDLE: Duration = Duration::from_millis(20);
 /// How often the process's utilisation is published, and over how many periods it is averaged
 /// (4 x 250 ms: the last second).
