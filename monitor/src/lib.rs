@@ -11,6 +11,8 @@
 //!   host's.
 //! - [`table`]: the human table (80 columns, binary units).
 //! - [`metrics`]: the Prometheus exposition (`prometheus-client`).
+//! - [`serve`]: the HTTP endpoint of `vgpu-smi serve` (hyper on one tokio thread, every connection
+//!   bounded).
 //! - [`cli`]: the command line (clap).
 //! - [`control`]: `suspend` / `resume`.
 //! - [`limits`]: `set`, the container's limits in its region.
@@ -24,6 +26,7 @@ pub mod metrics;
 pub mod plot;
 pub mod read;
 pub mod report;
+pub mod serve;
 mod shrink;
 pub mod table;
 pub mod units;

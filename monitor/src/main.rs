@@ -134,46 +134,11 @@ fn format_time(unix_ms: u64) -> String {
 }
 
 fn serve(options: &ServeArgs) -> Result<bool, String> {
-    let listen = &options.listen;
-    let server =
-        tiny_http::Server::http(listen.as_str()).map_err(|error| format!("cannot listen on {listen}: {error}"))?;
-    let address = server
-        .server_addr()
-        .to_ip()
-        .map_or_else(|| listen.clone(), |address| address.to_string());
-    println!("vgpu-smi: serving metrics on http://{address}/metrics");
-    let _ = std::io::stdout().flush();
-    for request in server.incoming_requests() {
-        let path = request.url().split('?').next().unwrap_or("").to_string();
-        let response = match (request.method(), path.as_str()) {
-            (tiny_http::Method::Get, "/metrics") => match metrics::encode_report(&sample(&options.regions, None)) {
-                Ok(text) => text_response(200, metrics::CONTENT_TYPE, text),
-                Err(error) => text_response(500, "text/plain; charset=utf-8", format!("encoding failed: {error}\n")),
-            },
-            (tiny_http::Method::Get, "/") => text_response(
-                200,
-                "text/plain; charset=utf-8",
-                "vgpu-smi: metrics are at /metrics\n".to_string(),
-            ),
-            _ => text_response(
-                404,
-                "text/plain; charset=utf-8",
-                "not found; metrics are at /metrics\n".into(),
-            ),
-        };
-        if let Err(error) = request.respond(response) {
-            eprintln!("vgpu-smi: answering a scrape: {error}");
-        }
-    }
+    let regions = options.regions.clone();
+    let metrics: vgpu_monitor::serve::Metrics =
+        std::sync::Arc::new(move || metrics::encode_report(&sample(&regions, None)).map_err(|error| error.to_string()));
+    vgpu_monitor::serve::serve(&options.listen, metrics)?;
     Ok(true)
-}
-
-fn text_response(status: u16, content_type: &str, body: String) -> tiny_http::Response<std::io::Cursor<Vec<u8>>> {
-    let response = tiny_http::Response::from_string(body).with_status_code(status);
-    match tiny_http::Header::from_bytes(&b"Content-Type"[..], content_type.as_bytes()) {
-        Ok(header) => response.with_header(header),
-        Err(()) => response,
-    }
 }
 
 fn suspend_or_resume(options: &ControlArgs, suspend: bool) -> Result<bool, String> {

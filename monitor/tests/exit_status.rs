@@ -62,3 +62,19 @@ fn an_unreadable_region_is_status_1() {
     assert_eq!(output.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&output.stdout).contains("/nonexistent/vgpu-region"));
 }
+
+/// An address that cannot be listened on ends `serve` at once with status 1 and one line.
+#[test]
+fn serve_on_a_taken_address_is_status_1_in_one_line() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a port");
+    let address = taken.local_addr().expect("its address").to_string();
+    for listen in [address.as_str(), "not-an-address"] {
+        let output = vgpu_smi(&["serve", "--listen", listen]);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{listen}: {stderr}");
+        assert!(
+            stderr.starts_with(&format!("vgpu-smi: cannot listen on {listen}: ")) && stderr.lines().count() == 1,
+            "{listen}: {stderr}"
+        );
+    }
+}

@@ -499,6 +499,11 @@ impl Session {
         self.child.id()
     }
 
+    /// Whether the program is still running (not exited, not yet reaped).
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
     /// The next line of stdout without its newline, or `None` at end of file.
     pub fn read_line(&mut self) -> Option<String> {
         use std::io::BufRead;

@@ -487,6 +487,181 @@ fn serve(arguments: &[&str]) -> (Session, String) {
     (server, url)
 }
 
+/// `vgpu-smi serve` run by `sh` with at most `descriptors` open files (`ulimit -n`).
+fn serve_with_descriptors(descriptors: u32, arguments: &[&str]) -> (Session, String) {
+    let smi = vgpu_smi();
+    let script = format!("ulimit -n {descriptors} && exec \"$0\" \"$@\"");
+    let mut all = vec![
+        "-c",
+        script.as_str(),
+        smi.to_str().expect("a UTF-8 path"),
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+    ];
+    all.extend_from_slice(arguments);
+    let mut server = Run::new(Path::new("sh")).args(all).spawn(Duration::from_secs(120));
+    let Some(line) = server.read_line() else {
+        let output = server.finish();
+        panic!(
+            "vgpu-smi serve did not start: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    };
+    let address = line
+        .rsplit(' ')
+        .next()
+        .and_then(|url| url.strip_prefix("http://"))
+        .and_then(|url| url.strip_suffix("/metrics"))
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .to_string();
+    (server, address)
+}
+
+/// A field of `/proc/PID/status` (`Threads`, `VmHWM` in kB), or 0 when the process is gone.
+fn proc_status(pid: u32, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|value| value.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A scrape of /metrics that must answer within `limit`: its status line, or why it did not.
+fn scrape_within(address: &str, limit: Duration) -> Result<String, String> {
+    let mut stream =
+        TcpStream::connect_timeout(&address.parse().expect("an address"), limit).map_err(|e| e.to_string())?;
+    stream.set_read_timeout(Some(limit)).map_err(|e| e.to_string())?;
+    stream.set_write_timeout(Some(limit)).map_err(|e| e.to_string())?;
+    write!(
+        stream,
+        "GET /metrics HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(|e| e.to_string())?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response).map_err(|e| e.to_string())?;
+    Ok(response.lines().next().unwrap_or_default().to_string())
+}
+
+/// Clients that hold hundreds of idle connections, past the file descriptors `serve` may open:
+/// it stays up (it used to exit with status 0 and no message when accepting failed), starts no
+/// thread per connection, and answers a scrape once the idle connections' time is up.
+#[test]
+fn serve_outlives_idle_connections_past_its_descriptors() {
+    let dir = TestDir::new("serve-descriptors");
+    let region = dir.region("container");
+    let _process = container_process(&dir, &region, &[], &[0], MIB);
+    let region_argument = region.display().to_string();
+    let (mut server, address) = serve_with_descriptors(128, &["--region", &region_argument]);
+    let idle: Vec<TcpStream> = (0..400).filter_map(|_| TcpStream::connect(&address).ok()).collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let threads = proc_status(server.pid(), "Threads");
+    assert!(
+        server.is_running(),
+        "vgpu-smi serve exited under {} idle connections",
+        idle.len()
+    );
+    assert!(
+        (1..=4).contains(&threads),
+        "{threads} threads for {} connections",
+        idle.len()
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let answer = loop {
+        match scrape_within(&address, Duration::from_secs(2)) {
+            Ok(status) if status.contains("200") => break Ok(status),
+            other if Instant::now() > deadline => break other,
+            _ => std::thread::sleep(Duration::from_millis(200)),
+        }
+    };
+    drop(idle);
+    assert!(
+        answer.is_ok(),
+        "no scrape answered within 20 s of the idle connections: {answer:?}"
+    );
+    assert!(server.is_running(), "vgpu-smi serve exited");
+}
+
+/// One client that pipelines thousands of requests and never reads its answers: every other
+/// scrape is still answered at once (it used to wait while that client was connected).
+#[test]
+fn a_client_that_never_reads_stalls_no_other_scrape() {
+    let dir = TestDir::new("serve-pipelined");
+    let region = dir.region("container");
+    let _process = container_process(&dir, &region, &[], &[0], MIB);
+    let region_argument = region.display().to_string();
+    let (server, address) = serve(&["--region", &region_argument]);
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let flooder = {
+        let (address, stop) = (address.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut stream = TcpStream::connect(&address).expect("connect");
+            stream
+                .set_write_timeout(Some(Duration::from_millis(200)))
+                .expect("timeout");
+            let request = format!("GET /metrics HTTP/1.1\r\nHost: {address}\r\n\r\n").repeat(1000);
+            let mut sent = 0;
+            while sent < 20 && !stop.load(Ordering::Relaxed) {
+                match stream.write_all(request.as_bytes()) {
+                    Ok(()) => sent += 1,
+                    Err(_) => std::thread::sleep(Duration::from_millis(50)),
+                }
+            }
+            stream // held open, never read, until the test ends
+        })
+    };
+    std::thread::sleep(Duration::from_millis(500));
+    let mut answers = Vec::new();
+    for _ in 0..5 {
+        let started = Instant::now();
+        let answer = scrape_within(&address, Duration::from_secs(3));
+        answers.push((answer, started.elapsed()));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let held = flooder.join().expect("the flooding client");
+    drop(held);
+    drop(server);
+    for (answer, took) in &answers {
+        assert!(
+            matches!(answer, Ok(status) if status.contains("200")) && *took < Duration::from_secs(2),
+            "a scrape beside a client that never reads: {answers:?}"
+        );
+    }
+}
+
+/// A request line that never ends is refused after a bounded read, not buffered whole.
+#[test]
+fn a_request_line_without_an_end_is_not_buffered() {
+    let dir = TestDir::new("serve-long-line");
+    let region = dir.region("container");
+    let _process = container_process(&dir, &region, &[], &[0], MIB);
+    let region_argument = region.display().to_string();
+    let (mut server, address) = serve(&["--region", &region_argument]);
+    let before = proc_status(server.pid(), "VmHWM");
+    let mut stream = TcpStream::connect(&address).expect("connect");
+    stream.set_write_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    let chunk = vec![b'A'; MIB as usize];
+    let mut sent = 0u64;
+    for _ in 0..256 {
+        if stream.write_all(&chunk).is_err() {
+            break;
+        }
+        sent += MIB;
+    }
+    let peak = proc_status(server.pid(), "VmHWM");
+    assert!(server.is_running(), "vgpu-smi serve exited");
+    assert!(sent < 256 * MIB, "serve read all of a 256 MiB request line");
+    assert!(
+        peak < before + 16 * 1024,
+        "serve's peak resident memory went from {before} kB to {peak} kB on a {} MiB request line",
+        sent / MIB
+    );
+    let answer = scrape_within(&address, Duration::from_secs(3));
+    assert!(matches!(&answer, Ok(status) if status.contains("200")), "{answer:?}");
+}
+
 fn sample_value(scrape: &prometheus_parse::Scrape, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
     scrape
         .samples
