@@ -216,9 +216,12 @@ pub enum RegionError {
     InUseWithBadLayout { path: PathBuf, problem: LayoutError },
     /// The [`crate::InitParams`] are invalid.
     InvalidInit { path: PathBuf, problem: InitError },
-    /// The region's lock was not acquired within 1 s: a process holding it is stuck (stopped,
-    /// or looping with the lock held).
+    /// Nobody took the region's lock for 1 s while this process waited: the process holding it is
+    /// stuck (stopped, or looping with the lock held).
     LockTimeout { path: PathBuf },
+    /// The region's lock kept changing hands for 10 s without reaching this process (very many
+    /// processes or threads waiting, or a writer that forges the lock's counter).
+    LockBusy { path: PathBuf },
     /// Locking failed: `fcntl` refused the file lock (a filesystem without open-file-description
     /// locks), or a forked child could not open a description of the file of its own.
     LockFailed { path: PathBuf, source: io::Error },
@@ -281,7 +284,13 @@ impl fmt::Display for RegionError {
             }
             Self::LockTimeout { path } => write!(
                 f,
-                "shared region {}: its lock was not acquired within 1 s (the process holding it is stuck)",
+                "shared region {}: its lock was not released for 1 s (the process holding it is stuck)",
+                ShownPath(path)
+            ),
+            Self::LockBusy { path } => write!(
+                f,
+                "shared region {}: its lock was not reached within 10 s (it kept going to other processes or \
+                 threads: too many wait for it)",
                 ShownPath(path)
             ),
             Self::LockFailed { path, source } => {

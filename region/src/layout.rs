@@ -185,8 +185,9 @@ pub struct LockWords {
     /// Futex word the favoured waiter sleeps on; a release bumps it and wakes that waiter while
     /// `favoured` is set.
     pub favoured_wake: AtomicU32,
-    /// Reserved; 0.
-    pub reserved_word: AtomicU32,
+    /// Bumped at every acquisition (wrapping): a waiter that sees it move knows the lock is
+    /// changing hands, not stuck, and waits on (up to `MAX_LOCK_WAIT`). Was reserved (0).
+    pub acquisitions: AtomicU32,
     /// Reserved; 0.
     pub reserved: [AtomicU64; 4],
 }
@@ -416,7 +417,7 @@ pub fn layout_listing() -> String {
             name: "LockWords",
             placement: "vgpu lock hints, Extension.lock at 32",
             size: size_of::<LockWords>(),
-            fields: fields!(LockWords => holder, favoured, wake, sleepers, favoured_wake, reserved_word, reserved),
+            fields: fields!(LockWords => holder, favoured, wake, sleepers, favoured_wake, acquisitions, reserved),
         },
         StructListing {
             name: "SlotExtension",

@@ -27,12 +27,15 @@
 //!   the threads of a process queue; the file only holds hints about it ([`LockWords`]). A holder
 //!   killed even by SIGKILL mid-update releases it with its death, in any pid namespace; the next
 //!   holder sees the update was interrupted, recomputes every running total from the slots and
-//!   reaps dead slots. Every lock attempt gives up after [`LOCK_TIMEOUT`] with
-//!   [`RegionError::LockTimeout`] instead of hanging (a stopped holder). Waiters that have waited
+//!   reaps dead slots. Every lock attempt gives up when nobody has taken the lock for
+//!   [`LOCK_TIMEOUT`], with [`RegionError::LockTimeout`] instead of hanging (a stopped holder), and
+//!   after [`MAX_LOCK_WAIT`] in all ([`RegionError::LockBusy`]). Waiters that have waited
 //!   long go first, so a process charging in a tight loop cannot starve the others.
 //! - **Dead processes' memory comes back.** Slots of dead processes (see [`process`] for how death
 //!   is detected, and its pid-namespace caveat) are reaped at every attach, at most every
-//!   [`REAP_INTERVAL`] during charges, and always before a charge is refused.
+//!   [`REAP_INTERVAL`] during charges, and always before a charge or an attach is refused. The
+//!   reaps of attach and of the interval are quick ([`Reap::Quick`]): their cost under the lock
+//!   hardly grows with the number of live processes, so a thousand processes can start at once.
 //! - **Readers never spin without bound** ([`snapshot::SEQLOCK_READ_ATTEMPTS`]).
 //! - **Nothing but a region file of an accepted owner is used.** A symbolic link at the path is
 //!   never followed; a directory, FIFO, device, socket or a file with several hard links is
@@ -67,7 +70,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, Ordering, fence};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering, fence};
 use std::time::{Duration, Instant, SystemTime};
 
 pub use error::{ChargeError, InitError, LayoutError, Refused, RegionError, UnsafeFile};
@@ -81,10 +84,29 @@ pub use process::process_start_time;
 pub use snapshot::{ComputeCounters, ExtensionSnapshot, MemoryUsage, ProcessSnapshot, Snapshot, read_snapshot};
 pub use sys::monotonic_ns;
 
-/// How long any lock on the region is waited for before giving up.
+/// How long any lock on the region is waited for while nobody takes it (its holder is stuck)
+/// before giving up.
 pub const LOCK_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long the region's lock is waited for in all while it keeps changing hands.
+pub const MAX_LOCK_WAIT: Duration = Duration::from_secs(10);
 /// Dead slots are reaped during charges at most this often (and always before a refusal).
 pub const REAP_INTERVAL: Duration = Duration::from_millis(100);
+/// Live slots whose process a quick reap also looks up in `/proc` (start time, zombie), in turn.
+pub const PROC_CHECKS_PER_QUICK_REAP: usize = 32;
+
+/// How a reap tells the dead from the living.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Reap {
+    /// `kill(pid, 0)` for every live slot (a process that has exited and been waited for), and
+    /// the whole check of [`process::is_alive`] for [`PROC_CHECKS_PER_QUICK_REAP`] of them, in
+    /// turn: a zombie or a reused pid is found within a few quick reaps.
+    Quick,
+    /// [`process::is_alive`] for every live slot: before anything is refused.
+    Full,
+}
+
+/// Where the next quick reap starts its `/proc` checks (a hint shared by the process's regions).
+static QUICK_REAP_CURSOR: AtomicUsize = AtomicUsize::new(0);
 
 /// HAMi-core's creator defaults for the fields its monitor owns.
 const INITIAL_UTILIZATION_SWITCH: i32 = 1;
@@ -475,21 +497,28 @@ impl Region {
         }
         let start_time = process::process_start_time(pid).unwrap_or(0);
         let guard = self.lock()?;
-        self.reap_locked(&guard);
+        self.reap_locked(&guard, Reap::Quick);
         let hami = &self.file().hami;
         let same_process = hami.procs.iter().position(|slot| {
             slot.status.load(Ordering::Relaxed) == SLOT_LIVE && slot.pid.load(Ordering::Relaxed) == pid
         });
+        let free = || {
+            hami.procs
+                .iter()
+                .position(|slot| slot.status.load(Ordering::Relaxed) != SLOT_LIVE)
+        };
         let index = match same_process {
             Some(index) => {
                 self.release_slot_locked(&guard, index);
                 self.recompute_locked(&guard);
                 index
             }
-            None => hami
-                .procs
-                .iter()
-                .position(|slot| slot.status.load(Ordering::Relaxed) != SLOT_LIVE)
+            None => free()
+                .or_else(|| {
+                    // Every slot looks live: a zombie or a reused pid may hold one.
+                    self.reap_locked(&guard, Reap::Full);
+                    free()
+                })
                 .ok_or_else(|| RegionError::NoFreeSlot {
                     path: self.path.clone(),
                 })?,
@@ -621,7 +650,7 @@ impl Region {
         let total = &self.file().ext.device_used[device];
         let total_after = |used: u64| used.checked_add(bytes).filter(|after| *after <= ceiling);
         let mut used = total.load(Ordering::Relaxed);
-        if total_after(used).is_none() && self.reap_locked(&guard) > 0 {
+        if total_after(used).is_none() && self.reap_locked(&guard, Reap::Full) > 0 {
             // A dead process's charge must never cause a refusal.
             used = total.load(Ordering::Relaxed);
         }
@@ -815,7 +844,7 @@ impl Region {
     /// Frees the slots of dead processes and returns how many.
     pub fn reap_dead(&self) -> Result<usize, RegionError> {
         let guard = self.lock()?;
-        Ok(self.reap_locked(&guard))
+        Ok(self.reap_locked(&guard, Reap::Full))
     }
 
     /// Decodes the live region without locking it (seqlock-consistent per slot, bounded retries).
@@ -857,6 +886,9 @@ impl Region {
             lock::LockError::Timeout => RegionError::LockTimeout {
                 path: self.path.clone(),
             },
+            lock::LockError::Busy => RegionError::LockBusy {
+                path: self.path.clone(),
+            },
             lock::LockError::Io(source) => RegionError::LockFailed {
                 path: self.path.clone(),
                 source,
@@ -866,7 +898,7 @@ impl Region {
         let guard = LockGuard { _held: held };
         if interrupted {
             self.recompute_locked(&guard);
-            self.reap_locked(&guard);
+            self.reap_locked(&guard, Reap::Quick);
         }
         Ok(guard)
     }
@@ -909,16 +941,22 @@ impl Region {
         let last = self.file().ext.last_reap_ns.load(Ordering::Relaxed);
         // A last time in the future comes from before a reboot (a region file on disk).
         if now.saturating_sub(last) >= REAP_INTERVAL.as_nanos() as u64 || last > now {
-            self.reap_locked(guard);
+            self.reap_locked(guard, Reap::Quick);
         }
     }
 
     /// Frees the slots of dead processes; returns how many.
-    fn reap_locked(&self, guard: &LockGuard<'_>) -> usize {
+    fn reap_locked(&self, guard: &LockGuard<'_>, how: Reap) -> usize {
         let file = self.file();
         let proc_num = usize::try_from(file.hami.proc_num.load(Ordering::Relaxed))
             .unwrap_or(0)
             .min(MAX_SLOTS);
+        // The slots a quick reap looks up in /proc: PROC_CHECKS_PER_QUICK_REAP from the cursor on.
+        let first = QUICK_REAP_CURSOR.load(Ordering::Relaxed) % proc_num.max(1);
+        let looked_up = |index: usize| {
+            how == Reap::Full || (index + proc_num - first) % proc_num.max(1) < PROC_CHECKS_PER_QUICK_REAP
+        };
+        QUICK_REAP_CURSOR.store(first + PROC_CHECKS_PER_QUICK_REAP, Ordering::Relaxed);
         let mut reaped = 0;
         for (index, (slot, extension)) in file
             .hami
@@ -928,12 +966,16 @@ impl Region {
             .enumerate()
             .take(proc_num)
         {
-            if slot.status.load(Ordering::Relaxed) == SLOT_LIVE
-                && !process::is_alive(
-                    slot.pid.load(Ordering::Relaxed),
-                    extension.start_time.load(Ordering::Relaxed),
-                )
-            {
+            if slot.status.load(Ordering::Relaxed) != SLOT_LIVE {
+                continue;
+            }
+            let pid = slot.pid.load(Ordering::Relaxed);
+            let alive = if looked_up(index) {
+                process::is_alive(pid, extension.start_time.load(Ordering::Relaxed))
+            } else {
+                process::exists(pid)
+            };
+            if !alive {
                 self.release_slot_locked(guard, index);
                 reaped += 1;
             }

@@ -1,5 +1,7 @@
 //! The region's lock: one that no byte of the (world-writable) file can turn into a crash, a read
-//! through a pointer, or a wait over [`LOCK_TIMEOUT`].
+//! through a pointer, or a wait over [`LOCK_TIMEOUT`] behind a holder that does not let go (or
+//! over [`MAX_LOCK_WAIT`] behind a lock that keeps changing hands: a thousand processes starting
+//! at once, thousands of threads).
 //!
 //! It has two stages:
 //!
@@ -58,9 +60,9 @@ use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicU64, 
 use std::sync::{Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::LOCK_TIMEOUT;
 use crate::layout::{FAVOUR_LOCK_OFFSET, FILE_LOCK_OFFSET, LockWords};
 use crate::sys;
+use crate::{LOCK_TIMEOUT, MAX_LOCK_WAIT};
 
 /// The longest sleep between two tries of the file lock (a release wakes a sleeper at once; a
 /// holder's death, or a wake-up a writer's values made go astray, does not).
@@ -76,8 +78,10 @@ pub(crate) const DESCRIPTION_SLOTS: usize = 64;
 /// Why the lock was not taken.
 #[derive(Debug)]
 pub(crate) enum LockError {
-    /// Not within [`LOCK_TIMEOUT`].
+    /// Nobody took the lock for [`LOCK_TIMEOUT`]: its holder is stuck.
     Timeout,
+    /// The lock kept changing hands for [`MAX_LOCK_WAIT`] without reaching this thread.
+    Busy,
     /// `fcntl` failed (a filesystem without OFD locks, for example), or a forked child could not
     /// open a description of its own.
     Io(io::Error),
@@ -136,9 +140,9 @@ impl RegionLock {
     #[inline]
     pub(crate) fn acquire<'a>(&'a self, words: &'a LockWords) -> Result<Held<'a>, LockError> {
         let side = self.side()?;
-        let mut clock = Clock::default();
+        let mut clock = Clock::watching(&words.acquisitions);
         if !side.gate.enter(&mut clock) {
-            return Err(LockError::Timeout);
+            return Err(clock.timeout());
         }
         let locked = if words.favoured.load(Ordering::Relaxed) == 0 {
             sys::ofd_lock(side.fd, &TAKE_LOCK).map_err(LockError::Io)
@@ -154,6 +158,7 @@ impl RegionLock {
             return Err(error);
         }
         let previous = words.holder.swap(side.token, Ordering::AcqRel);
+        words.acquisitions.fetch_add(1, Ordering::Relaxed);
         Ok(Held {
             side,
             words,
@@ -306,7 +311,7 @@ fn wait_for_file(side: &ProcessSide, words: &LockWords, clock: &mut Clock) -> Re
         }
         let Some(left) = clock.left() else {
             uncount();
-            break Err(LockError::Timeout);
+            break Err(clock.timeout());
         };
         if !favour_held && !defer && slept {
             match sys::ofd_lock(side.fd, &TAKE_FAVOUR) {
@@ -358,20 +363,51 @@ fn favour_taken(side: &ProcessSide, words: &LockWords) -> io::Result<bool> {
     Ok(taken)
 }
 
-/// When an acquisition started waiting, read from the clock only once it has to wait.
+/// How long an acquisition may still wait, read from the clock only once it has to wait. It gives
+/// up when the lock has not changed hands for [`LOCK_TIMEOUT`] (its holder is stuck), or after
+/// [`MAX_LOCK_WAIT`] in all while it kept changing hands to others.
 #[derive(Default)]
-struct Clock(Option<Instant>);
+struct Clock<'a> {
+    /// [`LockWords::acquisitions`]: moves whenever some process takes the lock. None: the
+    /// deadline is [`LOCK_TIMEOUT`] from the start.
+    acquisitions: Option<&'a AtomicU32>,
+    started: Option<Instant>,
+    /// The count last seen, and when it was first seen.
+    progress: Option<(u32, Instant)>,
+    /// The deadline that passed was [`MAX_LOCK_WAIT`]'s.
+    busy: bool,
+}
 
-impl Clock {
-    fn start(&mut self) -> Instant {
-        *self.0.get_or_insert_with(Instant::now)
+impl<'a> Clock<'a> {
+    fn watching(acquisitions: &'a AtomicU32) -> Clock<'a> {
+        Clock {
+            acquisitions: Some(acquisitions),
+            ..Clock::default()
+        }
     }
 
     /// Time left before the deadline; `None` once it has passed.
     fn left(&mut self) -> Option<Duration> {
-        LOCK_TIMEOUT
-            .checked_sub(self.start().elapsed())
-            .filter(|left| !left.is_zero())
+        let now = Instant::now();
+        let started = *self.started.get_or_insert(now);
+        let seen = self.acquisitions.map_or(0, |count| count.load(Ordering::Relaxed));
+        let moved = match self.progress {
+            Some((count, at)) if count == seen => at,
+            _ if self.acquisitions.is_none() => started,
+            _ => {
+                self.progress = Some((seen, now));
+                now
+            }
+        };
+        let stuck_left = LOCK_TIMEOUT.saturating_sub(now.duration_since(moved));
+        let busy_left = MAX_LOCK_WAIT.saturating_sub(now.duration_since(started));
+        self.busy = busy_left < stuck_left;
+        Some(stuck_left.min(busy_left)).filter(|left| !left.is_zero())
+    }
+
+    /// Why the deadline passed.
+    fn timeout(&self) -> LockError {
+        if self.busy { LockError::Busy } else { LockError::Timeout }
     }
 }
 

@@ -14,7 +14,17 @@
 //! One region file per container, as HAMi arranges it, avoids this. `hostpid` (written by HAMi's
 //! monitor) is not used for liveness.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use crate::sys;
+
+/// Reads of `/proc/<pid>/stat` by this process: what a reap costs, for the tests that bound it.
+static STAT_READS: AtomicU64 = AtomicU64::new(0);
+
+/// How many times this process has read a `/proc/<pid>/stat` so far.
+pub fn stat_reads() -> u64 {
+    STAT_READS.load(Ordering::Relaxed)
+}
 
 /// What `/proc/<pid>/stat` says about a process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,6 +52,7 @@ pub fn read_proc_stat(pid: i32) -> Option<ProcStat> {
     if pid <= 0 {
         return None;
     }
+    STAT_READS.fetch_add(1, Ordering::Relaxed);
     parse_proc_stat(&std::fs::read(format!("/proc/{pid}/stat")).ok()?)
 }
 
@@ -49,6 +60,12 @@ pub fn read_proc_stat(pid: i32) -> Option<ProcStat> {
 /// `None` when `/proc` cannot tell.
 pub fn process_start_time(pid: i32) -> Option<u64> {
     read_proc_stat(pid).map(|stat| stat.start_time)
+}
+
+/// Whether a process with this pid exists (`kill(pid, 0)`), in the caller's pid namespace: a
+/// system call, where [`is_alive`] reads `/proc`. A zombie or a reused pid exists.
+pub fn exists(pid: i32) -> bool {
+    pid > 0 && sys::process_exists(pid)
 }
 
 /// Whether the process a slot records (pid, start time or 0 when unknown) is still alive, judged

@@ -27,6 +27,9 @@ fn worker() {
     let Ok(role) = std::env::var(ROLE_VAR) else { return };
     let path = std::path::PathBuf::from(std::env::var(PATH_VAR).unwrap());
     let env_u64 = |name: &str| std::env::var(name).unwrap().parse::<u64>().unwrap();
+    if role == "start_and_hold" {
+        return start_and_hold_worker(&path);
+    }
     let region = Region::open(&path, &one_device()).unwrap();
     match role.as_str() {
         "race" => race_worker(&region, env_u64("LIMIT"), Duration::from_millis(env_u64("DURATION_MS"))),
@@ -131,6 +134,27 @@ fn storm_worker(region: &Region, limit: u64) {
     );
     while !stdin_closed.load(Ordering::Acquire) {
         std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Opens the region and attaches, and writes how it went into `started-<pid>` beside the region
+/// ("ok" or the error's line), then holds its slot until a file `go` appears there.
+fn start_and_hold_worker(path: &std::path::Path) {
+    let dir = path.parent().unwrap();
+    let region = Region::open(path, &one_device());
+    let attached = region
+        .as_ref()
+        .map_err(|error| error.to_string())
+        .and_then(|region| region.attach(own_pid()).map_err(|error| error.to_string()));
+    let line = match &attached {
+        Ok(slot) => format!("ok {}", slot.index()),
+        Err(error) => format!("err {error}"),
+    };
+    let report = dir.join(format!("started-{}", own_pid()));
+    std::fs::write(dir.join(format!(".started-{}", own_pid())), line).unwrap();
+    std::fs::rename(dir.join(format!(".started-{}", own_pid())), report).unwrap();
+    while !dir.join("go").exists() {
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -327,6 +351,106 @@ fn a_stopped_lock_holder_makes_calls_fail_after_a_second_not_hang() {
     holder.kill();
     region.try_charge(&slot, 0, MemoryKind::Data, 1, None).unwrap();
     assert_eq!(region.device_used(0), 1);
+}
+
+/// A thousand processes started at once all attach (the lock is never held long enough for a
+/// waiter to give up), the slots are the only bound, and the first process past them is told so.
+#[test]
+fn a_thousand_processes_started_at_once_all_attach() {
+    // Under an emulator (scripts/cross-test.sh) each process costs tens of megabytes.
+    let started_at_once = if std::env::var_os("VGPU_TEST_RUNNER").is_some() {
+        100
+    } else {
+        1000
+    };
+    let dir = ScratchDir::new("start-storm");
+    let region = Region::open(&dir.region_path(), &one_device()).unwrap();
+    let words = common::worker_words();
+    let spawn = || {
+        std::process::Command::new(&words[0])
+            .args(&words[1..])
+            .env(ROLE_VAR, "start_and_hold")
+            .env(PATH_VAR, dir.region_path())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .expect("start a worker")
+    };
+    let reports = |expected: usize| {
+        let deadline = Instant::now() + Duration::from_secs(300);
+        loop {
+            let lines: Vec<String> = std::fs::read_dir(dir.path())
+                .unwrap()
+                .filter_map(|entry| {
+                    let entry = entry.ok()?;
+                    let name = entry.file_name().into_string().ok()?;
+                    name.starts_with("started-")
+                        .then(|| std::fs::read_to_string(entry.path()).ok())?
+                })
+                .collect();
+            if lines.len() >= expected || Instant::now() > deadline {
+                return lines;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let mut children: Vec<_> = (0..started_at_once).map(|_| spawn()).collect();
+    let first = reports(started_at_once);
+    let failed: Vec<&String> = first.iter().filter(|line| !line.starts_with("ok ")).collect();
+    let beyond = MAX_SLOTS - started_at_once + 3;
+    children.extend((0..beyond).map(|_| spawn()));
+    let all = reports(started_at_once + beyond);
+    std::fs::write(dir.path().join("go"), "").unwrap();
+    for mut child in children {
+        let _ = child.wait();
+    }
+    assert_eq!(first.len(), started_at_once, "reports of the first {started_at_once}");
+    assert!(
+        failed.is_empty(),
+        "{} of {started_at_once} failed: {:?}",
+        failed.len(),
+        &failed[..failed.len().min(5)]
+    );
+    let refused: Vec<&String> = all.iter().filter(|line| !line.starts_with("ok ")).collect();
+    assert_eq!(all.len(), started_at_once + beyond);
+    assert_eq!(refused.len(), 3, "past the slots: {refused:?}");
+    for line in refused {
+        assert!(
+            line.contains("all 1024 process slots belong to live processes"),
+            "{line}"
+        );
+    }
+    drop(region);
+}
+
+/// A quick reap (at every attach and every [`vgpu_region::REAP_INTERVAL`] of charges) reads
+/// `/proc` for a bounded number of live processes, however many there are: attach's cost does
+/// not grow with them. A process that has exited is still found by every reap.
+#[test]
+fn attach_reads_proc_for_a_bounded_number_of_live_processes() {
+    let dir = ScratchDir::new("quick-reap");
+    let region = Region::open(&dir.region_path(), &one_device()).unwrap();
+    let mut holder =
+        vgpu_test_spawn::spawn_started(std::process::Command::new("sleep").arg("60")).expect("start sleep");
+    let holder_pid = holder.id() as i32;
+    let holder_start = process_start_time(holder_pid).unwrap();
+    for index in 0..1000 {
+        fake_holder(&region, index, holder_pid, holder_start);
+    }
+    let mut gone = vgpu_test_spawn::spawn_started(&mut std::process::Command::new("true")).expect("start true");
+    let gone_pid = gone.id() as i32;
+    gone.wait().unwrap();
+    fake_holder(&region, 1000, gone_pid, 1);
+    let before = vgpu_region::process::stat_reads();
+    let slot = region.attach(own_pid()).unwrap();
+    let reads = vgpu_region::process::stat_reads() - before;
+    holder.kill().unwrap();
+    holder.wait().unwrap();
+    assert_eq!(slot.index(), 1000, "the exited process's slot is reaped and reused");
+    assert!(
+        reads <= vgpu_region::PROC_CHECKS_PER_QUICK_REAP as u64 + 1,
+        "attach read /proc {reads} times with 1000 live processes"
+    );
 }
 
 #[test]

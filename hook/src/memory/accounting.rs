@@ -142,7 +142,10 @@ impl Pending {
 
 /// Whether a region error means the lock could not be taken (the update can be made later).
 fn lock_not_taken(error: &RegionError) -> bool {
-    matches!(error, RegionError::LockTimeout { .. } | RegionError::LockFailed { .. })
+    matches!(
+        error,
+        RegionError::LockTimeout { .. } | RegionError::LockBusy { .. } | RegionError::LockFailed { .. }
+    )
 }
 
 /// How often queued region updates are retried in the background.
