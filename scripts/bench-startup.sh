@@ -29,3 +29,19 @@ for mode in native hooked; do
   end=$(date +%s.%N)
   printf '64 processes at once, %s: all done in %.3f s\n' "$mode" "$(echo "$end - $start" | bc)"
 done
+# A storm: 1000 processes started at once on one region, each keeping its slot for a while; then
+# cuInit of later processes while those 1000 are live (against the median above, with none).
+rm -f "$region"
+storm="$work/storm"; rm -rf "$storm"; mkdir -p "$storm"
+start=$(date +%s.%N)
+for i in $(seq 1000); do LD_PRELOAD="$hook" "$work/init_time" 40 > "$storm/$i" 2>&1 & done
+while [ "$(cat "$storm"/* 2>/dev/null | wc -l)" -lt 1000 ]; do sleep 0.1; done
+end=$(date +%s.%N)
+failed=$(cat "$storm"/* | awk '$1 != 0' | wc -l)
+slowest=$(cat "$storm"/* | awk '$1 == 0 {print $2}' | sort -n | tail -1)
+printf '1000 processes at once, hooked: all through cuInit in %.3f s, %s failed, slowest cuInit %s us\n' \
+  "$(echo "$end - $start" | bc)" "$failed" "$slowest"
+busy=$(for i in $(seq 21); do LD_PRELOAD="$hook" "$work/init_time" | awk '{print $2}'; done | median)
+printf 'cuInit with 1000 live processes in the region: %s us (median of 21; with none: %s us)\n' "$busy" "$joined"
+pkill -f "$work/init_time 40" || true
+wait 2>/dev/null || true
