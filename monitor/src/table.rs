@@ -1,6 +1,7 @@
 //! The human table: per region a device table (memory and compute), the device UUIDs, and the
 //! processes with their memory by kind per device. Every line fits 80 columns.
 
+use std::borrow::Cow;
 use std::fmt::Write as _;
 
 use crate::report::{RegionReport, Report};
@@ -21,13 +22,49 @@ pub fn render(report: &Report) -> String {
     text
 }
 
+/// A limit in percent; `none` for no limit, `invalid` for a value no writer of ours puts there.
 fn percent(value: Option<u64>) -> String {
-    value.map_or_else(|| "none".to_string(), |value| format!("{value}%"))
+    value.map_or_else(|| "none".to_string(), utilisation)
+}
+
+/// A measured share in percent, or `invalid` past 100 (a value written into the file by hand).
+fn utilisation(value: u64) -> String {
+    if value <= 100 {
+        format!("{value}%")
+    } else {
+        "invalid".to_string()
+    }
+}
+
+/// Text from the region file or the file system as it may reach a terminal: control characters
+/// (an escape sequence that would clear the screen or forge a line) escaped as JSON escapes them.
+fn printable(text: &str) -> Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return Cow::Borrowed(text);
+    }
+    let mut escaped = String::with_capacity(text.len() + 8);
+    for character in text.chars() {
+        match character {
+            '\n' => escaped.push_str("\\n"),
+            '\r' => escaped.push_str("\\r"),
+            '\t' => escaped.push_str("\\t"),
+            control if control.is_control() => {
+                let _ = write!(escaped, "\\u{:04x}", u32::from(control));
+            }
+            other => escaped.push(other),
+        }
+    }
+    Cow::Owned(escaped)
 }
 
 fn render_region(text: &mut String, region: &RegionReport) {
     if let Some(error) = &region.error {
-        let _ = writeln!(text, "Region {}: unreadable: {error}", region.path);
+        let _ = writeln!(
+            text,
+            "Region {}: unreadable: {}",
+            printable(&region.path),
+            printable(error)
+        );
         return;
     }
     let layout = region.layout_version.as_deref().unwrap_or("?");
@@ -43,8 +80,9 @@ fn render_region(text: &mut String, region: &RegionReport) {
         .count();
     let _ = write!(
         text,
-        "Region {} (layout {layout}, {extension}): {} device{}, {processes} process{}",
-        region.path,
+        "Region {} (layout {}, {extension}): {} device{}, {processes} process{}",
+        printable(&region.path),
+        printable(layout),
         region.devices.len(),
         if region.devices.len() == 1 { "" } else { "s" },
         if processes == 1 { "" } else { "es" },
@@ -72,13 +110,13 @@ fn render_region(text: &mut String, region: &RegionReport) {
                 human_bytes(device.memory_used_bytes),
                 device.memory_free_bytes.map_or_else(|| "-".to_string(), human_bytes),
                 percent(device.sm_limit_percent),
-                format!("{}%", device.sm_util_percent),
+                utilisation(device.sm_util_percent),
                 device.process_count,
             );
         }
         let _ = writeln!(text, "\n{:>3}  UUID", "GPU");
         for device in &region.devices {
-            let _ = writeln!(text, "{:>3}  {}", device.index, device.uuid);
+            let _ = writeln!(text, "{:>3}  {}", device.index, printable(&device.uuid));
         }
     }
     if region.processes.is_empty() {
@@ -95,7 +133,7 @@ fn render_region(text: &mut String, region: &RegionReport) {
         let mut status = if process.suspended && process.status == "live" {
             "suspended".to_string()
         } else {
-            process.status.clone()
+            printable(&process.status).into_owned()
         };
         if !process.consistent {
             status.push('*');
@@ -118,7 +156,7 @@ fn render_region(text: &mut String, region: &RegionReport) {
                 human_bytes(device.module_bytes),
                 human_bytes(device.data_bytes),
                 human_bytes(device.total_bytes),
-                format!("{}%", device.sm_util_percent),
+                utilisation(device.sm_util_percent),
             );
         }
         if first {

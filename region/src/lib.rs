@@ -112,6 +112,26 @@ static QUICK_REAP_CURSOR: AtomicUsize = AtomicUsize::new(0);
 const INITIAL_UTILIZATION_SWITCH: i32 = 1;
 const INITIAL_RECENT_KERNEL: i32 = 2;
 
+/// The longest a process defers its data calls to one value of `memory_quiesce`: a measurement
+/// takes milliseconds, so a value that stays longer was left or pinned by a writer (a live pid
+/// there would otherwise slow every allocation of the container by the wait below).
+pub const QUIESCE_AT_MOST: Duration = Duration::from_millis(200);
+
+/// The `memory_quiesce` value this process last deferred to, and since when (monotonic ns).
+static QUIESCE_SEEN: AtomicU64 = AtomicU64::new(0);
+static QUIESCE_SINCE_NS: AtomicU64 = AtomicU64::new(0);
+
+/// Whether a data call should still defer to `measurer` in `memory_quiesce`: yes until the same
+/// value has been seen for [`QUIESCE_AT_MOST`].
+fn quiesce_is_fresh(measurer: u64) -> bool {
+    let now = sys::monotonic_ns();
+    if QUIESCE_SEEN.swap(measurer, Ordering::Relaxed) != measurer {
+        QUIESCE_SINCE_NS.store(now, Ordering::Relaxed);
+        return true;
+    }
+    now.saturating_sub(QUIESCE_SINCE_NS.load(Ordering::Relaxed)) < QUIESCE_AT_MOST.as_nanos() as u64
+}
+
 /// The kind of device memory a charge is recorded as (HAMi's per-slot split).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MemoryKind {
@@ -731,7 +751,7 @@ impl Region {
             return;
         };
         let measurer = ext.memory_quiesce.load(Ordering::Acquire);
-        if measurer != 0 {
+        if measurer != 0 && quiesce_is_fresh(measurer) {
             // A measurer that died (or a value no process holds) must not slow every later call.
             let pid = i32::try_from(measurer).unwrap_or(0);
             if !process::is_alive(pid, 0) {

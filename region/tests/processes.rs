@@ -519,3 +519,27 @@ fn a_process_killed_inside_a_data_call_takes_its_mark_with_it() {
         0
     );
 }
+
+/// A writer that pins `memory_quiesce` to a live pid (its own, or 1) delays data calls for
+/// [`vgpu_region::QUIESCE_AT_MOST`] at most, not each call by the wait a real measurement gets.
+#[test]
+fn a_pinned_quiesce_slows_data_calls_for_a_bounded_time() {
+    let dir = ScratchDir::new("pinned-quiesce");
+    let region = Region::open(&dir.region_path(), &one_device()).unwrap();
+    let slot = region.attach(own_pid()).unwrap();
+    region
+        .extension()
+        .memory_quiesce
+        .store(u64::from(std::process::id()), Ordering::Release);
+    let started = Instant::now();
+    for _ in 0..1000 {
+        region.memory_call_begins(&slot, 0);
+        region.memory_call_done(&slot, 0);
+    }
+    let took = started.elapsed();
+    // Each call waited 2 ms before: 2 s for the thousand.
+    assert!(
+        took < vgpu_region::QUIESCE_AT_MOST + Duration::from_millis(500),
+        "1000 data calls took {took:?} behind a pinned quiesce"
+    );
+}

@@ -487,6 +487,37 @@ fn serve(arguments: &[&str]) -> (Session, String) {
     (server, url)
 }
 
+/// Bytes a writer put into the region (an escape sequence in a UUID, a share of 2^64-1 percent)
+/// and a file name with control characters reach the terminal escaped, as JSON escapes them, and
+/// out-of-range shares are shown as invalid.
+#[test]
+fn the_table_escapes_control_characters_and_shows_impossible_shares_as_invalid() {
+    let dir = TestDir::new("hostile-text");
+    let region = dir.region("box\u{1b}[2J\nforged");
+    let _process = container_process(&dir, &region, &[("CUDA_DEVICE_SM_LIMIT", "50")], &[0], MIB);
+    let joined = Region::open(&region, &InitParams::default()).expect("join the region");
+    for (byte, value) in joined.hami().uuids[0].iter().zip(b"GPU-\x1b[2J\x1b]0;owned\x07") {
+        byte.store(*value, Ordering::Relaxed);
+    }
+    for slot in joined.hami().procs.iter().take(1) {
+        slot.device_util[0].sm_util.store(u64::MAX, Ordering::Relaxed);
+    }
+    joined.hami().sm_limit[0].store(u64::MAX, Ordering::Relaxed);
+    let region_argument = region.display().to_string();
+    let output = run_smi(&["--region", &region_argument]);
+    let text = stdout(&output);
+    assert!(!text.contains('\u{1b}') && !text.contains('\u{7}'), "{text:?}");
+    assert!(!text.contains("18446744073709551615"), "{text}");
+    assert!(
+        text.contains("box\\u001b[2J\\nforged"),
+        "the file name, escaped: {text}"
+    );
+    assert!(text.contains("invalid"), "{text}");
+    for line in text.lines() {
+        assert!(!line.starts_with("forged"), "a forged line: {text}");
+    }
+}
+
 /// `vgpu-smi serve` run by `sh` with at most `descriptors` open files (`ulimit -n`).
 fn serve_with_descriptors(descriptors: u32, arguments: &[&str]) -> (Session, String) {
     let smi = vgpu_smi();
