@@ -232,7 +232,7 @@ impl Accounting {
         if own.has_pending.load(Ordering::Acquire)
             && let Some(slot) = self.session.slot()
         {
-            self.apply_pending(own, slot);
+            let _ = self.apply_pending(own, slot);
         }
         self.region().device_used(device.region_index)
     }
@@ -276,13 +276,17 @@ impl Accounting {
             );
             return None;
         };
-        self.apply_pending(own, slot);
         let charge = Charge {
             region_index: device.region_index,
             kind,
             bytes,
         };
-        match self.region_try_charge(slot, device.region_index, kind, bytes, None) {
+        // The queue's lock error stands for this charge too: one wait for the lock per call.
+        let charged = match self.apply_pending(own, slot) {
+            Ok(()) => self.region_try_charge(slot, device.region_index, kind, bytes, None),
+            Err(error) => Err(ChargeError::Region(error)),
+        };
+        match charged {
             Ok(()) => Some(charge),
             Err(ChargeError::Region(error)) if lock_not_taken(&error) => {
                 tracing::warn!(
@@ -314,8 +318,11 @@ impl Accounting {
             tracing::error!("this forked process has no slot in the region; allocation refused");
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         };
-        self.apply_pending(own, slot);
-        match self.region_try_charge(slot, device.region_index, kind, bytes, limit) {
+        let charged = match self.apply_pending(own, slot) {
+            Ok(()) => self.region_try_charge(slot, device.region_index, kind, bytes, limit),
+            Err(error) => Err(ChargeError::Region(error)),
+        };
+        match charged {
             Ok(()) => Ok(Some(Charge {
                 region_index: device.region_index,
                 kind,
@@ -342,8 +349,11 @@ impl Accounting {
         let Some(slot) = self.session.slot() else {
             return;
         };
-        self.apply_pending(own, slot);
-        match self.region_uncharge(slot, charge.region_index, charge.kind, charge.bytes) {
+        let released = match self.apply_pending(own, slot) {
+            Ok(()) => self.region_uncharge(slot, charge.region_index, charge.kind, charge.bytes),
+            Err(error) => Err(error),
+        };
+        match released {
             Ok(_) => {}
             Err(error) if lock_not_taken(&error) => {
                 tracing::warn!(
@@ -385,7 +395,7 @@ impl Accounting {
             if session::detached() {
                 return;
             }
-            self.apply_pending(own, slot);
+            let _ = self.apply_pending(own, slot);
             if own.has_pending.load(Ordering::Acquire) {
                 continue;
             }
@@ -400,20 +410,28 @@ impl Accounting {
 
     /// Writes this process's queued charges, then its queued releases, as far as the lock lets
     /// them through (one load when there are none: every charge and release comes here first).
+    /// The lock error that stopped it, if one did: the caller's own update would wait for the
+    /// same lock again, so it takes that answer instead (one wait of at most the lock's timeout
+    /// per call). While another thread writes the queue this one does not wait for it.
     #[inline]
-    fn apply_pending(&self, own: &Own, slot: &Slot) {
+    fn apply_pending(&self, own: &Own, slot: &Slot) -> Result<(), RegionError> {
         if own.has_pending.load(Ordering::Acquire) {
-            self.apply_queue(own, slot);
+            self.apply_queue(own, slot)
+        } else {
+            Ok(())
         }
     }
 
     #[cold]
     #[inline(never)]
-    fn apply_queue(&self, own: &Own, slot: &Slot) {
+    fn apply_queue(&self, own: &Own, slot: &Slot) -> Result<(), RegionError> {
         if session::detached() {
-            return;
+            return Ok(());
         }
-        let mut pending = own.pending.lock();
+        let Some(mut pending) = own.pending.try_lock() else {
+            return Ok(());
+        };
+        let mut stopped = None;
         'apply: for release in [false, true] {
             for device in 0..MAX_DEVICES {
                 for kind in ALL_KINDS {
@@ -441,7 +459,10 @@ impl Accounting {
                     };
                     match result {
                         Ok(()) => table[device][kind_index(kind)] = 0,
-                        Err(error) if lock_not_taken(&error) => break 'apply,
+                        Err(error) if lock_not_taken(&error) => {
+                            stopped = Some(error);
+                            break 'apply;
+                        }
                         Err(error) => {
                             // After the slot was given back at exit there is nothing left to write.
                             if !session::detached() {
@@ -454,6 +475,7 @@ impl Accounting {
             }
         }
         own.has_pending.store(!pending.is_empty(), Ordering::Release);
+        stopped.map_or(Ok(()), Err)
     }
 
     fn region_try_charge(

@@ -1918,6 +1918,60 @@ fn updates_made_while_the_lock_times_out_are_applied_once_it_works() {
     assert_eq!((used(), truth.device(0).used()), (0, 0));
 }
 
+/// Takes the region's lock as another process's library does (a write lock on the byte at
+/// `FILE_LOCK_OFFSET`, through a description of its own), until the file is closed.
+fn hold_region_lock(path: &std::path::Path) -> std::fs::File {
+    use std::os::fd::AsRawFd;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .expect("open the region");
+    // SAFETY: all zeroes is a valid flock.
+    let mut range: libc::flock = unsafe { std::mem::zeroed() };
+    range.l_type = libc::F_WRLCK as libc::c_short;
+    range.l_whence = libc::SEEK_SET as libc::c_short;
+    range.l_start = vgpu_region::FILE_LOCK_OFFSET as libc::off_t;
+    range.l_len = 1;
+    // SAFETY: F_OFD_SETLKW with a valid flock on an open descriptor.
+    assert_eq!(unsafe { libc::fcntl(file.as_raw_fd(), libc::F_OFD_SETLKW, &range) }, 0);
+    file
+}
+
+/// With a release queued because the region's lock was stuck, the next allocation waits for the
+/// lock once (its answer is the queue's), not once for the queue and again for itself.
+#[test]
+fn a_call_behind_a_queued_update_waits_for_the_lock_once() {
+    let dir = ScratchDir::new("memory-queued-once");
+    let mut session = setup(Run::new(&program("mem_ops")).hooked(), &dir)
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+        .spawn(Duration::from_secs(60));
+    let truth = dir.truth();
+    assert_eq!(session.ask("init"), "init 0");
+    assert_eq!(session.ask("ctx 0"), "ctx 0");
+    let held = session.ask(&format!("alloc {MIB}"));
+    assert_eq!(status(&held), CUDA_SUCCESS, "{held}");
+    let lock = hold_region_lock(&dir.region());
+    // The free's release cannot be written: queued after the lock's timeout.
+    assert_eq!(session.ask(&format!("free {}", number(&held, 2))), "free 0");
+    let started = Instant::now();
+    let refused = session.ask(&format!("alloc {MIB}"));
+    let waited = started.elapsed();
+    drop(lock);
+    assert_eq!(status(&refused), CUDA_ERROR_OUT_OF_MEMORY, "{refused}");
+    assert!(
+        waited < Duration::from_millis(1600),
+        "an allocation behind a queued release waited {waited:?} for a stuck lock"
+    );
+    let answer = session.ask(&format!("alloc {MIB}"));
+    assert_eq!(status(&answer), CUDA_SUCCESS, "{answer}");
+    assert_eq!(
+        device_used(&snapshot(&dir.region()), 0),
+        truth.device(0).used(),
+        "the queued release was written once the lock worked"
+    );
+}
+
 /// Issue 16: a release queued while the lock timed out, by a process that then never makes
 /// another accounting call (an idle server, a job waiting for input), is applied in the background
 /// once the lock works: before, its bytes stayed charged for the rest of the process's life.
