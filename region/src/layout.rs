@@ -290,8 +290,16 @@ pub struct Extension {
     /// Pid of a process reading a consistent (NVML, region) pair; new data calls wait for it a
     /// little (bounded), so that one comes soon.
     pub memory_quiesce: AtomicU64,
+    /// Per region device index: bytes the last context measured on the device took (0: none
+    /// measured yet). A context creation reserves this much against the limit before the
+    /// driver is called, and is corrected to what it measured after.
+    pub context_bytes: [AtomicU64; MAX_DEVICES],
+    /// Pid of the process measuring the region's first context on a device whose
+    /// `context_bytes` is 0; other creations wait for its figure (bounded) rather than pass the
+    /// limit unreserved together.
+    pub context_measurer: AtomicU64,
     /// Reserved for later header fields; 0.
-    pub reserved_header: [AtomicU64; 80],
+    pub reserved_header: [AtomicU64; 63],
     /// Per-slot state, parallel to `procs`.
     pub slots: [SlotExtension; MAX_SLOTS],
     /// The compute limiter's token bucket per region device index.
@@ -411,7 +419,7 @@ pub fn layout_listing() -> String {
             size: size_of::<Extension>(),
             fields: fields!(Extension => magic, version, extension_size, hami_region_size, creator_pid,
                 header_reserved, lock, device_used, last_reap_ns, next_generation, created_unix_secs,
-                memory_calls_begun, memory_quiesce, reserved_header, slots, compute, reserved),
+                memory_calls_begun, memory_quiesce, context_bytes, context_measurer, reserved_header, slots, compute, reserved),
         },
         StructListing {
             name: "LockWords",

@@ -132,6 +132,18 @@ fn quiesce_is_fresh(measurer: u64) -> bool {
     now.saturating_sub(QUIESCE_SINCE_NS.load(Ordering::Relaxed)) < QUIESCE_AT_MOST.as_nanos() as u64
 }
 
+/// What [`Region::context_estimate`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ContextEstimate {
+    /// The last context measured on the device took this many bytes.
+    Known(u64),
+    /// None was measured yet, and this process measures the first: it must call
+    /// [`Region::context_measured`] once the context was created (or its creation failed).
+    Measure,
+    /// None was measured, and another process's first measurement did not come in time.
+    Unknown,
+}
+
 /// The kind of device memory a charge is recorded as (HAMi's per-slot split).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MemoryKind {
@@ -735,6 +747,54 @@ impl Region {
             .device_used
             .get(device)
             .map_or(0, |total| total.load(Ordering::Acquire))
+    }
+
+    /// What a context creation on region device `device` should reserve before the driver is
+    /// called: the last context size measured there ([`ContextEstimate::Known`]); else, when no
+    /// other process is measuring the region's first context, this process measures it
+    /// ([`ContextEstimate::Measure`], ended by [`Region::context_measured`]); else it waits up to
+    /// `wait` for that process's figure, and is [`ContextEstimate::Unknown`] after.
+    pub fn context_estimate(&self, device: usize, wait: Duration) -> ContextEstimate {
+        let ext = &self.file().ext;
+        let Some(known) = ext.context_bytes.get(device) else {
+            return ContextEstimate::Unknown;
+        };
+        let pid = u64::from(std::process::id());
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            let bytes = known.load(Ordering::Acquire);
+            if bytes != 0 {
+                return ContextEstimate::Known(bytes);
+            }
+            let measurer = ext.context_measurer.load(Ordering::Acquire);
+            // A measurer that died (or a value no process holds) hands the measurement on.
+            let free = measurer == 0 || !process::is_alive(i32::try_from(measurer).unwrap_or(0), 0);
+            if (free || measurer == pid)
+                && ext
+                    .context_measurer
+                    .compare_exchange(measurer, pid, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+            {
+                return ContextEstimate::Measure;
+            }
+            if std::time::Instant::now() >= deadline {
+                return ContextEstimate::Unknown;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Records what a context on region device `device` took (0: nothing measured), and ends
+    /// this process's measurement of the first one if it had that role.
+    pub fn context_measured(&self, device: usize, bytes: u64) {
+        let ext = &self.file().ext;
+        if let (Some(known), true) = (ext.context_bytes.get(device), bytes != 0) {
+            known.store(bytes, Ordering::Release);
+        }
+        let pid = u64::from(std::process::id());
+        let _ = ext
+            .context_measurer
+            .compare_exchange(pid, 0, Ordering::AcqRel, Ordering::Acquire);
     }
 
     /// Marks a data allocation or free of `slot`'s process under way on a region device (see

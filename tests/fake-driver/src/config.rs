@@ -27,6 +27,9 @@ pub struct Config {
     /// Host time (µs) of the first launch of each function and of each executable graph
     /// (`FAKE_CUDA_MODULE_LOAD_US`): CUDA's lazy loading, and a graph's upload.
     pub module_load_us: u64,
+    /// Host time (µs) a context's creation takes after its memory is taken (`FAKE_CUDA_CONTEXT_US`),
+    /// as the driver's initialisation does: contexts created together then overlap.
+    pub context_us: u64,
     /// Host time (µs) each `cuMemAlloc_v2` takes before it allocates (`FAKE_CUDA_ALLOC_US`), so a
     /// test can kill a process in the middle of one.
     pub alloc_us: u64,
@@ -78,6 +81,9 @@ impl Config {
         let module_load_us = var("FAKE_CUDA_MODULE_LOAD_US")
             .and_then(|v| v.trim().parse::<u64>().ok())
             .map_or(0, |us| us.min(MAX_MODULE_LOAD_US));
+        let context_us = var("FAKE_CUDA_CONTEXT_US")
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map_or(0, |us| us.min(MAX_MODULE_LOAD_US));
         let alloc_us = var("FAKE_CUDA_ALLOC_US")
             .and_then(|v| v.trim().parse::<u64>().ok())
             .map_or(0, |us| us.min(MAX_MODULE_LOAD_US));
@@ -95,6 +101,7 @@ impl Config {
             truth,
             visible,
             module_load_us,
+            context_us,
             alloc_us,
             event_ns,
             launch_gap_ns,

@@ -7,6 +7,14 @@ use crate::cuda::*;
 use crate::ffi::{CuResult, cu, put};
 use crate::state::{self, Context, State, initialised};
 
+/// The host time a context's creation takes after its memory was taken (outside the state lock).
+fn creation_time() {
+    let micros = state::config().context_us;
+    if micros > 0 {
+        std::thread::sleep(std::time::Duration::from_micros(micros));
+    }
+}
+
 impl State {
     fn create_context(&mut self, dev: CUdevice) -> CuResult<usize> {
         let phys = self.device(dev)?;
@@ -142,6 +150,7 @@ pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(pctx: *mut CUcontext, dev: CUd
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         let handle = initialised()?.retain_primary(dev)?;
+        creation_time();
         // SAFETY: out-pointer from the caller.
         unsafe { put(pctx, handle as CUcontext) }
     })
@@ -198,6 +207,7 @@ fn ctx_create(pctx: *mut CUcontext, dev: CUdevice) -> CuResult {
         return Err(CUDA_ERROR_INVALID_VALUE);
     }
     let handle = initialised()?.create_context(dev)?;
+    creation_time();
     state::stack_push(handle);
     // SAFETY: out-pointer from the caller, checked non-null.
     unsafe { put(pctx, handle as CUcontext) }

@@ -991,6 +991,55 @@ impl Rng {
     }
 }
 
+/// Contexts created together, each taking its memory 100 ms before its creation returns, never
+/// take the device past the limit: each is reserved at the region's last context size before the
+/// driver is called (the first is measured by one process while the others wait for its figure),
+/// those that do not fit are refused, and every context is charged exactly what it took.
+#[test]
+fn contexts_created_together_never_pass_the_limit() {
+    let _heavy = one_at_a_time();
+    let dir = ScratchDir::new("memory-context-storm");
+    let program = program("mem_ops");
+    let mut sessions: Vec<Session> = (0..16)
+        .map(|_| {
+            setup(Run::new(&program).hooked(), &dir)
+                .env("CUDA_DEVICE_MEMORY_LIMIT", "512m")
+                .env("FAKE_CUDA_CONTEXT_US", "100000")
+                .spawn(Duration::from_secs(60))
+        })
+        .collect();
+    for session in &mut sessions {
+        assert_eq!(session.ask("init"), "init 0");
+    }
+    let truth = dir.truth();
+    for session in &mut sessions {
+        session.send("ctx 0");
+    }
+    let answers: Vec<String> = sessions
+        .iter_mut()
+        .map(|session| session.read_line().unwrap_or_default())
+        .collect();
+    let created = answers.iter().filter(|answer| *answer == "ctx 0").count();
+    let refused = answers
+        .iter()
+        .filter(|answer| **answer == format!("ctx {CUDA_ERROR_OUT_OF_MEMORY}"))
+        .count();
+    let peak = truth.device(0).peak();
+    let (used, charged) = (truth.device(0).used(), device_used(&snapshot(&dir.region()), 0));
+    drop(sessions);
+    assert_eq!(created + refused, 16, "{answers:?}");
+    assert_eq!(created as u64, 512 * MIB / CONTEXT, "contexts that fit: {answers:?}");
+    assert!(
+        peak <= 512 * MIB,
+        "the device held {} MiB under a 512 MiB limit",
+        peak / MIB
+    );
+    assert_eq!(
+        charged, used,
+        "the region charged {charged} bytes for {used} the contexts took"
+    );
+}
+
 #[test]
 fn kill_storm_never_blocks_survivors_and_leaves_no_charge() {
     let _heavy = one_at_a_time();
