@@ -1107,11 +1107,15 @@ fn kill_storm_never_blocks_survivors_and_leaves_no_charge() {
     }
     for mut child in storm {
         let output = child.finish();
+        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+        // A child whose context did not fit the limit the others held is refused at its start.
+        if stdout.trim() == format!("setup-failed {CUDA_ERROR_OUT_OF_MEMORY}") {
+            continue;
+        }
         assert!(
             output.status.success(),
             "a storm child failed (seed {seed}): {output:?}"
         );
-        let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
         let done = stdout.lines().find(|l| l.starts_with("done ")).unwrap_or_default();
         reports.push(race_report(done));
     }
