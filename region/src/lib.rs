@@ -57,6 +57,7 @@
 //! image opens the region again; attaching with the same pid resets the old image's slot (its
 //! device memory died with the old address space).
 
+pub mod anchor;
 mod error;
 mod layout;
 mod lock;
@@ -73,6 +74,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering, fence};
 use std::time::{Duration, Instant, SystemTime};
 
+pub use anchor::PathState;
 pub use error::{ChargeError, InitError, LayoutError, Refused, RegionError, UnsafeFile};
 pub use layout::{
     COMPUTE_OFFSET, ComputeDevice, DeviceMemory, DeviceUtil, EXTENSION_MAGIC, EXTENSION_OFFSET, EXTENSION_SIZE,
@@ -271,6 +273,8 @@ pub struct Region {
     locked_file: File,
     path: PathBuf,
     open_kind: OpenKind,
+    /// What the path held before this process opened it ([`anchor`]).
+    path_at_open: PathState,
 }
 
 // SAFETY: the mapping is shared memory made of atomics and of C objects (semaphores) built for
@@ -320,22 +324,41 @@ impl Region {
             path: path.to_owned(),
             problem,
         })?;
+        let path_at_open = anchor::restore_before_open(path, |anchored| check_opened(path, anchored, owners).is_ok());
         let (file, foreign_owner) = open_or_create(path, owners)?;
         let io_error = |operation, source| RegionError::Io {
             path: path.to_owned(),
             operation,
             source,
         };
-        if sys::flock(&file, libc::LOCK_EX | libc::LOCK_NB).map_err(|source| io_error("flock", source))? {
-            let region = Self::initialise_exclusively(path, file, init, foreign_owner)?;
-            // Downgrade; it is not atomic, but the file is fully initialised before anyone else
-            // can take any lock on it.
-            wait_for_shared_lock(&region.locked_file, path)?;
-            Ok(region)
-        } else {
-            wait_for_shared_lock(&file, path)?;
-            Self::join(path, file)
-        }
+        let mut region =
+            if sys::flock(&file, libc::LOCK_EX | libc::LOCK_NB).map_err(|source| io_error("flock", source))? {
+                let region = Self::initialise_exclusively(path, file, init, foreign_owner)?;
+                // Downgrade; it is not atomic, but the file is fully initialised before anyone else
+                // can take any lock on it.
+                wait_for_shared_lock(&region.locked_file, path)?;
+                region
+            } else {
+                wait_for_shared_lock(&file, path)?;
+                Self::join(path, file)?
+            };
+        anchor::ensure_anchor(path, &region.locked_file);
+        region.path_at_open = path_at_open;
+        Ok(region)
+    }
+
+    /// What this process found at the region's path when it opened it: [`PathState::Restored`]
+    /// when the container's region, still in use, had been deleted or replaced there and was put
+    /// back ([`anchor`]).
+    pub fn path_at_open(&self) -> PathState {
+        self.path_at_open
+    }
+
+    /// Makes the region's path name this region again if it was deleted, or replaced by a file
+    /// nobody uses, and keeps its anchor (see [`anchor`]). For a running process to call every
+    /// tick: a `stat` when nothing changed.
+    pub fn keep_path(&self) -> PathState {
+        anchor::keep_path(&self.path, &self.locked_file)
     }
 
     /// Joins a region that processes are using, for a tool that changes it (`vgpu-smi set`): never
@@ -404,6 +427,7 @@ impl Region {
             locked_file: file,
             path: path.to_owned(),
             open_kind: OpenKind::Created,
+            path_at_open: PathState::Intact,
         };
         region.open_kind = if len == 0 {
             OpenKind::Created
@@ -464,6 +488,7 @@ impl Region {
             locked_file: file,
             path: path.to_owned(),
             open_kind: OpenKind::Joined,
+            path_at_open: PathState::Intact,
         };
         snapshot::check_hami_header(region.file()).map_err(bad_layout)?;
         snapshot::check_extension_header(region.file()).map_err(bad_layout)?;
@@ -1299,7 +1324,7 @@ fn open_existing(path: &Path, owners: Owners) -> Result<Option<(File, Option<u32
     // effects of its own (a watchdog, a tape), and opening a FIFO can block.
     match std::fs::symlink_metadata(path) {
         Ok(metadata) => {
-            if let Some(problem) = not_a_plain_file(&metadata) {
+            if let Some(problem) = not_a_plain_file(&metadata, path) {
                 return Err(unsafe_file(problem));
             }
         }
@@ -1328,16 +1353,20 @@ fn open_existing(path: &Path, owners: Owners) -> Result<Option<(File, Option<u32
     }
 }
 
-/// What makes a file's metadata (from `lstat` or `fstat`) unusable as a region file, ownership
-/// aside: a link, something other than a regular file, or a second name.
-fn not_a_plain_file(metadata: &Metadata) -> Option<UnsafeFile> {
+/// What makes a file's metadata (from `lstat` or `fstat`), found at the region's `path`, unusable
+/// as a region file, ownership aside: a link, something other than a regular file, or a second
+/// name other than its anchor ([`anchor`]).
+fn not_a_plain_file(metadata: &Metadata, path: &Path) -> Option<UnsafeFile> {
     let file_type = metadata.file_type();
     let kind = if file_type.is_symlink() {
         return Some(UnsafeFile::Symlink);
     } else if file_type.is_file() {
         // A second hard link may be another file's name (a link to a victim made where the
         // region belongs): its owner would pass the owner check, and it would be overwritten.
-        return (metadata.nlink() != 1).then(|| UnsafeFile::HardLinks {
+        // The region's own anchor is the one second name allowed: with exactly two names, the
+        // path and the anchor, no other name (a victim's own) exists.
+        let anchored = anchor::is_anchored(path, metadata);
+        return (metadata.nlink() != 1 && !anchored).then(|| UnsafeFile::HardLinks {
             links: metadata.nlink(),
         });
     } else if file_type.is_dir() {
@@ -1368,7 +1397,7 @@ fn check_opened(path: &Path, file: &File, owners: Owners) -> Result<Option<u32>,
         path: path.to_owned(),
         problem,
     };
-    if let Some(problem) = not_a_plain_file(&metadata) {
+    if let Some(problem) = not_a_plain_file(&metadata, path) {
         return Err(unsafe_file(problem));
     }
     let (owner, uid) = (metadata.uid(), sys::effective_uid());

@@ -247,3 +247,28 @@ fn clock(id: libc::clockid_t) -> libc::timespec {
     unsafe { libc::clock_gettime(id, &mut now) };
     now
 }
+
+/// Gives the open file `file` the name `destination` (a hard link), through `/proc/self/fd`: the
+/// file is linked, whatever its own name now names. Fails for a file with no name left.
+pub(crate) fn link_open_file(file: &File, destination: &std::path::Path) -> io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let source = std::ffi::CString::new(format!("/proc/self/fd/{}", file.as_raw_fd()))
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let destination = std::ffi::CString::new(destination.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: two NUL-terminated paths that live across the call.
+    let linked = unsafe {
+        libc::linkat(
+            libc::AT_FDCWD,
+            source.as_ptr(),
+            libc::AT_FDCWD,
+            destination.as_ptr(),
+            libc::AT_SYMLINK_FOLLOW,
+        )
+    };
+    if linked == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}

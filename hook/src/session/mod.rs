@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 use std::time::Duration;
 
 use vgpu_config::{Config, ConfigError};
-use vgpu_region::{InitParams, MAX_DEVICES, OpenKind, Owners, Region, Slot};
+use vgpu_region::{InitParams, MAX_DEVICES, OpenKind, Owners, PathState, Region, Slot};
 
 pub use devices::{DeviceEntry, current_ordinal, format_uuid};
 
@@ -160,6 +160,19 @@ pub fn start(config: &Config) -> Result<(), String> {
         init.sm_limits[index] = config.sm_limit_of(index).map_or(0, u64::from);
     }
     let region = open_region(config, &init)?;
+    if let PathState::Restored { replaced } = region.path_at_open() {
+        tracing::warn!(
+            "the shared region {} was {} while this container's processes used it; put it back and joined it (it \
+             holds the container's charges and limits: change a limit with vgpu-smi set, and delete the file only \
+             when no process of the container runs)",
+            config.shared_cache.display(),
+            if replaced {
+                "replaced by another file"
+            } else {
+                "deleted"
+            }
+        );
+    }
     match region.open_kind() {
         OpenKind::Rebuilt(problem) => {
             tracing::warn!(
@@ -213,7 +226,42 @@ pub fn start(config: &Config) -> Result<(), String> {
     PROCESS.store(std::ptr::from_ref(process).cast_mut(), Ordering::Release);
     SESSION.store(std::ptr::from_ref(session).cast_mut(), Ordering::Release);
     session.watch_suspend_flag();
+    crate::throttle::start_tick();
     Ok(())
+}
+
+/// From the process's tick: puts the region back at its path if the file was deleted or replaced
+/// while the container runs (`vgpu_region::anchor`), and says so once per change.
+pub fn keep_region_path(session: &Session) {
+    static LAST: std::sync::Mutex<Option<PathState>> = std::sync::Mutex::new(None);
+    let state = session.region.keep_path();
+    let mut last = LAST.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if *last == Some(state) || (state == PathState::Intact && last.is_none()) {
+        return;
+    }
+    *last = Some(state);
+    let path = session.region.path().display();
+    match state {
+        PathState::Intact => {}
+        PathState::Restored { replaced } => tracing::warn!(
+            "the shared region {path} was {} while this container's processes used it; put it back (it holds the \
+             container's charges and limits: change a limit with vgpu-smi set, and delete the file only when no \
+             process of the container runs)",
+            if replaced {
+                "replaced by another file"
+            } else {
+                "deleted"
+            }
+        ),
+        PathState::Contested => tracing::warn!(
+            "the shared region {path} now names another region that processes use: this process stays with its own \
+             (the two are not merged; restart the container's processes to make them one)"
+        ),
+        PathState::Lost => tracing::error!(
+            "the shared region {path} and its anchor were deleted while this process used the region: processes \
+             starting now do not see this container's usage"
+        ),
+    }
 }
 
 /// Writes now (unix seconds) into the region's `last_kernel_time`, which HAMi's monitor reads:

@@ -17,11 +17,15 @@
 //!
 //! At normal exit, a launch since the tick's last write is written too ([`write_at_exit`]).
 //!
-//! The tick is started by the process's first launch, which always takes the handler's path (the
-//! limiter decides its mode there: [`ensure_tick`]); a process that never launches has none.
-//! Fork: the child has no tick thread; the `pthread_atfork` child handler clears the flags and
-//! makes the limiter decide its mode again, so the child's first launch takes the handler's path
-//! and starts a tick of its own.
+//! The tick also keeps the region's path naming the container's region
+//! ([`crate::session::keep_region_path`]: a file deleted or replaced under running processes is
+//! put back within a period).
+//!
+//! The tick is started when the process attaches to the region (`session::start`), and again by a
+//! forked child's first launch, which always takes the handler's path (the limiter decides its
+//! mode there: [`ensure_tick`]). Fork: the child has no tick thread; the `pthread_atfork` child
+//! handler clears the flags and makes the limiter decide its mode again, so the child's first
+//! launch takes the handler's path and starts a tick of its own.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -57,9 +61,9 @@ pub fn note_launch() {
     }
 }
 
-/// Starts the tick unless it runs: called where a process's launches first take the handler's
-/// path (the limiter's decision, once per process and again in a forked child). Nothing to do
-/// without a region (cuInit has not succeeded here).
+/// Starts the tick unless it runs: called at attach and where a process's launches first take
+/// the handler's path (the limiter's decision, once per process and again in a forked child).
+/// Nothing to do without a region (cuInit has not succeeded here).
 #[cold]
 pub fn ensure_tick() {
     if TICKING.load(Ordering::Relaxed) || crate::session::get().is_none() {
@@ -118,6 +122,7 @@ fn tick(written: &mut u64) {
         *written = now;
     }
     super::runtime::follow_live_limits(session);
+    crate::session::keep_region_path(session);
 }
 
 /// At normal exit: writes `last_kernel_time` when a launch happened since the tick last wrote it.

@@ -1971,6 +1971,68 @@ fn updates_made_while_the_lock_times_out_are_applied_once_it_works() {
     assert_eq!((used(), truth.device(0).used()), (0, 0));
 }
 
+/// The region file deleted (`rm`, as advice for changing limits says) or replaced by an older copy
+/// (`mv copy path`) while a process holds 800 MiB under a 1 GiB limit: a process started at once
+/// joins the container's region (put back at the path from its anchor) and is refused what the
+/// limit does not allow, the device never holds more than the limit, and the region at the path
+/// shows both processes. Left alone, the running process puts its region back within its tick.
+/// Before, the new process started a second region and got 800 MiB too.
+#[test]
+fn a_region_deleted_or_replaced_under_running_processes_stays_one_region() {
+    for how in ["rm", "mv"] {
+        let dir = ScratchDir::new("memory-region-deleted");
+        let start = || {
+            let mut session = setup(Run::new(&program("mem_ops")).hooked(), &dir)
+                .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+                .spawn(Duration::from_secs(60));
+            assert_eq!(session.ask("init"), "init 0");
+            assert_eq!(session.ask("ctx 0"), "ctx 0");
+            session
+        };
+        let mut first = start();
+        let truth = dir.truth();
+        let copy = dir.join("copy.cache");
+        std::fs::copy(dir.region(), &copy).expect("copy the region");
+        let held = first.ask(&format!("alloc {}", 800 * MIB));
+        assert_eq!(status(&held), CUDA_SUCCESS, "{held}");
+        match how {
+            "rm" => std::fs::remove_file(dir.region()).expect("delete the region"),
+            _ => std::fs::rename(&copy, dir.region()).expect("move the copy over the region"),
+        }
+        let mut second = start();
+        let refused = second.ask(&format!("alloc {}", 800 * MIB));
+        assert_eq!(status(&refused), CUDA_ERROR_OUT_OF_MEMORY, "{how}: {refused}");
+        assert!(
+            truth.device(0).peak() <= GIB,
+            "{how}: the device held {} MiB",
+            truth.device(0).peak() / MIB
+        );
+        let shown = snapshot(&dir.region());
+        assert_eq!(
+            shown.processes.len(),
+            2,
+            "{how}: the region at the path lists both processes"
+        );
+        assert_eq!(device_used(&shown, 0), truth.device(0).used(), "{how}");
+        // It ends normally: its slot goes with it.
+        assert!(second.finish().status.success(), "{how}");
+
+        // Alone, the running process puts its region back within a tick (500 ms).
+        std::fs::remove_file(dir.region()).expect("delete the region again");
+        let deleted = Instant::now();
+        while !dir.region().exists() && deleted.elapsed() < Duration::from_secs(3) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let took = deleted.elapsed();
+        assert!(
+            took < Duration::from_millis(1500),
+            "{how}: the path was back after {took:?}"
+        );
+        assert_eq!(device_used(&snapshot(&dir.region()), 0), CONTEXT + 800 * MIB, "{how}");
+        drop(first);
+    }
+}
+
 /// Takes the region's lock as another process's library does (a write lock on the byte at
 /// `FILE_LOCK_OFFSET`, through a description of its own), until the file is closed.
 fn hold_region_lock(path: &std::path::Path) -> std::fs::File {
