@@ -281,6 +281,7 @@ impl Accounting {
             kind,
             bytes,
         };
+        session::keep_region_path_now_and_then(self.session);
         // The queue's lock error stands for this charge too: one wait for the lock per call.
         let charged = match self.apply_pending(own, slot) {
             Ok(()) => self.region_try_charge(slot, device.region_index, kind, bytes, None),
@@ -318,6 +319,7 @@ impl Accounting {
             tracing::error!("this forked process has no slot in the region; allocation refused");
             return Err(CUDA_ERROR_OUT_OF_MEMORY);
         };
+        session::keep_region_path_now_and_then(self.session);
         let charged = match self.apply_pending(own, slot) {
             Ok(()) => self.region_try_charge(slot, device.region_index, kind, bytes, limit),
             Err(error) => Err(ChargeError::Region(error)),
@@ -349,6 +351,7 @@ impl Accounting {
         let Some(slot) = self.session.slot() else {
             return;
         };
+        session::keep_region_path_now_and_then(self.session);
         let released = match self.apply_pending(own, slot) {
             Ok(()) => self.region_uncharge(slot, charge.region_index, charge.kind, charge.bytes),
             Err(error) => Err(error),

@@ -226,12 +226,33 @@ pub fn start(config: &Config) -> Result<(), String> {
     PROCESS.store(std::ptr::from_ref(process).cast_mut(), Ordering::Release);
     SESSION.store(std::ptr::from_ref(session).cast_mut(), Ordering::Release);
     session.watch_suspend_flag();
-    crate::throttle::start_tick();
     Ok(())
 }
 
-/// From the process's tick: puts the region back at its path if the file was deleted or replaced
-/// while the container runs (`vgpu_region::anchor`), and says so once per change.
+/// How often a process looks at its region's path from its memory calls.
+const PATH_CHECK_PERIOD_NS: u64 = 500_000_000;
+
+/// From a memory call: [`keep_region_path`] at most every [`PATH_CHECK_PERIOD_NS`] (one clock read
+/// otherwise). A process whose tick runs (it launched kernels) also checks from there; one that
+/// neither launches nor allocates leaves it to the next process that starts (which puts the region
+/// back before it opens the path).
+#[inline]
+pub fn keep_region_path_now_and_then(session: &Session) {
+    static CHECKED_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let now = vgpu_region::monotonic_ns();
+    let last = CHECKED_NS.load(Ordering::Relaxed);
+    if now.saturating_sub(last) >= PATH_CHECK_PERIOD_NS
+        && CHECKED_NS
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    {
+        keep_region_path(session);
+    }
+}
+
+/// From the process's tick, and from its memory calls now and then: puts the region back at its
+/// path if the file was deleted or replaced while the container runs (`vgpu_region::anchor`), and
+/// says so once per change.
 pub fn keep_region_path(session: &Session) {
     static LAST: std::sync::Mutex<Option<PathState>> = std::sync::Mutex::new(None);
     let state = session.region.keep_path();

@@ -21,11 +21,11 @@
 //! ([`crate::session::keep_region_path`]: a file deleted or replaced under running processes is
 //! put back within a period).
 //!
-//! The tick is started when the process attaches to the region (`session::start`), and again by a
-//! forked child's first launch, which always takes the handler's path (the limiter decides its
-//! mode there: [`ensure_tick`]). Fork: the child has no tick thread; the `pthread_atfork` child
-//! handler clears the flags and makes the limiter decide its mode again, so the child's first
-//! launch takes the handler's path and starts a tick of its own.
+//! The tick is started by the process's first launch, which always takes the handler's path (the
+//! limiter decides its mode there: [`ensure_tick`]); a process that never launches has none (and
+//! can be unloaded: a running thread pins the library). Fork: the child has no tick thread; the
+//! `pthread_atfork` child handler clears the flags and makes the limiter decide its mode again, so
+//! the child's first launch takes the handler's path and starts a tick of its own.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -61,9 +61,9 @@ pub fn note_launch() {
     }
 }
 
-/// Starts the tick unless it runs: called at attach and where a process's launches first take
-/// the handler's path (the limiter's decision, once per process and again in a forked child).
-/// Nothing to do without a region (cuInit has not succeeded here).
+/// Starts the tick unless it runs: called where a process's launches first take the handler's
+/// path (the limiter's decision, once per process and again in a forked child). Nothing to do
+/// without a region (cuInit has not succeeded here).
 #[cold]
 pub fn ensure_tick() {
     if TICKING.load(Ordering::Relaxed) || crate::session::get().is_none() {

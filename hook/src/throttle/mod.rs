@@ -80,7 +80,6 @@ impl ModeCell {
 
 static MODE: ModeCell = ModeCell(AtomicU8::new(Mode::Undecided as u8));
 
-pub use activity::ensure_tick as start_tick;
 pub use activity::write_at_exit as write_kernel_time_at_exit;
 
 /// The whole cost of the limiter when nothing is limited: one load and one branch. The table's
