@@ -169,8 +169,12 @@ pub(crate) fn open_regular(path: &Path, write: bool) -> Result<(File, std::fs::M
         };
         return Err(format!("it is {what}, not a region file"));
     }
-    if write && std::os::unix::fs::MetadataExt::nlink(&metadata) > 1 {
-        // As the region crate: another of its names may be someone else's file.
+    if write
+        && std::os::unix::fs::MetadataExt::nlink(&metadata) > 1
+        && !vgpu_region::anchor::is_anchored(path, &metadata)
+    {
+        // As the region crate: another of its names may be someone else's file (the region's
+        // own anchor is the one second name allowed).
         return Err("it has more than one hard link, and is never written through one".to_string());
     }
     Ok((file, metadata))

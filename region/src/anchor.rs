@@ -66,7 +66,7 @@ fn same_file(a: &Metadata, b: &Metadata) -> bool {
 }
 
 /// Whether `metadata`, of the file at `path`, has exactly two names, the other one its anchor.
-pub(crate) fn is_anchored(path: &Path, metadata: &Metadata) -> bool {
+pub fn is_anchored(path: &Path, metadata: &Metadata) -> bool {
     metadata.nlink() == 2
         && anchor_path(path)
             .and_then(|anchor| std::fs::symlink_metadata(anchor).ok())
