@@ -35,7 +35,6 @@ fn main() {
         ("cuda_types.rs", generated.cuda_types.as_str()),
         ("nvml_types.rs", generated.nvml_types.as_str()),
         ("hooks.rs", generated.hooks_input.as_str()),
-        ("coverage.txt", generated.coverage.as_str()),
         ("undeclared.rs", generated.undeclared.as_str()),
     ];
     for (name, text) in files {

@@ -8,6 +8,3 @@ use crate::sys::nvml::*;
 
 include!(concat!(env!("OUT_DIR"), "/hooks.rs"));
 
-/// The coverage listing of this build (name, class, handler), as snapshot-tested.
-#[allow(dead_code)]
-pub const COVERAGE: &str = include_str!(concat!(env!("OUT_DIR"), "/coverage.txt"));

@@ -385,6 +385,27 @@ impl Region {
         Self::join(path, file)
     }
 
+    /// The one constructor: the region file `file` (opened at `path`, of the region's size),
+    /// mapped, with a lock description of this process's own.
+    fn map(path: &Path, file: File, open_kind: OpenKind) -> Result<Region, RegionError> {
+        let io_error = |operation, source| RegionError::Io {
+            path: path.to_owned(),
+            operation,
+            source,
+        };
+        let lock = lock::RegionLock::new(&file, file.as_raw_fd(), path)
+            .map_err(|source| io_error("open (a lock description)", source))?;
+        let mapping = sys::map_shared(&file, REGION_FILE_SIZE).map_err(|source| io_error("mmap", source))?;
+        Ok(Region {
+            mapping: mapping.cast(),
+            lock,
+            locked_file: file,
+            path: path.to_owned(),
+            open_kind,
+            path_at_open: PathState::Intact,
+        })
+    }
+
     /// With the file held exclusively: validate what is there, then write a fresh region. A file
     /// of another user (`foreign_owner`) is only reinitialised when it is a valid region;
     /// otherwise it is refused before anything is written.
@@ -418,17 +439,8 @@ impl Region {
                 .map_err(|source| io_error("ftruncate", source))?;
         }
         sys::preallocate(&file, REGION_FILE_SIZE).map_err(|source| io_error("fallocate", source))?;
-        let lock = lock::RegionLock::new(&file, file.as_raw_fd(), path)
-            .map_err(|source| io_error("open (a lock description)", source))?;
-        let mapping = sys::map_shared(&file, REGION_FILE_SIZE).map_err(|source| io_error("mmap", source))?;
-        let mut region = Region {
-            mapping: mapping.cast(),
-            lock,
-            locked_file: file,
-            path: path.to_owned(),
-            open_kind: OpenKind::Created,
-            path_at_open: PathState::Intact,
-        };
+        let mut region = Self::map(path, file, OpenKind::Created)?;
+        let mapping = region.mapping.cast::<u8>();
         region.open_kind = if len == 0 {
             OpenKind::Created
         } else if len != REGION_FILE_SIZE as u64 {
@@ -479,17 +491,7 @@ impl Region {
                 expected: REGION_FILE_SIZE as u64,
             }));
         }
-        let lock = lock::RegionLock::new(&file, file.as_raw_fd(), path)
-            .map_err(|source| io_error("open (a lock description)", source))?;
-        let mapping = sys::map_shared(&file, REGION_FILE_SIZE).map_err(|source| io_error("mmap", source))?;
-        let mut region = Region {
-            mapping: mapping.cast(),
-            lock,
-            locked_file: file,
-            path: path.to_owned(),
-            open_kind: OpenKind::Joined,
-            path_at_open: PathState::Intact,
-        };
+        let mut region = Self::map(path, file, OpenKind::Joined)?;
         snapshot::check_hami_header(region.file()).map_err(bad_layout)?;
         snapshot::check_extension_header(region.file()).map_err(bad_layout)?;
         let repaired = {
