@@ -51,6 +51,10 @@ cargo test -p vgpu-test-spawn
 #   of at most 50 ms between the other processes' calls, which emulated calls are too slow to leave.
 # - the_limiter_counters_show_how_long_launches_were_held: like compute.rs, it bounds how long
 #   limited launches waited against the kernels' GPU time, which emulated launches distort.
+# - contexts_created_together_never_pass_the_limit: the others wait at most 2 s for the first
+#   context's measurement, which an emulated start-up can outlast (they then go unreserved).
+# - a_request_line_without_an_end_is_not_buffered: it bounds vgpu-smi's peak resident memory,
+#   which under qemu also holds the emulator's translated code, growing as the server runs.
 # - a_flood_of_failing_calls_gives_few_lines_and_counts_the_rest: it calls for 11 s to see one line
 #   after the 10 s rate-limit interval, a 1 s margin that an emulated start-up (the library's first
 #   call) can use up on a loaded machine (seen once in CI's clone: 5 lines instead of 6).
@@ -61,6 +65,8 @@ cargo test -p vgpu-integration --test foundation --test memory --test monitor --
   --skip readers_see_consistent_snapshots_while_eight_processes_allocate_and_free \
   --skip context_charges_are_exact_while_other_processes_churn \
   --skip a_flood_of_failing_calls_gives_few_lines_and_counts_the_rest \
+  --skip contexts_created_together_never_pass_the_limit \
+  --skip a_request_line_without_an_end_is_not_buffered \
   --skip the_limiter_counters_show_how_long_launches_were_held
 
 # The region crate's own tests, whose workers are this test binary run again (through the runner,

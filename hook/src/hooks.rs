@@ -7,4 +7,3 @@ use crate::sys::cuda::*;
 use crate::sys::nvml::*;
 
 include!(concat!(env!("OUT_DIR"), "/hooks.rs"));
-
