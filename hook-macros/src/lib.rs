@@ -321,15 +321,8 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
         });
     }
     let count = input.functions.len();
-    let cuda_count = input.functions.iter().filter(|f| f.library == "cuda").count();
-    let nvml_count = count - cuda_count;
     let real_module = format_ident!("real");
     Ok(quote! {
-        /// Number of CUDA driver entry points exported.
-        pub const CUDA_FUNCTION_COUNT: usize = #cuda_count;
-        /// Number of NVML entry points exported.
-        pub const NVML_FUNCTION_COUNT: usize = #nvml_count;
-
         /// Every exported entry point, sorted by name.
         pub static EXPORTS: [crate::real::Export; #count] = [#(#exports),*];
 
