@@ -110,12 +110,8 @@ fn looks_like_region(path: &Path) -> bool {
     let Some(name) = path.file_name().map(|name| name.to_string_lossy().into_owned()) else {
         return false;
     };
-    // The region's anchor is a second name of a region listed under its own (and a restore's
-    // temporary link lives for a moment): `vgpu_region::anchor`.
-    if name.contains(".so")
-        || vgpu_region::anchor::is_anchor_name(std::ffi::OsStr::new(&name))
-        || name.starts_with(".vgpu-restore-")
-    {
+    // An anchor (or a restore's temporary link) is a second name of a region listed under its own.
+    if name.contains(".so") || vgpu_region::anchor::is_anchor_name(std::ffi::OsStr::new(&name)) {
         return false;
     }
     let Ok(metadata) = std::fs::metadata(path) else {

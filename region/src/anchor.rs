@@ -44,10 +44,15 @@ pub enum PathState {
     Lost,
 }
 
+/// How an anchor's name starts.
+const ANCHOR_PREFIX: &[u8] = b".vgpu-anchor-";
+/// How the name of a restore's temporary link starts (it lives for a moment).
+const RESTORE_PREFIX: &str = ".vgpu-restore-";
+
 /// The anchor of the region file at `path`; `None` for a path without a file name.
 pub fn anchor_path(path: &Path) -> Option<PathBuf> {
     let name = path.file_name()?;
-    let mut anchor = b".vgpu-anchor-".to_vec();
+    let mut anchor = ANCHOR_PREFIX.to_vec();
     anchor.extend(
         name.as_bytes()
             .iter()
@@ -56,9 +61,10 @@ pub fn anchor_path(path: &Path) -> Option<PathBuf> {
     Some(path.with_file_name(OsString::from_vec(anchor)))
 }
 
-/// Whether a file name is an anchor (for tools that list a folder of regions).
+/// Whether a file name is one this module gives (an anchor, or a restore's temporary link): a
+/// second name of a region listed under its own, for tools that list a folder of regions.
 pub fn is_anchor_name(name: &std::ffi::OsStr) -> bool {
-    name.as_bytes().starts_with(b".vgpu-anchor-")
+    name.as_bytes().starts_with(ANCHOR_PREFIX) || name.as_bytes().starts_with(RESTORE_PREFIX.as_bytes())
 }
 
 fn same_file(a: &Metadata, b: &Metadata) -> bool {
@@ -91,7 +97,7 @@ fn open_plain(path: &Path) -> io::Result<File> {
 fn temporary_beside(path: &Path) -> PathBuf {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let name = format!(
-        ".vgpu-restore-{}-{}",
+        "{RESTORE_PREFIX}{}-{}",
         std::process::id(),
         COUNTER.fetch_add(1, Ordering::Relaxed)
     );
@@ -215,5 +221,8 @@ mod tests {
         let anchor = anchor_path(Path::new("/x/a.b.cache")).expect("a name");
         let name = anchor.file_name().expect("a name");
         assert!(is_anchor_name(name) && !name.to_string_lossy().contains(".cache"));
+        let temporary = temporary_beside(Path::new("/x/a.cache"));
+        assert!(is_anchor_name(temporary.file_name().expect("a name")));
+        assert!(!is_anchor_name(std::ffi::OsStr::new("a.cache")));
     }
 }

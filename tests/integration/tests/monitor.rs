@@ -456,35 +456,58 @@ fn a_region_truncated_while_it_is_read_does_not_kill_the_monitor() {
     assert_eq!(text.matches("sample ").count(), 200, "every sample was shown");
 }
 
-/// One HTTP GET on 127.0.0.1, returning the status line and the body.
-fn http_get(address: &str, path: &str) -> (String, String) {
-    let mut stream = TcpStream::connect(address).expect("connect to vgpu-smi serve");
-    stream.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+/// One HTTP GET on 127.0.0.1 that must be answered within `limit`: the status line and the body,
+/// or why there was none.
+fn get_within(address: &str, path: &str, limit: Duration) -> Result<(String, String), String> {
+    let mut stream =
+        TcpStream::connect_timeout(&address.parse().expect("an address"), limit).map_err(|e| e.to_string())?;
+    stream.set_read_timeout(Some(limit)).map_err(|e| e.to_string())?;
+    stream.set_write_timeout(Some(limit)).map_err(|e| e.to_string())?;
     write!(
         stream,
         "GET {path} HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n"
     )
-    .expect("send");
+    .map_err(|e| e.to_string())?;
     let mut response = String::new();
-    stream.read_to_string(&mut response).expect("read the response");
+    stream.read_to_string(&mut response).map_err(|e| e.to_string())?;
     let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
-    (head.lines().next().unwrap_or_default().to_string(), body.to_string())
+    Ok((head.lines().next().unwrap_or_default().to_string(), body.to_string()))
+}
+
+/// One HTTP GET on 127.0.0.1, returning the status line and the body.
+fn http_get(address: &str, path: &str) -> (String, String) {
+    get_within(address, path, Duration::from_secs(10)).expect("a GET to vgpu-smi serve")
+}
+
+/// A scrape of /metrics that must answer within `limit`: its status line, or why it did not.
+fn scrape_within(address: &str, limit: Duration) -> Result<String, String> {
+    get_within(address, "/metrics", limit).map(|(status, _)| status)
 }
 
 /// Starts `vgpu-smi serve` on a free port and returns it with its address.
 fn serve(arguments: &[&str]) -> (Session, String) {
     let mut all = vec!["serve", "--listen", "127.0.0.1:0"];
     all.extend_from_slice(arguments);
-    let mut server = Run::new(&vgpu_smi()).args(all).spawn(Duration::from_secs(60));
-    let line = server.read_line().expect("vgpu-smi serve prints its address");
-    let url = line
+    listening(Run::new(&vgpu_smi()).args(all).spawn(Duration::from_secs(60)))
+}
+
+/// A started `vgpu-smi serve` with the address its first line gives.
+fn listening(mut server: Session) -> (Session, String) {
+    let Some(line) = server.read_line() else {
+        let output = server.finish();
+        panic!(
+            "vgpu-smi serve did not start: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    };
+    let address = line
         .rsplit(' ')
         .next()
         .and_then(|url| url.strip_prefix("http://"))
         .and_then(|url| url.strip_suffix("/metrics"))
         .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
         .to_string();
-    (server, url)
+    (server, address)
 }
 
 /// Bytes a writer put into the region (an escape sequence in a UUID, a share of 2^64-1 percent)
@@ -536,22 +559,7 @@ fn serve_with_descriptors(descriptors: u32, arguments: &[&str]) -> (Session, Str
         "127.0.0.1:0",
     ];
     all.extend_from_slice(arguments);
-    let mut server = Run::new(Path::new("sh")).args(all).spawn(Duration::from_secs(120));
-    let Some(line) = server.read_line() else {
-        let output = server.finish();
-        panic!(
-            "vgpu-smi serve did not start: {}",
-            String::from_utf8_lossy(&output.stderr)
-        );
-    };
-    let address = line
-        .rsplit(' ')
-        .next()
-        .and_then(|url| url.strip_prefix("http://"))
-        .and_then(|url| url.strip_suffix("/metrics"))
-        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
-        .to_string();
-    (server, address)
+    listening(Run::new(Path::new("sh")).args(all).spawn(Duration::from_secs(120)))
 }
 
 /// A field of `/proc/PID/status` (`Threads`, `VmHWM` in kB), or 0 when the process is gone.
@@ -562,22 +570,6 @@ fn proc_status(pid: u32, field: &str) -> u64 {
         .find_map(|line| line.strip_prefix(field)?.strip_prefix(':'))
         .and_then(|value| value.split_whitespace().next()?.parse().ok())
         .unwrap_or(0)
-}
-
-/// A scrape of /metrics that must answer within `limit`: its status line, or why it did not.
-fn scrape_within(address: &str, limit: Duration) -> Result<String, String> {
-    let mut stream =
-        TcpStream::connect_timeout(&address.parse().expect("an address"), limit).map_err(|e| e.to_string())?;
-    stream.set_read_timeout(Some(limit)).map_err(|e| e.to_string())?;
-    stream.set_write_timeout(Some(limit)).map_err(|e| e.to_string())?;
-    write!(
-        stream,
-        "GET /metrics HTTP/1.1\r\nHost: {address}\r\nConnection: close\r\n\r\n"
-    )
-    .map_err(|e| e.to_string())?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response).map_err(|e| e.to_string())?;
-    Ok(response.lines().next().unwrap_or_default().to_string())
 }
 
 /// Clients that hold hundreds of idle connections, past the file descriptors `serve` may open:
