@@ -229,7 +229,7 @@ fn the_jobs_benchmark_scores_a_matrix() {
 /// profile the report's GPU has in boards.toml.
 #[test]
 fn the_boost_check_reads_a_jobs_report() {
-    let report = workspace_root().join("docs/gpu/2026-12-03-trimmed-share-compute-jobs-part1.txt");
+    let report = workspace_root().join("tests/fixtures/2026-12-03-trimmed-share-compute-jobs-part1.txt");
     let check = |heaviest: &str| stdout_of(python("boost_fit.py").args(["--heaviest", heaviest]).arg(&report));
     let now = check("1.3");
     assert!(
@@ -267,7 +267,7 @@ fn the_boost_check_reads_a_jobs_report() {
     let train = stdout_of(
         python("boost_fit.py")
             .args(["--job", "train"])
-            .arg(workspace_root().join("docs/gpu/2026-12-03-compute-jobs-part2.txt")),
+            .arg(workspace_root().join("tests/fixtures/2026-12-03-compute-jobs-part2.txt")),
     );
     assert_eq!(
         train
