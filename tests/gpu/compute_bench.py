@@ -18,8 +18,8 @@ limited GEMM does more work per GPU-second than the unlimited one. Then two proc
 region at 50, and two regions at 30 and 70, running the GEMM at the same time.
 
 Host-bound loops vary by up to a third between processes on the VM, whatever the CPU pinning (the
-small-kernel loop: 207k-305k launches/s, with or without the hook, docs/gpu/2026-11-30-
-compute-pinning.txt). Where the limit binds, a workload's GPU share does not depend on the
+small-kernel loop: 207k-305k launches/s, with or without the hook, results/2026-11-30-
+h200-compute-pinning.txt). Where the limit binds, a workload's GPU share does not depend on the
 unlimited rate (share = rate x GPU time per iteration); at limit 100 the row compares two rates,
 so that limit runs three times, the second and third each after an unlimited run, and the
 medians count.

@@ -326,7 +326,7 @@ mod tests {
     #[test]
     fn a_boosted_gemm_is_charged_its_time_at_full_load() {
         // The H200 GEMM held to half its time: 501 W at 1980 MHz, 176 us per product against
-        // 206 us unlimited (a factor of 1.17; docs/gpu/2026-11-30-compute-time-share.txt).
+        // 206 us unlimited (a factor of 1.17; results/2026-11-30-h200-compute-time-share.txt).
         let factor = board().target_factor(h200(501.0), 0.5);
         assert!((1.12..=1.19).contains(&factor), "{factor}");
         assert_eq!(board().target_factor(at_clock(501.0, 1980.0, false), 0.5), factor);

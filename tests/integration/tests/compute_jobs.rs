@@ -380,7 +380,7 @@ fn graph_replay_holds_limit_25() {
 /// by turns (one function and grid, so one launch key), launched back to back in iterations of 8
 /// with a synchronisation, at limit 50 for 4 s. The key is charged its mean time (100 us), not
 /// pulled towards the shorter one: earlier designs ran such a key at 72.5% of the GPU, or swung
-/// by 12 points second to second (docs/bench/2026-12-01-varying-keys.txt).
+/// by 12 points second to second (results/2026-12-01-fake-varying-keys.txt).
 #[test]
 fn a_kernel_whose_time_varies_launch_by_launch_is_charged_its_mean() {
     const MEAN_US: f64 = 100.0;
@@ -403,7 +403,7 @@ fn a_kernel_whose_time_varies_launch_by_launch_is_charged_its_mean() {
     // The key is measured about 300 times a second (its sampling floor, MIN_SAMPLE_STRIDE, at
     // 5,000 launches a second), so a second's charge is off by about 50 us / sqrt(300), 3% of the
     // mean, 1.5 points at limit 50, either way; on this fake the seconds from the 2nd also ran
-    // 1-2 points above the limit on average (docs/bench/2026-12-02-varying-key-spread.txt). The
+    // 1-2 points above the limit on average (results/2026-12-02-fake-varying-key-spread.txt). The
     // bounds are four standard deviations of that: what they catch is a biased estimator. The
     // 1st second holds the bucket's burst (30 ms at full speed, 3 points) and is not checked.
     for (second, share) in shares.iter().enumerate().skip(1) {
@@ -557,7 +557,7 @@ fn a_gap_between_kernels_that_brackets_read_is_trimmed_to_nvml() {
         );
     }
     // Untrimmed, seconds 4-6 average under 48; trimmed, 49.6-51.6 in eleven runs (mean 50.4,
-    // docs/bench/2026-12-02-varying-key-spread.txt): the bounds leave the trim 2.5 points of
+    // results/2026-12-02-fake-varying-key-spread.txt): the bounds leave the trim 2.5 points of
     // overshoot and catch its absence.
     let settled = shares[3..].iter().sum::<f64>() / 3.0;
     assert!(
