@@ -3,7 +3,7 @@
 //! A GPU that a workload keeps busy all the time runs at the clock its power limit allows. Held to
 //! part of its time by the limiter, the same GPU stays under its power limit and runs at a higher
 //! clock, so each kernel takes less time and half of the GPU's time does more than half of the
-//! unlimited work (the figures: docs/compute-limit.md, "The boost compensation"). On a board with
+//! unlimited work (results/2026-11-30-h200-compute-time-share.txt). On a board with
 //! a profile the limit holds in work done, not only in time: a kernel is charged what it would
 //! take on the GPU busy with this container's work alone.
 //!
@@ -150,10 +150,10 @@ impl ClockReading {
 ///
 /// With a clock reading the clock bounds the factor, so other containers' power cannot be charged
 /// beyond the boost the clock shows; NVML's utilisation would then only lower the factor where it
-/// reads more than the kernels' time: with two processes of one container taking turns on the
-/// GPU it read 0.55-0.65 for kernels measured at 0.47 of the time (the switches between their
-/// contexts count as busy and draw little power), which charged a GEMM 1.05-1.10 instead of ~1.17
-/// and let the container run at 57.5% of the unlimited rate under a limit of 50.
+/// reads more than the kernels' time, as it does for two processes of one container taking turns
+/// on the GPU (the switches between their contexts count as busy and draw little power): that
+/// under-charges their boost and lets them run over their limit
+/// (results/2026-12-01-h200-compute-two-processes.txt).
 pub fn busy_share(own: f64, gpu: Option<f64>, clock_known: bool) -> f64 {
     match gpu {
         Some(gpu) if !clock_known && gpu > own => gpu,

@@ -253,8 +253,8 @@ impl Estimates {
             // MIN_SAMPLE_STRIDE), spread uniformly over half to one and a half times that. The
             // rate is smoothed over RATE_SMOOTHING samples: a limited key runs faster while its
             // estimate is low, and a stride following the latest rate gave the launches charged
-            // at a low estimate the longer batches (an under-charge, 1% for a key of 50 and 150 us
-            // by turns). The stride at most doubles from one sample to the next: the young samples
+            // at a low estimate the longer batches (an under-charge of a key whose time varies:
+            // results/2026-12-02-fake-varying-key-spread.txt). The stride at most doubles from one sample to the next: the young samples
             // are taken on consecutive launches, whose rate (a burst's) would put the next sample
             // seconds away.
             let elapsed = now.saturating_sub(entry.last_sample_ns).max(1);

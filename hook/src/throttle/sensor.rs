@@ -23,8 +23,8 @@
 //! without one, only when the launch call was short ([`LONG_CALL_NS`]). Otherwise the launch is
 //! charged like an unmeasured one and its key is measured again.
 //!
-//! What a bracket reads over the launch's own time depends on the work around it (on the H200, 1
-//! to 2.9 us: `tests/gpu/bracket_probe.cu`), so on a queued stream it is learned from the job
+//! What a bracket reads over the launch's own time depends on the work around it
+//! (results/2026-12-02-h200-bracket-probe-followers.txt), so on a queued stream it is learned from the job
 //! itself: one launch in [`PAIR_STRIDE`] there, not itself sampled, begins a pair bracketing two
 //! launches, it and the next one of the same thread on the same stream, without a hold. Each key
 //! keeps what its own brackets read on queued streams, nothing taken off; the pair reads both
@@ -68,8 +68,8 @@ pub const HOLD_RELEASE_NS: u64 = 2_000_000;
 pub const LONG_CALL_NS: u64 = 500_000;
 /// What an event pair adds to a launch it brackets on an idle stream: the GPU's launch latency and
 /// the completion the end event waits for, time in which no kernel executes (NVML counts it idle)
-/// and which launches queued back to back overlap (its measurement: docs/compute-limit.md, "The
-/// bracket's own time"). Taken off every measurement of an idle stream, and of a queued one until
+/// and which launches queued back to back overlap (results/2026-12-01-h200-compute-startup-diagnosis.txt).
+/// Taken off every measurement of an idle stream, and of a queued one until
 /// pairs have measured it there, but never more than a third of the measurement.
 pub const BRACKET_OVERHEAD_NS: u64 = 1_000;
 /// One limited launch in this many (of those that may be) begins a pair (see the module
@@ -78,7 +78,8 @@ pub const BRACKET_OVERHEAD_NS: u64 = 1_000;
 /// synchronised loop would otherwise be measured at a skewed mix of its times).
 pub const PAIR_STRIDE: u64 = 64;
 /// The most a bracket is taken to add on a queued stream: above every reading of
-/// `tests/gpu/bracket_probe.cu` (docs/compute-limit.md), so that a pair holding other work moves
+/// `tests/gpu/bracket_probe.cu` (results/2026-12-02-h200-bracket-probe-followers.txt), so that a
+/// pair holding other work moves
 /// the learned figure by a bounded step.
 pub const MAX_QUEUED_OVERHEAD_NS: u64 = 5_000;
 /// A pair is begun only for a launch charged at least this, and counts only where both keys'
