@@ -30,6 +30,7 @@ const UTILIZATION_POLICY_VAR: &str = "GPU_CORE_UTILIZATION_POLICY";
 const COMPUTE_PROFILE_VAR: &str = "VGPU_COMPUTE_PROFILE";
 const LOG_LEVEL_VAR: &str = "LIBCUDA_LOG_LEVEL";
 const DISABLE_CONTROL_VAR: &str = "CUDA_DISABLE_CONTROL";
+const OVERSUBSCRIBE_VAR: &str = "CUDA_OVERSUBSCRIBE";
 
 const DEFAULT_TASK_PRIORITY: i32 = 1;
 const DEFAULT_LOG_LEVEL: u8 = 2;
@@ -116,6 +117,10 @@ pub struct Config {
     /// A `CUDA_DISABLE_CONTROL` value that is neither true nor false: HAMi's device plugin reads
     /// such a value as false (it mounts the library), so the limits apply; `cuInit` says so once.
     pub disable_control_unread: Option<String>,
+    /// `CUDA_OVERSUBSCRIBE=true` (HAMi's device plugin sets it when the operator sells more memory
+    /// than the card has): an allocation the limit allows but the device cannot back is served
+    /// from host memory the GPU reaches (docs/memory-accounting.md, "Elastic memory").
+    pub oversubscribe: bool,
 }
 
 impl Default for Config {
@@ -131,6 +136,7 @@ impl Default for Config {
             compute_profile: ComputeProfile::Auto,
             log_level: DEFAULT_LOG_LEVEL,
             control_disabled: false,
+            oversubscribe: false,
             disable_control_unread: None,
         }
     }
@@ -238,7 +244,7 @@ impl Config {
 
     /// Variables are checked in a fixed order (global memory limit, per-device memory variables
     /// of no device among `listed`, per-device memory limits 0..15, the same three for the SM
-    /// limit, priority, `VGPU_SHARED_CACHE_ANY_OWNER`, shared region path, utilisation policy,
+    /// limit, priority, `VGPU_SHARED_CACHE_ANY_OWNER`, shared region path, `CUDA_OVERSUBSCRIBE`, utilisation policy,
     /// `VGPU_COMPUTE_PROFILE`) and the first malformed one is the error, so the same environment
     /// always reports the same variable.
     fn read(lookup: impl Fn(&str) -> Option<OsString>, listed: &[(OsString, OsString)]) -> Result<Config, ConfigError> {
@@ -301,6 +307,9 @@ impl Config {
             config.shared_cache = path;
         }
 
+        if let Some(oversubscribe) = read_setting(&lookup, OVERSUBSCRIBE_VAR, parse_oversubscribe)? {
+            config.oversubscribe = oversubscribe;
+        }
         if let Some(policy) = read_setting(&lookup, UTILIZATION_POLICY_VAR, parse_policy)? {
             config.utilization_policy = policy;
         }
@@ -422,6 +431,16 @@ fn parse_disable_control(text: &str) -> Result<bool, String> {
         "true" | "t" | "1" => Ok(true),
         "false" | "f" | "0" => Ok(false),
         _ => Err("expected true or false".to_owned()),
+    }
+}
+
+/// `CUDA_OVERSUBSCRIBE`: `true` or `1` (what HAMi's device plugin writes), `false` or `0`; any
+/// other value is refused rather than read as either, since each way changes what a job may do.
+fn parse_oversubscribe(text: &str) -> Result<bool, String> {
+    match text {
+        "true" | "1" => Ok(true),
+        "false" | "0" => Ok(false),
+        _ => Err("expected true or 1 (on), false or 0 (off)".to_owned()),
     }
 }
 
@@ -972,6 +991,30 @@ mod tests {
             assert_eq!(
                 error.map(|e| e.variable),
                 Some("VGPU_SHARED_CACHE_ANY_OWNER".to_owned()),
+                "{value:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn oversubscribe_is_true_or_1_false_or_0() {
+        let oversubscribe =
+            |value: &str| config_of(&[("CUDA_OVERSUBSCRIBE", value)]).map(|config| config.oversubscribe);
+        assert_eq!(config_of(&[]).map(|config| config.oversubscribe), Ok(false));
+        assert_eq!(oversubscribe("true"), Ok(true));
+        assert_eq!(oversubscribe("1"), Ok(true));
+        assert_eq!(oversubscribe("false"), Ok(false));
+        assert_eq!(oversubscribe("0"), Ok(false));
+        assert_eq!(oversubscribe(""), Ok(false));
+        for value in ["yes", "TRUE", "on", " 1", "2"] {
+            let error = oversubscribe(value).err();
+            assert_eq!(
+                error.as_ref().map(|e| e.variable.as_str()),
+                Some("CUDA_OVERSUBSCRIBE"),
+                "{value:?}"
+            );
+            assert!(
+                error.is_some_and(|e| e.to_string().contains("expected true or 1")),
                 "{value:?}"
             );
         }

@@ -68,8 +68,15 @@ impl MemoryReport for nvmlMemory_v2_t {
     }
 }
 
-/// The virtual (total, used, free) from the physical (total, free), the limit and the usage.
+/// The virtual (total, used, free) from the physical (total, free), the limit and the usage. With
+/// elastic memory (`CUDA_OVERSUBSCRIBE`) what the device lacks host memory backs, so free is the
+/// limit's alone.
 pub fn virtual_memory(physical_total: u64, physical_free: u64, limit: u64, used: u64) -> (u64, u64, u64) {
+    let physical_free = if crate::memory::elastic() {
+        u64::MAX
+    } else {
+        physical_free
+    };
     let total = limit.min(physical_total);
     let used = used.min(total);
     let free = (total - used).min(physical_free);

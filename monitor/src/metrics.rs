@@ -47,10 +47,12 @@ struct Families {
     memory_limit: GaugeFamily,
     memory_used: GaugeFamily,
     memory_by_kind: GaugeFamily,
+    memory_host_backed: GaugeFamily,
     sm_limit: GaugeFamily,
     sm_utilization: GaugeFamily,
     device_processes: GaugeFamily,
     process_memory: GaugeFamily,
+    process_host_backed: GaugeFamily,
     process_sm_utilization: GaugeFamily,
     process_suspended: GaugeFamily,
     process_alive: GaugeFamily,
@@ -125,6 +127,10 @@ impl Families {
                 "vgpu_device_memory_kind_bytes",
                 "Device memory charged by the container's processes, by kind (context, module, data)",
             ),
+            memory_host_backed: family(
+                "vgpu_device_memory_host_backed_bytes",
+                "Of the container's data on the device, bytes in host memory because the device had no room (CUDA_OVERSUBSCRIBE)",
+            ),
             sm_limit: family(
                 "vgpu_device_sm_limit_percent",
                 "Compute limit of the container in percent of the device (0 = unlimited)",
@@ -140,6 +146,10 @@ impl Families {
             process_memory: family(
                 "vgpu_process_memory_bytes",
                 "Device memory charged by one process in bytes, by kind (context, module, data)",
+            ),
+            process_host_backed: family(
+                "vgpu_process_memory_host_backed_bytes",
+                "Of one process's data on one device, bytes in host memory because the device had no room (CUDA_OVERSUBSCRIBE)",
             ),
             process_sm_utilization: family(
                 "vgpu_process_sm_utilization_percent",
@@ -216,6 +226,10 @@ pub fn encode_report(report: &Report) -> Result<String, std::fmt::Error> {
                     .set(gauge_value(bytes));
             }
             families
+                .memory_host_backed
+                .get_or_create(&device_labels)
+                .set(gauge_value(device.memory_host_backed_bytes));
+            families
                 .sm_limit
                 .get_or_create(&device_labels)
                 .set(gauge_value(device.sm_limit_percent.unwrap_or(0)));
@@ -277,6 +291,10 @@ pub fn encode_report(report: &Report) -> Result<String, std::fmt::Error> {
                         .get_or_create(&kind_labels)
                         .set(gauge_value(bytes));
                 }
+                families
+                    .process_host_backed
+                    .get_or_create(&device_labels)
+                    .set(gauge_value(device.host_backed_bytes));
                 families
                     .process_sm_utilization
                     .get_or_create(&device_labels)

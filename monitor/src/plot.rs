@@ -28,6 +28,8 @@ struct Sample {
     /// Seconds since the first sample.
     seconds: f64,
     used_bytes: u64,
+    /// Of the used bytes, those in host memory (`CUDA_OVERSUBSCRIBE`).
+    host_backed_bytes: u64,
     sm_util_percent: u64,
     /// The limiter's held time so far (`limiter.held_ns`); `None` for a HAMi-core region.
     held_ns: Option<u64>,
@@ -94,6 +96,7 @@ fn collect_series(reports: &[Report]) -> Vec<DeviceSeries> {
                 entry.samples.push(Sample {
                     seconds,
                     used_bytes: device.memory_used_bytes,
+                    host_backed_bytes: device.memory_host_backed_bytes,
                     sm_util_percent: device.sm_util_percent,
                     held_ns: device.limiter.map(|limiter| limiter.held_ns),
                 });
@@ -249,7 +252,20 @@ fn draw_memory<DB: DrawingBackend>(
                 .iter()
                 .map(|sample| (sample.seconds, sample.used_bytes as f64 / unit))
                 .collect(),
-            second: None,
+            // Drawn only when some memory was in host memory.
+            second: device
+                .samples
+                .iter()
+                .any(|sample| sample.host_backed_bytes > 0)
+                .then(|| Line {
+                    label: "in host memory",
+                    colour: HELD_COLOUR,
+                    points: device
+                        .samples
+                        .iter()
+                        .map(|sample| (sample.seconds, sample.host_backed_bytes as f64 / unit))
+                        .collect(),
+                }),
             limit: device.memory_limit.map(|limit| limit as f64 / unit),
         },
     )
@@ -346,6 +362,7 @@ mod tests {
         Sample {
             seconds,
             used_bytes: 0,
+            host_backed_bytes: 0,
             sm_util_percent: 0,
             held_ns,
         }

@@ -19,8 +19,9 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering, fence};
 
 use vgpu_region::{
-    COMPUTE_OFFSET, ComputeDevice, EXTENSION_OFFSET, HAMI_REGION_SIZE, LayoutError, MAX_DEVICES, MAX_SLOTS, ProcSlot,
-    REGION_FILE_SIZE, RegionFile, SLOT_EXTENSIONS_OFFSET, SharedRegion, SlotExtension, Snapshot, read_snapshot,
+    COMPUTE_OFFSET, ComputeDevice, EXTENSION_OFFSET, HAMI_REGION_SIZE, HOST_BACKED_OFFSET, LayoutError, MAX_DEVICES,
+    MAX_SLOTS, ProcSlot, REGION_FILE_SIZE, RegionFile, SLOT_EXTENSIONS_OFFSET, SharedRegion, SlotExtension, Snapshot,
+    read_snapshot,
 };
 
 /// Where `libvgpu.so` puts the region when `CUDA_DEVICE_MEMORY_SHARED_CACHE` is unset.
@@ -230,8 +231,8 @@ fn explain(problem: &LayoutError) -> String {
 
 /// A copy of the region's bytes in which every slot is seqlock-consistent or marked torn (its
 /// seqlock left odd). Covers the header, the slots below `proc_num`, the fields after them and
-/// the extension's header, its slot entries below `proc_num` and the compute limiter's counters;
-/// the rest stays zero (decoding never reads it).
+/// the extension's header, its slot entries below `proc_num`, the compute limiter's counters and
+/// the host-backed rows below `proc_num`; the rest stays zero (decoding never reads it).
 pub fn consistent_copy(region: &RegionFile) -> Vec<u8> {
     let words = region_words(region);
     let mut image = vec![0u8; REGION_FILE_SIZE];
@@ -257,6 +258,12 @@ pub fn consistent_copy(region: &RegionFile) -> Vec<u8> {
         &mut image,
         EXTENSION_OFFSET + COMPUTE_OFFSET,
         EXTENSION_OFFSET + COMPUTE_OFFSET + MAX_DEVICES * size_of::<ComputeDevice>(),
+    );
+    copy_words(
+        words,
+        &mut image,
+        EXTENSION_OFFSET + HOST_BACKED_OFFSET,
+        EXTENSION_OFFSET + HOST_BACKED_OFFSET + proc_num * MAX_DEVICES * size_of::<u64>(),
     );
     fence(Ordering::Acquire);
     for (index, (slot, before)) in region.hami.procs[..proc_num].iter().zip(seqlocks_before).enumerate() {

@@ -75,6 +75,9 @@ pub struct DeviceReport {
     pub memory_context_bytes: u64,
     pub memory_module_bytes: u64,
     pub memory_data_bytes: u64,
+    /// Of the data bytes: those host memory backs because the device could not
+    /// (`CUDA_OVERSUBSCRIBE`); the job runs, slower, while this is above 0.
+    pub memory_host_backed_bytes: u64,
     /// Compute limit in percent; `null` when unlimited.
     pub sm_limit_percent: Option<u64>,
     /// Measured SM utilisation: the sum of the processes' `device_util[d].sm_util`, those alive.
@@ -128,6 +131,8 @@ pub struct ProcessDeviceReport {
     pub context_bytes: u64,
     pub module_bytes: u64,
     pub data_bytes: u64,
+    /// Of the data bytes: those host memory backs (`CUDA_OVERSUBSCRIBE`).
+    pub host_backed_bytes: u64,
     pub total_bytes: u64,
     pub sm_util_percent: u64,
 }
@@ -193,6 +198,7 @@ fn region_report(read: &RegionRead, is_alive: &impl Fn(i32, Option<u64>) -> bool
                         context_bytes: memory.context,
                         module_bytes: memory.module,
                         data_bytes: memory.data,
+                        host_backed_bytes: process.host_backed[device],
                         total_bytes: memory.total,
                         sm_util_percent: process.sm_util[device],
                     }
@@ -234,6 +240,7 @@ fn region_report(read: &RegionRead, is_alive: &impl Fn(i32, Option<u64>) -> bool
                 memory_context_bytes: sum(|process, device| process.memory[device].context),
                 memory_module_bytes: sum(|process, device| process.memory[device].module),
                 memory_data_bytes: sum(|process, device| process.memory[device].data),
+                memory_host_backed_bytes: sum(|process, device| process.host_backed[device]),
                 sm_limit_percent: (snapshot.sm_limits[device] != 0).then_some(snapshot.sm_limits[device]),
                 sm_util_percent: sum(|process, device| process.sm_util[device]),
                 process_count: live_slots

@@ -118,6 +118,19 @@ fn render_region(text: &mut String, region: &RegionReport) {
         for device in &region.devices {
             let _ = writeln!(text, "{:>3}  {}", device.index, printable(&device.uuid));
         }
+        for device in region
+            .devices
+            .iter()
+            .filter(|device| device.memory_host_backed_bytes > 0)
+        {
+            let _ = writeln!(
+                text,
+                "GPU {}: {} of the used memory is in host memory (CUDA_OVERSUBSCRIBE: the device had no room); \
+                 kernels reading it run slower",
+                device.index,
+                human_bytes(device.memory_host_backed_bytes)
+            );
+        }
     }
     if region.processes.is_empty() {
         text.push_str("\nno processes\n");
@@ -164,6 +177,17 @@ fn render_region(text: &mut String, region: &RegionReport) {
                 text,
                 "{:>7}  {host_pid:>8}  {status:<9}  {:>3}  {:>8}  {:>8}  {:>8}  {:>8}  {:>4}",
                 process.pid, "-", "-", "-", "-", "-", "-"
+            );
+        }
+    }
+    for process in &region.processes {
+        for device in process.devices.iter().filter(|device| device.host_backed_bytes > 0) {
+            let _ = writeln!(
+                text,
+                "pid {} on GPU {}: {} of its data in host memory",
+                process.pid,
+                device.index,
+                human_bytes(device.host_backed_bytes)
             );
         }
     }

@@ -44,8 +44,9 @@ pub const EXTENSION_MAGIC: u64 = u64::from_le_bytes(*b"VGPUEXT1");
 /// Version 2: the lock is a file lock and [`Extension::lock`] holds [`LockWords`] (version 1 had a
 /// pthread mutex there, which version-2 processes would not exclude).
 pub const EXTENSION_VERSION: u32 = 2;
-/// Bytes of the extension, most of them reserved for later fields.
-pub const EXTENSION_SIZE: usize = 65_536;
+/// Bytes of the extension: a 64 KiB part (header, slots, compute, reserved) and the host-backed
+/// table after it.
+pub const EXTENSION_SIZE: usize = HOST_BACKED_OFFSET + MAX_SLOTS * MAX_DEVICES * 8;
 /// Where the extension starts: right after HAMi-core's struct.
 pub const EXTENSION_OFFSET: usize = HAMI_REGION_SIZE;
 /// Size of a valid region file.
@@ -255,7 +256,9 @@ pub const FAVOUR_LOCK_OFFSET: u64 = FILE_LOCK_OFFSET + 1;
 pub const SLOT_EXTENSIONS_OFFSET: usize = 1024;
 /// The compute limiter's per-device state starts here, relative to the extension.
 pub const COMPUTE_OFFSET: usize = SLOT_EXTENSIONS_OFFSET + MAX_SLOTS * 48;
-const RESERVED_TAIL_WORDS: usize = (EXTENSION_SIZE - COMPUTE_OFFSET - MAX_DEVICES * 64) / 8;
+/// The host-backed table ([`Extension::host_backed`]) starts here, relative to the extension.
+pub const HOST_BACKED_OFFSET: usize = 65_536;
+const RESERVED_TAIL_WORDS: usize = (HOST_BACKED_OFFSET - COMPUTE_OFFSET - MAX_DEVICES * 64) / 8;
 
 /// vgpu's extension, after HAMi-core's struct in the same file.
 #[repr(C)]
@@ -306,6 +309,11 @@ pub struct Extension {
     pub compute: [ComputeDevice; MAX_DEVICES],
     /// Reserved for later fields; 0.
     pub reserved: [AtomicU64; RESERVED_TAIL_WORDS],
+    /// Per slot, parallel to `procs`, and per region device index: bytes of the slot's charged
+    /// data that host memory backs because the device could not (`CUDA_OVERSUBSCRIBE`). Part of
+    /// `used[d].data_size`, not in addition to it; written by the slot's owner only, and cleared
+    /// when the slot is claimed or reaped.
+    pub host_backed: [[AtomicU64; MAX_DEVICES]; MAX_SLOTS],
 }
 
 /// The whole file.
@@ -354,6 +362,7 @@ const _: () = assert!(offset_of!(Extension, device_used) == 96);
 const _: () = assert!(offset_of!(Extension, slots) == SLOT_EXTENSIONS_OFFSET);
 const _: () = assert!(size_of::<ComputeDevice>() == 64);
 const _: () = assert!(offset_of!(Extension, compute) == COMPUTE_OFFSET);
+const _: () = assert!(offset_of!(Extension, host_backed) == HOST_BACKED_OFFSET);
 const _: () = assert!(size_of::<Extension>() == EXTENSION_SIZE);
 const _: () = assert!(offset_of!(RegionFile, ext) == EXTENSION_OFFSET);
 const _: () = assert!(size_of::<RegionFile>() == REGION_FILE_SIZE);
@@ -419,7 +428,8 @@ pub fn layout_listing() -> String {
             size: size_of::<Extension>(),
             fields: fields!(Extension => magic, version, extension_size, hami_region_size, creator_pid,
                 header_reserved, lock, device_used, last_reap_ns, next_generation, created_unix_secs,
-                memory_calls_begun, memory_quiesce, context_bytes, context_measurer, reserved_header, slots, compute, reserved),
+                memory_calls_begun, memory_quiesce, context_bytes, context_measurer, reserved_header, slots, compute, reserved,
+                host_backed),
         },
         StructListing {
             name: "LockWords",

@@ -79,8 +79,9 @@ pub use error::{ChargeError, InitError, LayoutError, Refused, RegionError, Unsaf
 pub use layout::{
     COMPUTE_OFFSET, ComputeDevice, DeviceMemory, DeviceUtil, EXTENSION_MAGIC, EXTENSION_OFFSET, EXTENSION_SIZE,
     EXTENSION_VERSION, Extension, FAVOUR_LOCK_OFFSET, FILE_LOCK_OFFSET, HAMI_INITIALIZED_FLAG, HAMI_MAJOR_VERSION,
-    HAMI_MINOR_VERSION, HAMI_REGION_SIZE, LockWords, MAX_DEVICES, MAX_SLOTS, OpaqueStorage, ProcSlot, REGION_FILE_SIZE,
-    RegionFile, SLOT_EXTENSIONS_OFFSET, SLOT_FREE, SLOT_LIVE, SharedRegion, SlotExtension, UUID_BYTES, layout_listing,
+    HAMI_MINOR_VERSION, HAMI_REGION_SIZE, HOST_BACKED_OFFSET, LockWords, MAX_DEVICES, MAX_SLOTS, OpaqueStorage,
+    ProcSlot, REGION_FILE_SIZE, RegionFile, SLOT_EXTENSIONS_OFFSET, SLOT_FREE, SLOT_LIVE, SharedRegion, SlotExtension,
+    UUID_BYTES, layout_listing,
 };
 pub use process::process_start_time;
 pub use snapshot::{ComputeCounters, ExtensionSnapshot, MemoryUsage, ProcessSnapshot, Snapshot, read_snapshot};
@@ -824,6 +825,31 @@ impl Region {
             .compare_exchange(pid, 0, Ordering::AcqRel, Ordering::Acquire);
     }
 
+    /// Records that `bytes` more of `slot`'s charged data on `device` are backed by host memory
+    /// ([`Extension::host_backed`]); `more` false records that many fewer (never below 0). The
+    /// slot's owner is its only writer, so no lock is taken.
+    pub fn record_host_backed(&self, slot: &Slot, device: usize, bytes: u64, more: bool) -> Result<(), RegionError> {
+        self.check_device(device)?;
+        self.owned_slot(slot)?;
+        let Some(field) = self
+            .file()
+            .ext
+            .host_backed
+            .get(slot.index)
+            .and_then(|row| row.get(device))
+        else {
+            return Ok(());
+        };
+        let _ = field.fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+            Some(if more {
+                held.saturating_add(bytes)
+            } else {
+                held.saturating_sub(bytes)
+            })
+        });
+        Ok(())
+    }
+
     /// Marks a data allocation or free of `slot`'s process under way on a region device (see
     /// [`SlotExtension::memory_in_flight`]); waits up to 2 ms while another process reads a
     /// consistent pair. Pair with [`Region::memory_call_done`].
@@ -1116,6 +1142,7 @@ impl Region {
         extension.suspend.store(0, Ordering::Relaxed);
         extension.flags.store(0, Ordering::Relaxed);
         clear_in_flight_marks(extension);
+        clear_host_backed(file, index);
     }
 
     /// Makes a free slot this process's.
@@ -1132,6 +1159,7 @@ impl Region {
                 extension.suspend.store(0, Ordering::Relaxed);
                 extension.flags.store(0, Ordering::Relaxed);
                 clear_in_flight_marks(extension);
+                clear_host_backed(file, index);
                 slot.pid.store(pid, Ordering::Relaxed);
                 // HAMi's monitor reads pid once it sees the status.
                 slot.status.store(SLOT_LIVE, Ordering::Release);
@@ -1466,6 +1494,13 @@ fn clear_device_memory(usage: &DeviceMemory) {
     .chain(&usage.unused)
     {
         field.store(0, Ordering::Relaxed);
+    }
+}
+
+/// A slot's host-backed bytes go with its charges.
+fn clear_host_backed(file: &RegionFile, index: usize) {
+    for bytes in file.ext.host_backed.get(index).into_iter().flatten() {
+        bytes.store(0, Ordering::Relaxed);
     }
 }
 

@@ -54,6 +54,9 @@ pub struct ProcessSnapshot {
     pub start_time: Option<u64>,
     /// The extension's attach generation, when the image has a valid extension.
     pub generation: Option<u64>,
+    /// Per region device index, the bytes of `memory[d].data` that host memory backs
+    /// (`CUDA_OVERSUBSCRIBE`), at most `data`; 0 without a valid extension.
+    pub host_backed: [u64; MAX_DEVICES],
 }
 
 /// The extension's header, when the image has a valid one.
@@ -307,6 +310,19 @@ pub(crate) fn decode(file: &RegionFile, extension_valid: bool, seqlock_attempts:
             sm_util: std::array::from_fn(|device| slot.device_util[device].sm_util.load(Ordering::Relaxed)),
             start_time: slot_extension.map(|ext| ext.start_time.load(Ordering::Relaxed)),
             generation: slot_extension.map(|ext| ext.generation.load(Ordering::Relaxed)),
+            host_backed: std::array::from_fn(|device| {
+                let recorded = extension_valid
+                    .then(|| {
+                        file.ext
+                            .host_backed
+                            .get(index)
+                            .map(|row| row[device].load(Ordering::Relaxed))
+                    })
+                    .flatten()
+                    .unwrap_or(0);
+                // A figure above the data it is part of is a scribble: never shown larger.
+                recorded.min(memory[device].data)
+            }),
         });
     }
     let extension = extension_valid.then(|| ExtensionSnapshot {

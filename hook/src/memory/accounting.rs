@@ -9,6 +9,7 @@ use parking_lot::Mutex;
 use vgpu_region::{ChargeError, MAX_DEVICES, MemoryKind, Region, RegionError, Slot};
 
 use super::ledger::{Charge, Ledger};
+use super::spill::Spills;
 use crate::session::{self, DeviceEntry, Session};
 use crate::sys::cuda::{CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, CUdevice, CUresult};
 
@@ -33,6 +34,8 @@ struct Own {
     /// Whether a thread retries `pending` in the background (for a process that may never make
     /// another accounting call).
     retrying: AtomicBool,
+    /// Allocations served from host memory (`CUDA_OVERSUBSCRIBE`).
+    spills: Spills,
 }
 
 /// This process's part: the one of the current fork epoch (see [`session::epoch`]).
@@ -47,6 +50,7 @@ impl Own {
             pending: Mutex::new(Pending::default()),
             has_pending: AtomicBool::new(false),
             retrying: AtomicBool::new(false),
+            spills: Spills::default(),
         }))
     }
 
@@ -214,6 +218,16 @@ impl Accounting {
 
     pub fn device(&self, ordinal: CUdevice) -> Option<&'static DeviceEntry> {
         self.session.device(ordinal)
+    }
+
+    /// This process's allocations served from host memory.
+    pub fn spills(&self) -> &'static Spills {
+        &self.own.spills
+    }
+
+    /// This process's slot in the region (none once detached).
+    pub fn slot(&self) -> Option<&'static Slot> {
+        self.session.slot()
     }
 
     /// The device of this UUID (as NVML writes it).

@@ -11,7 +11,8 @@ use super::ledger::{Charge, Family};
 use super::location::device_of;
 use super::pool_sync::{charge_or_refuse, sync_pool};
 use super::sizes::{ArrayDescriptor, mipmapped_bytes};
-use super::units::{DriverInt, read};
+use super::spill;
+use super::units::{DriverInt, read, write};
 use crate::hooks::real;
 use crate::session::current_ordinal;
 use crate::sys::cuda::*;
@@ -21,10 +22,37 @@ pub fn alloc<P: DriverInt, S: DriverInt>(call: impl FnOnce() -> CUresult, dptr: 
     if dptr.is_null() || bytesize.to_u64() == 0 {
         return call();
     }
-    // SAFETY: the driver wrote the pointer on success.
-    charged(None, MemoryKind::Data, bytesize.to_u64(), call, Family::Pointer, || {
+    let bytes = bytesize.to_u64();
+    let call = || or_spilled(call(), dptr, bytes);
+    // SAFETY: the driver (or the spill) wrote the pointer on success.
+    charged(None, MemoryKind::Data, bytes, call, Family::Pointer, || {
         unsafe { read(dptr) }.map(P::to_u64)
     })
+}
+
+/// The driver's answer to an allocation the limit allowed, or, when it was out of memory and
+/// elastic memory is on, a pointer to host-backed memory written through `dptr` ([`spill`]).
+#[inline]
+fn or_spilled<P: DriverInt>(status: CUresult, dptr: *mut P, bytes: u64) -> CUresult {
+    if status != CUDA_ERROR_OUT_OF_MEMORY || !P::WIDE {
+        return status;
+    }
+    spilled_into(status, dptr, bytes)
+}
+
+#[cold]
+fn spilled_into<P: DriverInt>(status: CUresult, dptr: *mut P, bytes: u64) -> CUresult {
+    let (Some(accounting), Some(ordinal)) = (accounting(), current_ordinal()) else {
+        return status;
+    };
+    match spill::serve(accounting, status, ordinal, bytes) {
+        Some(pointer) => {
+            // SAFETY: the application's out-pointer, checked non-null by the caller; P is 64-bit.
+            unsafe { write(dptr, P::saturating_from(pointer)) };
+            CUDA_SUCCESS
+        }
+        None => status,
+    }
 }
 
 /// `cuMemAllocPitch` and `_v2`: reserves the width rounded to the pitch alignment times the
@@ -57,6 +85,20 @@ pub fn alloc_pitch<P: DriverInt, S: DriverInt>(
         Err(status) => return status,
     };
     let result = call();
+    if result == CUDA_ERROR_OUT_OF_MEMORY
+        && let Some(pointer) = spill::serve(accounting, result, ordinal, estimate)
+    {
+        // The spill's pitch: the width rounded up to the alignment, as the estimate has it.
+        // SAFETY: the application's out-pointers, checked non-null above.
+        unsafe {
+            write(dptr, P::saturating_from(pointer));
+            write(pitch, S::saturating_from(estimate / height));
+        }
+        accounting
+            .ledger()
+            .insert_all(Family::Pointer, pointer, vec![charge], current_context());
+        return CUDA_SUCCESS;
+    }
     if result != CUDA_SUCCESS {
         accounting.release(charge);
         return result;
@@ -109,6 +151,13 @@ pub fn alloc_managed(call: impl FnOnce() -> CUresult, dptr: *mut CUdeviceptr, by
 /// Frees a pointer: from a pool (the pool's charge follows its reserved memory) or charged itself.
 pub(super) fn free_pointer(call: impl FnOnce() -> CUresult, pointer: u64) -> CUresult {
     let Some(accounting) = accounting() else { return call() };
+    if accounting.spills().holds(pointer) {
+        let result = released(Family::Pointer, pointer, call);
+        if result == CUDA_SUCCESS {
+            spill::forget(accounting, pointer);
+        }
+        return result;
+    }
     let Some(pool) = accounting.ledger().take_pool_of(pointer) else {
         return released(Family::Pointer, pointer, call);
     };

@@ -9,6 +9,7 @@
 
 use crate::sys::cuda::{
     CU_MEM_LOCATION_TYPE_DEVICE, CU_MEM_LOCATION_TYPE_DEVICE_LOCALITY_DOMAIN, CUdevice, CUmemLocation,
+    CUmemLocationType,
 };
 
 /// The device whose memory `location` names; `None` for host memory and anything else.
@@ -21,19 +22,25 @@ pub fn device_of(location: &CUmemLocation) -> Option<CUdevice> {
     }
 }
 
+/// A location of this type and `id` (a device ordinal, or 0 for the host), as a C caller fills it:
+/// the type, then the union's four bytes.
+pub fn located(type_: CUmemLocationType, id: i32) -> CUmemLocation {
+    const _: () = assert!(size_of::<CUmemLocation>() == 8, "type and a four-byte union");
+    let mut bytes = [0u8; 8];
+    bytes[..4].copy_from_slice(&type_.to_ne_bytes());
+    bytes[4..].copy_from_slice(&id.to_ne_bytes());
+    // SAFETY: CUmemLocation is plain C data of these 8 bytes (checked above); any bits are a value.
+    unsafe { std::mem::transmute::<[u8; 8], CUmemLocation>(bytes) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::sys::cuda::CU_MEM_LOCATION_TYPE_HOST;
 
-    /// A location as a C caller fills it: the type, then the union's four bytes.
+    /// A location whose union holds these bytes.
     fn location(type_: u32, union_bytes: [u8; 4]) -> CUmemLocation {
-        assert_eq!(size_of::<CUmemLocation>(), 8, "type and a four-byte union");
-        let mut bytes = [0u8; 8];
-        bytes[..4].copy_from_slice(&type_.to_ne_bytes());
-        bytes[4..].copy_from_slice(&union_bytes);
-        // SAFETY: CUmemLocation is plain C data of these 8 bytes; any bits are a value.
-        unsafe { std::mem::transmute::<[u8; 8], CUmemLocation>(bytes) }
+        located(type_, i32::from_ne_bytes(union_bytes))
     }
 
     #[test]
@@ -48,5 +55,6 @@ mod tests {
             Some(2)
         );
         assert_eq!(device_of(&location(CU_MEM_LOCATION_TYPE_HOST, [0; 4])), None);
+        assert_eq!(device_of(&located(CU_MEM_LOCATION_TYPE_DEVICE, 5)), Some(5));
     }
 }

@@ -15,6 +15,7 @@ mod pool_sync;
 mod pools;
 mod queries;
 mod sizes;
+mod spill;
 mod units;
 
 pub use accounting::{Accounting, accounting, limit_configured, no_pools};
@@ -25,3 +26,4 @@ pub use ledger::Charge;
 pub use pool_sync::charge_or_refuse;
 pub use pools::*;
 pub use queries::*;
+pub use spill::enabled as elastic;

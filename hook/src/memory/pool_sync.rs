@@ -21,6 +21,7 @@ pub fn charge_or_refuse(
     kind: MemoryKind,
     bytes: u64,
 ) -> Result<Option<Charge>, CUresult> {
+    super::spill::collect(accounting);
     if accounting.ledger().has_pools() && accounting.ledger().has_graph_memory(ordinal) {
         sync_graph_pool(accounting, ordinal);
     }

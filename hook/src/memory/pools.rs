@@ -4,11 +4,13 @@
 use vgpu_region::MemoryKind;
 
 use super::accounting::{accounting, unaccounted};
+use super::charge::current_context;
 use super::data::{alloc, free_pointer};
 use super::graphs::captured_alloc;
 use super::ledger::Family;
 use super::pool_sync::{POOL_GROWTH_GRANULARITY, charge_or_refuse, device_pool, pool_attribute, sync_pool, sync_pools};
-use super::units::read;
+use super::spill;
+use super::units::{read, write};
 use crate::capture::{capture_graph, capture_key, in_relaxed_capture_mode};
 use crate::session::current_ordinal;
 use crate::sys::cuda::*;
@@ -70,6 +72,9 @@ fn pooled_alloc(
     if let Some(charge) = provisional {
         accounting.release(charge);
     }
+    if result == CUDA_ERROR_OUT_OF_MEMORY && spill::enabled() {
+        return spilled_from_pool(accounting, result, ordinal, dptr, size as u64);
+    }
     if result == CUDA_SUCCESS {
         // SAFETY: the driver wrote the pointer on success.
         if let Some(pointer) = unsafe { read(dptr) } {
@@ -80,16 +85,47 @@ fn pooled_alloc(
     result
 }
 
+/// A stream-ordered allocation the pool could not back: host-backed memory charged as a pointer
+/// of its own (not the pool's), freed when its stream reaches the free ([`spill`]).
+#[cold]
+fn spilled_from_pool(
+    accounting: super::accounting::Accounting,
+    status: CUresult,
+    ordinal: CUdevice,
+    dptr: *mut CUdeviceptr,
+    bytes: u64,
+) -> CUresult {
+    let charge = match charge_or_refuse(accounting, ordinal, MemoryKind::Data, bytes) {
+        Ok(charge) => charge,
+        Err(refused) => return refused,
+    };
+    let Some(pointer) = spill::serve(accounting, status, ordinal, bytes) else {
+        if let Some(charge) = charge {
+            accounting.release(charge);
+        }
+        return status;
+    };
+    // SAFETY: the application's out-pointer, checked non-null by the caller.
+    unsafe { write(dptr, pointer) };
+    if let Some(charge) = charge {
+        accounting
+            .ledger()
+            .insert_owned(Family::Pointer, pointer, charge, current_context());
+    }
+    CUDA_SUCCESS
+}
+
 /// `cuStreamSynchronize`, `cuCtxSynchronize`, `cuEventSynchronize`: pools return freed memory
 /// here, and launched graphs have taken theirs, so their charges are brought up to date
 /// (processes without pools or graph memory take the table's fast path, `no_pools`, and never get
 /// here; the check stays for a pool made meanwhile).
 pub fn synchronized(call: impl FnOnce() -> CUresult) -> CUresult {
     let result = call();
-    if let Some(accounting) = accounting()
-        && accounting.ledger().has_pools()
-    {
-        sync_pools(accounting);
+    if let Some(accounting) = accounting() {
+        spill::collect(accounting);
+        if accounting.ledger().has_pools() {
+            sync_pools(accounting);
+        }
     }
     result
 }
@@ -118,8 +154,23 @@ pub fn alloc_from_pool_async(
     pooled_alloc(call, dptr, bytesize, Some(pool), h_stream, per_thread)
 }
 
-/// `cuMemFreeAsync` and `_ptsz`.
-pub fn free_async(call: impl FnOnce() -> CUresult, dptr: CUdeviceptr) -> CUresult {
+/// `cuMemFreeAsync` and `_ptsz`: a spilled pointer is freed once its stream reaches the free.
+pub fn free_async(
+    call: impl FnOnce() -> CUresult,
+    dptr: CUdeviceptr,
+    h_stream: CUstream,
+    per_thread: bool,
+) -> CUresult {
+    if let Some(accounting) = accounting()
+        && accounting.spills().holds(dptr)
+    {
+        let stream = if h_stream.is_null() && per_thread {
+            crate::capture::STREAM_PER_THREAD as CUstream
+        } else {
+            h_stream
+        };
+        return spill::free_when_reached(accounting, dptr, stream);
+    }
     free_pointer(call, dptr)
 }
 

@@ -6,6 +6,8 @@ pub trait DriverInt: Copy {
     fn to_u64(self) -> u64;
     /// The value, saturated to this type's range (a 32-bit report of a 64-bit size).
     fn saturating_from(value: u64) -> Self;
+    /// Whether every 64-bit device pointer fits (not the legacy 32-bit `CUdeviceptr_v1`).
+    const WIDE: bool = size_of::<Self>() == 8;
 }
 
 impl DriverInt for u32 {

@@ -55,6 +55,7 @@ mod engine;
 mod external;
 mod ffi;
 mod graph;
+mod managed;
 mod memory;
 mod module;
 mod nvml_api;

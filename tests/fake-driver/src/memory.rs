@@ -3,8 +3,8 @@
 //! Device memory is never backed by host memory: a device pointer is an address from a
 //! per-device window (`0x7f00_0000_0000 + (device << 40)`, 1 TiB, 512-byte aligned, first fit
 //! with wrap-around so freed ranges are reused), and only the bytes are charged to the truth.
-//! Charges: `cuMemAlloc_v2`/`cuMemAllocManaged` the requested size, `cuMemAllocPitch_v2`
-//! pitch × height with the pitch the width rounded up to 512.
+//! Charges: `cuMemAlloc_v2` the requested size, `cuMemAllocPitch_v2` pitch × height with the
+//! pitch the width rounded up to 512; managed memory is charged where it lives (`managed.rs`).
 
 use std::collections::BTreeMap;
 use std::ffi::{c_uint, c_void};
@@ -126,6 +126,7 @@ impl State {
             Some(pool) => self.pool_give_back(pool, alloc.size),
             None => self.uncharge(alloc.phys, alloc.charge),
         }
+        self.forget_managed(ptr, alloc.size);
         Some(alloc)
     }
 
@@ -216,20 +217,6 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
             put(dptr, ptr)?;
             put(pPitch, pitch as usize)
         }
-    })
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn cuMemAllocManaged(dptr: *mut CUdeviceptr, bytesize: usize, flags: c_uint) -> CUresult {
-    cu(|| {
-        if dptr.is_null() || !(flags == CU_MEM_ATTACH_GLOBAL || flags == CU_MEM_ATTACH_HOST) {
-            return Err(CUDA_ERROR_INVALID_VALUE);
-        }
-        let mut state = initialised()?;
-        let current = state.current()?;
-        let ptr = state.alloc_plain(current, bytesize as u64, bytesize as u64)?;
-        // SAFETY: out-pointer from the caller, checked non-null.
-        unsafe { put(dptr, ptr) }
     })
 }
 

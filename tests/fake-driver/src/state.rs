@@ -95,6 +95,8 @@ pub struct State {
     pub contexts: HashMap<usize, Context>,
     pub primary: Vec<Primary>,
     pub allocs: BTreeMap<u64, Alloc>,
+    /// Where each managed allocation (by base address) lives.
+    pub managed: HashMap<u64, crate::managed::Residence>,
     pub va: Vec<VaSpace>,
     pub reserved_va: VaSpace,
     pub pools: HashMap<usize, Pool>,
@@ -265,6 +267,7 @@ impl State {
             contexts: HashMap::new(),
             primary: Vec::new(),
             allocs: BTreeMap::new(),
+            managed: HashMap::new(),
             va,
             reserved_va: VaSpace::new(0x6000_0000_0000, 0x6000_0000_0000 + (1 << 44)),
             pools: HashMap::new(),

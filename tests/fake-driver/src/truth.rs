@@ -19,7 +19,7 @@
 //! | --- | --- |
 //! | header, 16 words | magic, version, max devices, max processes, file size, initialiser pid, lock owner pid, journal (valid, device, slot, device used, slot used), 4 reserved |
 //! | 16 device records of 24 words | capacity, used, peak, busy ns, reservations, refusals, 2 reserved, 16 utilisation buckets |
-//! | 256 process slots of 40 words | pid (0 = free), start time, 2 reserved, used bytes per device (16), busy ns per device (16), 4 reserved |
+//! | 256 process slots of 40 words | pid (0 = free), start time, host-resident managed bytes, 1 reserved, used bytes per device (16), busy ns per device (16), 4 reserved |
 //!
 //! Rules:
 //! - **Initialisation**: the first opener creates the file (`O_CREAT`), grows it to [`FILE_SIZE`]
@@ -91,6 +91,8 @@ pub const DEVICE_WORDS: usize = D_BUCKETS + BUCKETS;
 // Process slot words.
 pub const P_PID: usize = 0;
 pub const P_START: usize = 1;
+/// Bytes of the process's managed memory that live in host memory (not in any device's `used`).
+pub const P_HOST: usize = 2;
 pub const P_USED: usize = 4;
 pub const P_BUSY_NS: usize = P_USED + MAX_DEVICES;
 pub const PROCESS_WORDS: usize = 40;
@@ -132,6 +134,8 @@ pub struct ProcessRecord {
     pub pid: u32,
     pub used: [u64; MAX_DEVICES],
     pub busy_ns: [u64; MAX_DEVICES],
+    /// Managed memory of the process that lives in host memory.
+    pub host: u64,
 }
 
 impl Truth {
@@ -308,6 +312,7 @@ impl Truth {
                 pid: pid as u32,
                 used: [0; MAX_DEVICES],
                 busy_ns: [0; MAX_DEVICES],
+                host: self.slot_word(slot, P_HOST).load(SEQ),
             };
             for device in 0..MAX_DEVICES {
                 record.used[device] = self.slot_word(slot, P_USED + device).load(SEQ);
@@ -336,6 +341,26 @@ impl Truth {
             }
         }
         None
+    }
+
+    /// Adds (`more`) or takes away `bytes` of `slot`'s host-resident managed memory; a lock-free
+    /// counter of the slot's own (the host has no capacity to check).
+    pub fn record_host(&self, slot: usize, bytes: u64, more: bool) {
+        if slot >= MAX_PROCESSES {
+            return;
+        }
+        let _ = self.slot_word(slot, P_HOST).fetch_update(SEQ, SEQ, |held| {
+            Some(if more {
+                held.saturating_add(bytes)
+            } else {
+                held.saturating_sub(bytes)
+            })
+        });
+    }
+
+    /// Host-resident managed memory of every live process.
+    pub fn host_resident(&self) -> u64 {
+        self.processes().iter().map(|process| process.host).sum()
     }
 
     /// Charges `bytes` of `device` to `slot` if they fit; false (and nothing charged) otherwise.

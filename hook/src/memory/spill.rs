@@ -1,0 +1,386 @@
+//! Elastic memory (`CUDA_OVERSUBSCRIBE=true`): an allocation that the container's limit allows but
+//! the device cannot back (the driver answers out of memory: other containers hold the rest) is
+//! served from unified memory that lives in host memory and that the device reaches in place,
+//! instead of failing the job.
+//!
+//! - **Device memory first.** Only an allocation the driver refused for lack of memory spills; the
+//!   charge against the limit was made before the driver was asked, so a spilled allocation is
+//!   charged like any other, and nothing spills past the limit.
+//! - **Host-resident, device-mapped.** The memory prefers the host and the device is given access
+//!   to it (`SET_PREFERRED_LOCATION` host, `SET_ACCESSED_BY` the device): kernels read it over
+//!   the bus instead of migrating pages back and forth, which is what makes naive unified memory
+//!   crawl once a pass touches more than the device has free.
+//! - **Seen.** The bytes are recorded as host-backed in the process's slot (the region's
+//!   `host_backed` table), which the monitor shows.
+//! - **Moves back.** When the device has room again, a spilled allocation is moved onto it
+//!   (preferred location the device, prefetched on a stream of the library's own) and is device
+//!   memory from then on; the oldest spill goes first (allocated first, it is likely the longest
+//!   lived: weights and optimiser state rather than scratch).
+//! - **Stream-ordered frees.** `cuMemFreeAsync` of a spilled pointer is not the pool's to free:
+//!   an event is recorded on the stream and the memory freed once the stream has passed it.
+//!
+//! Where unified memory cannot stand in, the driver's refusal stands: VMM (`cuMemCreate`), arrays,
+//! allocations recorded into a stream capture, and the legacy 32-bit `cuMemAlloc`.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use parking_lot::Mutex;
+
+use super::accounting::Accounting;
+use super::ledger::Family;
+use super::location::located;
+use crate::hooks::real;
+use crate::session;
+use crate::sys::cuda::*;
+
+/// Free device memory a move back leaves beside what it moves: the driver, other processes and
+/// the application's next allocations need room too.
+const HEADROOM_PER_MILLE: u64 = 50;
+
+/// How often the device's free memory is looked at for a move back, at most.
+const MOVE_BACK_PERIOD_NS: u64 = 500_000_000;
+
+/// One allocation served from host memory.
+#[derive(Clone, Copy, Debug)]
+struct Spill {
+    bytes: u64,
+    ordinal: CUdevice,
+    region_index: usize,
+    /// Still in host memory (false once moved back to the device).
+    on_host: bool,
+}
+
+/// A stream-ordered free of a spilled pointer, waiting for its stream.
+struct DeferredFree {
+    event: usize,
+    pointer: u64,
+}
+
+/// This process's spilled allocations (part of its accounting: a forked child starts without).
+#[derive(Default)]
+pub struct Spills {
+    /// By device pointer, in allocation order (pointers of one device grow).
+    live: Mutex<BTreeMap<u64, Spill>>,
+    deferred: Mutex<Vec<DeferredFree>>,
+    /// Whether `live` or `deferred` holds anything: the free path's one load.
+    any: AtomicBool,
+    /// When the device's free memory was last looked at for a move back.
+    move_back_checked_ns: AtomicU64,
+}
+
+impl Spills {
+    fn note_any(&self) {
+        let any = !self.live.lock().is_empty() || !self.deferred.lock().is_empty();
+        self.any.store(any, Ordering::Release);
+    }
+
+    /// Whether `pointer` was served from host memory by this library.
+    pub fn holds(&self, pointer: u64) -> bool {
+        self.any.load(Ordering::Acquire) && self.live.lock().contains_key(&pointer)
+    }
+}
+
+/// Whether the container asked for elastic memory.
+pub fn enabled() -> bool {
+    session::config().is_ok_and(|config| config.oversubscribe)
+}
+
+/// After the driver answered `status` to an allocation of `bytes` on `ordinal` that the limit
+/// allowed: when that is out of memory and elastic memory is on, unified memory in host memory,
+/// mapped for the device, recorded as spilled. `None` leaves the driver's answer.
+pub(super) fn serve(accounting: Accounting, status: CUresult, ordinal: CUdevice, bytes: u64) -> Option<u64> {
+    if status != CUDA_ERROR_OUT_OF_MEMORY || bytes == 0 || !enabled() {
+        return None;
+    }
+    let device = accounting.device(ordinal)?;
+    let alloc_managed = real::cuMemAllocManaged()?;
+    let mut pointer: CUdeviceptr = 0;
+    // SAFETY: a valid out-pointer to a local; the size is the application's.
+    let status = unsafe { alloc_managed(&mut pointer, usize::try_from(bytes).ok()?, CU_MEM_ATTACH_GLOBAL) };
+    if status != CUDA_SUCCESS || pointer == 0 {
+        tracing::warn!(
+            "device {ordinal} could not back {bytes} bytes and unified memory could not either (status {status}): \
+             the allocation fails"
+        );
+        return None;
+    }
+    advise(pointer, bytes, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, host());
+    advise(pointer, bytes, CU_MEM_ADVISE_SET_ACCESSED_BY, on_device(ordinal));
+    let spills = accounting.spills();
+    spills.live.lock().insert(
+        pointer,
+        Spill {
+            bytes,
+            ordinal,
+            region_index: device.region_index,
+            on_host: true,
+        },
+    );
+    spills.any.store(true, Ordering::Release);
+    record_host_backed(accounting, device.region_index, bytes, true);
+    static SAID: AtomicBool = AtomicBool::new(false);
+    if !SAID.swap(true, Ordering::Relaxed) {
+        tracing::warn!(
+            "device {ordinal} has no room for {bytes} bytes within the container's limit: served from host memory \
+             the GPU reads in place (CUDA_OVERSUBSCRIBE), slower; `vgpu-smi` shows the host-backed bytes"
+        );
+    } else {
+        tracing::debug!("device {ordinal}: {bytes} bytes served from host memory");
+    }
+    Some(pointer)
+}
+
+/// Before a spilled pointer is freed with `cuMemFree`: forgets it, and its host-backed bytes.
+/// False when the pointer is not a spill.
+pub(super) fn forget(accounting: Accounting, pointer: u64) -> bool {
+    let spills = accounting.spills();
+    if !spills.any.load(Ordering::Acquire) {
+        return false;
+    }
+    let Some(spill) = spills.live.lock().remove(&pointer) else {
+        return false;
+    };
+    if spill.on_host {
+        record_host_backed(accounting, spill.region_index, spill.bytes, false);
+    }
+    spills.note_any();
+    true
+}
+
+/// `cuMemFreeAsync` of a spilled pointer: freed once `stream` reaches this point. The stream's
+/// event is recorded now; the free itself happens at a later memory call (or at once when no
+/// event can be recorded, after the stream is synchronised).
+pub(super) fn free_when_reached(accounting: Accounting, pointer: u64, stream: CUstream) -> CUresult {
+    match record_event(stream) {
+        Some(event) => {
+            let spills = accounting.spills();
+            spills.deferred.lock().push(DeferredFree { event, pointer });
+            spills.any.store(true, Ordering::Release);
+            collect(accounting);
+            CUDA_SUCCESS
+        }
+        None => {
+            if let Some(synchronize) = real::cuStreamSynchronize() {
+                // SAFETY: the application's stream, as it passed it.
+                let _ = unsafe { synchronize(stream) };
+            }
+            free_now(accounting, pointer)
+        }
+    }
+}
+
+/// Frees the deferred pointers whose streams have passed their free, and moves spilled memory
+/// back to the device when it has room (at most every [`MOVE_BACK_PERIOD_NS`]). Called from the
+/// memory calls.
+pub(super) fn collect(accounting: Accounting) {
+    let spills = accounting.spills();
+    if !spills.any.load(Ordering::Acquire) {
+        return;
+    }
+    let reached: Vec<DeferredFree> = {
+        let mut deferred = spills.deferred.lock();
+        let (reached, waiting) = std::mem::take(&mut *deferred)
+            .into_iter()
+            .partition(|free| event_reached(free.event));
+        *deferred = waiting;
+        reached
+    };
+    for free in reached {
+        destroy_event(free.event);
+        let _ = free_now(accounting, free.pointer);
+    }
+    spills.note_any();
+    let now = vgpu_region::monotonic_ns();
+    let checked = spills.move_back_checked_ns.load(Ordering::Relaxed);
+    if now.saturating_sub(checked) >= MOVE_BACK_PERIOD_NS
+        && spills
+            .move_back_checked_ns
+            .compare_exchange(checked, now, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+    {
+        move_back(accounting);
+    }
+}
+
+/// Frees a spilled pointer with the driver and releases its charge.
+fn free_now(accounting: Accounting, pointer: u64) -> CUresult {
+    let Some(free) = real::cuMemFree_v2() else {
+        return CUDA_ERROR_NOT_INITIALIZED;
+    };
+    forget(accounting, pointer);
+    let Some((charges, owner)) = accounting.ledger().take_charges(Family::Pointer, pointer) else {
+        // SAFETY: the pointer came from cuMemAllocManaged here.
+        return unsafe { free(pointer) };
+    };
+    // SAFETY: as above.
+    let status = unsafe { free(pointer) };
+    if status == CUDA_SUCCESS {
+        charges.iter().for_each(|charge| accounting.release(*charge));
+    } else {
+        accounting.ledger().put_back(Family::Pointer, pointer, charges, owner);
+    }
+    status
+}
+
+/// Moves the oldest spills of the current device that fit back onto it (the driver's free memory
+/// is the current context's device's).
+fn move_back(accounting: Accounting) {
+    let Some(current) = session::current_ordinal() else {
+        return;
+    };
+    let spills = accounting.spills();
+    let on_host: Vec<(u64, Spill)> = spills
+        .live
+        .lock()
+        .iter()
+        .filter(|(_, spill)| spill.on_host && spill.ordinal == current)
+        .map(|(pointer, spill)| (*pointer, *spill))
+        .collect();
+    let mut free_now_by_device: BTreeMap<CUdevice, u64> = BTreeMap::new();
+    for (pointer, spill) in on_host {
+        let free = match free_now_by_device.get(&spill.ordinal) {
+            Some(free) => *free,
+            None => {
+                let Some(free) = device_room(spill.ordinal) else {
+                    continue;
+                };
+                free
+            }
+        };
+        if free < spill.bytes {
+            free_now_by_device.insert(spill.ordinal, free);
+            continue;
+        }
+        let device = on_device(spill.ordinal);
+        advise(pointer, spill.bytes, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, device);
+        if !prefetch(pointer, spill.bytes, device) {
+            advise(pointer, spill.bytes, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, host());
+            free_now_by_device.insert(spill.ordinal, free);
+            continue;
+        }
+        free_now_by_device.insert(spill.ordinal, free - spill.bytes);
+        if let Some(live) = spills.live.lock().get_mut(&pointer) {
+            live.on_host = false;
+        }
+        record_host_backed(accounting, spill.region_index, spill.bytes, false);
+        tracing::info!(
+            "device {}: {} bytes moved back from host memory to the device",
+            spill.ordinal,
+            spill.bytes
+        );
+    }
+}
+
+/// Free device memory on `ordinal` beyond the headroom, as the driver sees it.
+fn device_room(ordinal: CUdevice) -> Option<u64> {
+    let get_info = real::cuMemGetInfo_v2()?;
+    let total_mem = real::cuDeviceTotalMem_v2()?;
+    let (mut free, mut total) = (0usize, 0usize);
+    // SAFETY: valid out-pointers to locals; the current context is the spill's (its process's).
+    let status = unsafe { get_info(&mut free, &mut 0usize) };
+    // SAFETY: as above.
+    let total_status = unsafe { total_mem(&mut total, ordinal) };
+    if status != CUDA_SUCCESS || total_status != CUDA_SUCCESS {
+        return None;
+    }
+    let headroom = (total as u64) / 1000 * HEADROOM_PER_MILLE;
+    Some((free as u64).saturating_sub(headroom))
+}
+
+fn record_host_backed(accounting: Accounting, region_index: usize, bytes: u64, more: bool) {
+    if let Some(slot) = accounting.slot()
+        && let Err(error) = accounting.region().record_host_backed(slot, region_index, bytes, more)
+    {
+        tracing::warn!("{error}; host-backed bytes not recorded");
+    }
+}
+
+fn host() -> CUmemLocation {
+    located(CU_MEM_LOCATION_TYPE_HOST, 0)
+}
+
+fn on_device(ordinal: CUdevice) -> CUmemLocation {
+    located(CU_MEM_LOCATION_TYPE_DEVICE, ordinal)
+}
+
+/// Advice on a spilled range; a driver that refuses it leaves the memory working, only slower.
+fn advise(pointer: u64, bytes: u64, advice: CUmem_advise, location: CUmemLocation) {
+    let Some(advise) = real::cuMemAdvise_v2() else { return };
+    // SAFETY: a managed range this library allocated; the location is plain data.
+    let status = unsafe { advise(pointer, bytes as usize, advice, location) };
+    if status != CUDA_SUCCESS {
+        tracing::debug!("cuMemAdvise({advice}) on a spilled range: status {status}");
+    }
+}
+
+/// Prefetches a spilled range to `location` on the library's own stream and waits for it.
+fn prefetch(pointer: u64, bytes: u64, location: CUmemLocation) -> bool {
+    let (Some(prefetch), Some(synchronize)) = (real::cuMemPrefetchAsync_v2(), real::cuStreamSynchronize()) else {
+        return false;
+    };
+    let stream = own_stream();
+    // SAFETY: a managed range this library allocated, on a stream it made (or the legacy one).
+    let status = unsafe { prefetch(pointer, bytes as usize, location, 0, stream) };
+    // SAFETY: as above.
+    status == CUDA_SUCCESS && (unsafe { synchronize(stream) }) == CUDA_SUCCESS
+}
+
+/// A non-blocking stream of the library's own for moves, made on first use (null: the legacy
+/// stream, when none can be made).
+fn own_stream() -> CUstream {
+    static STREAM: AtomicU64 = AtomicU64::new(0);
+    let known = STREAM.load(Ordering::Acquire);
+    if known != 0 {
+        return known as CUstream;
+    }
+    let Some(create) = real::cuStreamCreate() else {
+        return std::ptr::null_mut();
+    };
+    let mut stream: CUstream = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer to a local.
+    if unsafe { create(&mut stream, CU_STREAM_NON_BLOCKING) } != CUDA_SUCCESS {
+        return std::ptr::null_mut();
+    }
+    match STREAM.compare_exchange(0, stream as u64, Ordering::AcqRel, Ordering::Acquire) {
+        Ok(_) => stream,
+        Err(other) => {
+            if let Some(destroy) = real::cuStreamDestroy_v2() {
+                // SAFETY: the stream made just above, used by nobody.
+                let _ = unsafe { destroy(stream) };
+            }
+            other as CUstream
+        }
+    }
+}
+
+/// An event recorded on `stream` (as a number, so the list can be shared between threads).
+fn record_event(stream: CUstream) -> Option<usize> {
+    let (create, record) = (real::cuEventCreate()?, real::cuEventRecord()?);
+    let mut event: CUevent = std::ptr::null_mut();
+    // SAFETY: a valid out-pointer to a local.
+    if unsafe { create(&mut event, CU_EVENT_DISABLE_TIMING) } != CUDA_SUCCESS || event.is_null() {
+        return None;
+    }
+    // SAFETY: the event made above, on the application's stream as it passed it.
+    if unsafe { record(event, stream) } != CUDA_SUCCESS {
+        destroy_event(event as usize);
+        return None;
+    }
+    Some(event as usize)
+}
+
+/// Whether the stream has passed the event (an error counts as passed: the work is over).
+fn event_reached(event: usize) -> bool {
+    let Some(query) = real::cuEventQuery() else { return true };
+    // SAFETY: an event this library made and has not destroyed.
+    let status = unsafe { query(event as CUevent) };
+    status != CUDA_ERROR_NOT_READY
+}
+
+fn destroy_event(event: usize) {
+    if let Some(destroy) = real::cuEventDestroy_v2() {
+        // SAFETY: an event this library made, destroyed once.
+        let _ = unsafe { destroy(event as CUevent) };
+    }
+}

@@ -1,0 +1,300 @@
+//! Elastic memory (`CUDA_OVERSUBSCRIBE=true`) against the fake driver: the device's physical memory
+//! runs out before the container's limit because another process (no library: another container)
+//! holds most of it. Within the limit, an allocation the device cannot back is served from host
+//! memory, charged like any other, shown as host-backed in the region and by `vgpu-smi`, released
+//! by frees (plain and stream-ordered) and by the process's exit, and moved back to the device
+//! when it has room again; without the variable the device's refusal stands, and over the limit
+//! nothing spills.
+//!
+//! The fake keeps managed memory on the device when it fits and in host memory otherwise, and
+//! counts each process's host-resident bytes in its truth (`tests/fake-driver/src/managed.rs`).
+
+use std::path::PathBuf;
+use std::process::Output;
+use std::time::Duration;
+
+use vgpu_integration::{Run, ScratchDir, Session, command, compiled_program, profile_dir};
+use vgpu_region::{SLOT_LIVE, Snapshot, read_snapshot};
+use vgpu_test_spawn::output_started;
+
+const MIB: u64 = 1 << 20;
+/// What each context takes on the fake.
+const CONTEXT: u64 = 48 * MIB;
+/// The fake device's memory.
+const DEVICE: u64 = 1024 * MIB;
+/// Left free by the other container: the container's context and [`ON_DEVICE`] fit, not more.
+const LEFT_FREE: u64 = 252 * MIB;
+/// What the container allocates first, on the device.
+const ON_DEVICE: u64 = 150 * MIB;
+/// What it allocates next: within its limit, beyond what the device has left.
+const SPILLED: u64 = 200 * MIB;
+const LIMIT: &str = "600m";
+
+const CUDA_SUCCESS: i32 = 0;
+const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
+
+fn setup(run: Run, dir: &ScratchDir) -> Run {
+    run.env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.region())
+        .env("FAKE_CUDA_TRUTH", dir.truth_path())
+        .env("FAKE_CUDA_CONTEXT_BYTES", CONTEXT.to_string())
+        .env("FAKE_CUDA_MEMORY", DEVICE.to_string())
+}
+
+/// A process without the library holding all of device 0 but [`LEFT_FREE`] (with its context).
+fn other_container(dir: &ScratchDir) -> Session {
+    let mut other = setup(Run::new(&compiled_program("mem_ops")), dir).spawn(Duration::from_secs(60));
+    assert_eq!(other.ask("init"), "init 0");
+    assert_eq!(other.ask("ctx 0"), "ctx 0");
+    let held = DEVICE - LEFT_FREE - CONTEXT;
+    assert_eq!(status(&other.ask(&format!("alloc {held}"))), CUDA_SUCCESS);
+    other
+}
+
+/// A process of the container, limited to [`LIMIT`], with `CUDA_OVERSUBSCRIBE` as given.
+fn container(dir: &ScratchDir, oversubscribe: Option<&str>) -> Session {
+    let mut run = setup(Run::new(&compiled_program("mem_ops")).hooked(), dir).env("CUDA_DEVICE_MEMORY_LIMIT", LIMIT);
+    run = match oversubscribe {
+        Some(value) => run.env("CUDA_OVERSUBSCRIBE", value),
+        None => run.env_remove("CUDA_OVERSUBSCRIBE"),
+    };
+    let mut session = run.spawn(Duration::from_secs(60));
+    assert_eq!(session.ask("init"), "init 0");
+    assert_eq!(session.ask("ctx 0"), "ctx 0");
+    session
+}
+
+fn status(answer: &str) -> i32 {
+    answer
+        .split_whitespace()
+        .nth(1)
+        .and_then(|field| field.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {answer:?}"))
+}
+
+fn pointer(answer: &str) -> u64 {
+    answer
+        .split_whitespace()
+        .nth(2)
+        .and_then(|field| field.parse().ok())
+        .unwrap_or_else(|| panic!("no pointer in {answer:?}"))
+}
+
+fn snapshot(dir: &ScratchDir) -> Snapshot {
+    let bytes = std::fs::read(dir.region()).expect("read the region");
+    read_snapshot(&bytes).expect("decode the region")
+}
+
+/// (data bytes, host-backed bytes) of `pid`'s live slot on region device 0.
+fn held(dir: &ScratchDir, pid: u32) -> (u64, u64) {
+    snapshot(dir)
+        .processes
+        .iter()
+        .find(|process| process.pid == pid as i32 && process.status == SLOT_LIVE)
+        .map_or((0, 0), |process| (process.memory[0].data, process.host_backed[0]))
+}
+
+/// The container's first two allocations: one on the device, one beyond it.
+fn fill_and_spill(session: &mut Session) -> (i32, u64) {
+    assert_eq!(status(&session.ask(&format!("alloc {ON_DEVICE}"))), CUDA_SUCCESS);
+    let answer = session.ask(&format!("alloc {SPILLED}"));
+    (status(&answer), pointer(&answer))
+}
+
+#[test]
+fn within_the_limit_the_device_cannot_back_an_allocation_host_memory_does() {
+    let dir = ScratchDir::new("elastic-spill");
+    let truth = dir.truth();
+    let _other = other_container(&dir);
+    let mut process = container(&dir, Some("true"));
+    let used_before = truth.device(0).used();
+    let (spill_status, spilled) = fill_and_spill(&mut process);
+    assert_eq!(spill_status, CUDA_SUCCESS, "an allocation within the limit failed");
+    assert_ne!(spilled, 0);
+    assert_eq!(
+        held(&dir, process.pid()),
+        (ON_DEVICE + SPILLED, SPILLED),
+        "(data, host-backed) in the region"
+    );
+    assert_eq!(
+        truth.host_resident(),
+        SPILLED,
+        "host memory the fake holds for the process"
+    );
+    assert_eq!(
+        truth.device(0).used(),
+        used_before + ON_DEVICE,
+        "the spill took device memory"
+    );
+    // Over the limit (48 + 350 + 300 MiB > 600 MiB): refused, spilled or not.
+    assert_eq!(
+        status(&process.ask(&format!("alloc {}", 300 * MIB))),
+        CUDA_ERROR_OUT_OF_MEMORY
+    );
+    assert_eq!(truth.host_resident(), SPILLED, "an allocation over the limit spilled");
+    assert_eq!(held(&dir, process.pid()), (ON_DEVICE + SPILLED, SPILLED));
+    // Inside the container the device is still the virtual one.
+    let info = process.ask("info");
+    let free: u64 = info
+        .split_whitespace()
+        .nth(2)
+        .and_then(|f| f.parse().ok())
+        .expect("free");
+    assert_eq!(free, 600 * MIB - CONTEXT - ON_DEVICE - SPILLED, "{info}");
+
+    // vgpu-smi shows it, in the JSON and the table.
+    let json: serde_json::Value =
+        serde_json::from_slice(&vgpu_smi(&["--region", &dir.region().to_string_lossy(), "--json"]).stdout)
+            .expect("vgpu-smi --json is JSON");
+    let device = &json["regions"][0]["devices"][0];
+    assert_eq!(device["memory_host_backed_bytes"], SPILLED, "{json}");
+    let process_device = &json["regions"][0]["processes"][0]["devices"][0];
+    assert_eq!(process_device["host_backed_bytes"], SPILLED, "{json}");
+    let table = String::from_utf8_lossy(&vgpu_smi(&["--region", &dir.region().to_string_lossy()]).stdout).into_owned();
+    assert!(
+        table.contains("GPU 0: 200 MiB of the used memory is in host memory"),
+        "{table}"
+    );
+}
+
+#[test]
+fn without_oversubscribe_the_devices_refusal_stands() {
+    for value in [None, Some("false"), Some("0")] {
+        let dir = ScratchDir::new("elastic-off");
+        let truth = dir.truth();
+        let _other = other_container(&dir);
+        let mut process = container(&dir, value);
+        let (spill_status, _) = fill_and_spill(&mut process);
+        assert_eq!(spill_status, CUDA_ERROR_OUT_OF_MEMORY, "CUDA_OVERSUBSCRIBE={value:?}");
+        assert_eq!(
+            held(&dir, process.pid()),
+            (ON_DEVICE, 0),
+            "CUDA_OVERSUBSCRIBE={value:?}"
+        );
+        assert_eq!(truth.host_resident(), 0);
+    }
+}
+
+#[test]
+fn a_malformed_oversubscribe_fails_cuda_initialisation_with_one_line() {
+    let dir = ScratchDir::new("elastic-malformed");
+    let output = setup(Run::new(&compiled_program("mem_ops")).hooked(), &dir)
+        .env("CUDA_OVERSUBSCRIBE", "yes")
+        .stdin("init\n")
+        .output();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.starts_with("init ") && !stdout.starts_with("init 0"), "{stdout}");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let lines: Vec<&str> = stderr
+        .lines()
+        .filter(|line| line.contains("CUDA_OVERSUBSCRIBE"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(lines[0].contains("expected true or 1"), "{stderr}");
+}
+
+#[test]
+fn frees_plain_and_stream_ordered_release_the_charge_and_the_host_memory() {
+    let dir = ScratchDir::new("elastic-free");
+    let truth = dir.truth();
+    let _other = other_container(&dir);
+    let mut process = container(&dir, Some("1"));
+    let (spill_status, spilled) = fill_and_spill(&mut process);
+    assert_eq!(spill_status, CUDA_SUCCESS);
+    assert_eq!(status(&process.ask(&format!("free {spilled}"))), CUDA_SUCCESS);
+    assert_eq!(held(&dir, process.pid()), (ON_DEVICE, 0), "after cuMemFree");
+    assert_eq!(truth.host_resident(), 0, "after cuMemFree");
+
+    // Stream-ordered: the pool cannot grow past the device's free memory either.
+    let answer = process.ask(&format!("asyncalloc {SPILLED}"));
+    assert_eq!(status(&answer), CUDA_SUCCESS, "{answer}");
+    let spilled = pointer(&answer);
+    assert_eq!(held(&dir, process.pid()), (ON_DEVICE + SPILLED, SPILLED));
+    assert_eq!(truth.host_resident(), SPILLED);
+    assert_eq!(status(&process.ask(&format!("asyncfree {spilled}"))), CUDA_SUCCESS);
+    assert_eq!(status(&process.ask("sync")), CUDA_SUCCESS);
+    assert_eq!(held(&dir, process.pid()), (ON_DEVICE, 0), "after cuMemFreeAsync");
+    assert_eq!(truth.host_resident(), 0, "after cuMemFreeAsync");
+}
+
+#[test]
+fn spilled_memory_moves_back_when_the_device_has_room() {
+    let dir = ScratchDir::new("elastic-back");
+    let truth = dir.truth();
+    let other = other_container(&dir);
+    let mut process = container(&dir, Some("true"));
+    let (spill_status, _) = fill_and_spill(&mut process);
+    assert_eq!(spill_status, CUDA_SUCCESS);
+    assert_eq!(truth.host_resident(), SPILLED);
+    other.kill();
+    // Moves are looked for at most every half second, at the next allocation.
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(status(&process.ask("alloc 1")), CUDA_SUCCESS);
+    assert_eq!(
+        held(&dir, process.pid()),
+        (ON_DEVICE + SPILLED + 1, 0),
+        "host-backed after the move"
+    );
+    assert_eq!(truth.host_resident(), 0, "host memory after the move");
+    truth.reclaim_dead();
+    assert_eq!(truth.device(0).used(), CONTEXT + ON_DEVICE + SPILLED + 1);
+}
+
+#[test]
+fn the_exit_of_a_process_releases_its_spilled_memory() {
+    let dir = ScratchDir::new("elastic-exit");
+    let truth = dir.truth();
+    let _other = other_container(&dir);
+    let mut process = container(&dir, Some("true"));
+    let (spill_status, _) = fill_and_spill(&mut process);
+    assert_eq!(spill_status, CUDA_SUCCESS);
+    let pid = process.pid();
+    process.send("exit 0");
+    let output = process.finish();
+    assert!(output.status.success(), "{output:?}");
+    let snapshot = snapshot(&dir);
+    assert!(
+        snapshot
+            .processes
+            .iter()
+            .all(|p| p.pid != pid as i32 || p.status != SLOT_LIVE),
+        "the exited process still has a slot"
+    );
+    assert!(snapshot.processes.iter().all(|p| p.host_backed == [0; 16]));
+    assert_eq!(truth.host_resident(), 0);
+}
+
+#[test]
+fn two_processes_share_the_limit_with_their_spills_counted() {
+    let dir = ScratchDir::new("elastic-two");
+    let _other = other_container(&dir);
+    let mut first = container(&dir, Some("true"));
+    let (spill_status, spilled) = fill_and_spill(&mut first);
+    assert_eq!(spill_status, CUDA_SUCCESS);
+    // 48 + 350 MiB held, 48 MiB for the second's context: 154 MiB left under 600 MiB.
+    let mut second = container(&dir, Some("true"));
+    assert_eq!(
+        status(&second.ask(&format!("alloc {}", 160 * MIB))),
+        CUDA_ERROR_OUT_OF_MEMORY,
+        "the first process's spilled bytes were not counted against the shared limit"
+    );
+    assert_eq!(status(&first.ask(&format!("free {spilled}"))), CUDA_SUCCESS);
+    let answer = second.ask(&format!("alloc {}", 160 * MIB));
+    assert_eq!(status(&answer), CUDA_SUCCESS, "{answer}");
+    assert_eq!(
+        held(&dir, second.pid()),
+        (160 * MIB, 160 * MIB),
+        "spilled: the device has no room"
+    );
+}
+
+fn vgpu_smi(arguments: &[&str]) -> Output {
+    let path: PathBuf = profile_dir().join("vgpu-smi");
+    let output = output_started(
+        command(&path)
+            .args(arguments)
+            .env_remove("CUDA_DEVICE_MEMORY_SHARED_CACHE"),
+    )
+    .expect("run vgpu-smi");
+    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    output
+}
