@@ -26,4 +26,4 @@ pub use ledger::Charge;
 pub use pool_sync::charge_or_refuse;
 pub use pools::*;
 pub use queries::*;
-pub use spill::enabled as elastic;
+pub use spill::{enabled as elastic, tick as elastic_tick};

@@ -15,7 +15,8 @@
 //! - **Moves back.** When the device has room again, a spilled allocation is moved onto it
 //!   (preferred location the device, prefetched on a stream of the library's own) and is device
 //!   memory from then on; the oldest spill goes first (allocated first, it is likely the longest
-//!   lived: weights and optimiser state rather than scratch).
+//!   lived: weights and optimiser state rather than scratch). Looked for at the memory calls and
+//!   from the library's tick ([`tick`]).
 //! - **Stream-ordered frees.** `cuMemFreeAsync` of a spilled pointer is not the pool's to free:
 //!   an event is recorded on the stream and the memory freed once the stream has passed it.
 //!
@@ -28,8 +29,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use parking_lot::Mutex;
 
 use super::accounting::Accounting;
+use super::charge::current_context;
 use super::ledger::Family;
 use super::location::located;
+use crate::capture::in_relaxed_capture_mode;
 use crate::hooks::real;
 use crate::session;
 use crate::sys::cuda::*;
@@ -67,6 +70,8 @@ pub struct Spills {
     any: AtomicBool,
     /// When the device's free memory was last looked at for a move back.
     move_back_checked_ns: AtomicU64,
+    /// The context of the latest spill, made current on the tick's thread.
+    context: AtomicU64,
 }
 
 impl Spills {
@@ -118,6 +123,7 @@ pub(super) fn serve(accounting: Accounting, status: CUresult, ordinal: CUdevice,
         },
     );
     spills.any.store(true, Ordering::Release);
+    spills.context.store(current_context(), Ordering::Relaxed);
     record_host_backed(accounting, device.region_index, bytes, true);
     static SAID: AtomicBool = AtomicBool::new(false);
     if !SAID.swap(true, Ordering::Relaxed) {
@@ -170,14 +176,44 @@ pub(super) fn free_when_reached(accounting: Accounting, pointer: u64, stream: CU
     }
 }
 
-/// Frees the deferred pointers whose streams have passed their free, and moves spilled memory
-/// back to the device when it has room (at most every [`MOVE_BACK_PERIOD_NS`]). Called from the
-/// memory calls.
-pub(super) fn collect(accounting: Accounting) {
+/// From the library's tick (every half second in a process that launches): [`collect`] with the
+/// spills' context current on the tick's thread, so that a job whose allocator no longer calls
+/// the driver (PyTorch's cache, once warm) still gets its memory back on the device.
+pub fn tick() {
+    let Some(accounting) = super::accounting::accounting() else {
+        return;
+    };
     let spills = accounting.spills();
     if !spills.any.load(Ordering::Acquire) {
         return;
     }
+    let Some(set_current) = real::cuCtxSetCurrent() else {
+        return;
+    };
+    let context = spills.context.load(Ordering::Relaxed) as CUcontext;
+    // SAFETY: a context of this process's (the latest spill's), or null; the tick's thread has
+    // no other.
+    if unsafe { set_current(context) } != CUDA_SUCCESS {
+        return;
+    }
+    collect(accounting);
+    // SAFETY: as above: the tick's thread goes back to having no current context.
+    let _ = unsafe { set_current(std::ptr::null_mut()) };
+}
+
+/// Frees the deferred pointers whose streams have passed their free, and moves spilled memory
+/// back to the device when it has room (at most every [`MOVE_BACK_PERIOD_NS`]). Called from the
+/// memory calls and the tick; the driver calls are made in relaxed capture mode, so that another
+/// thread's stream capture is never invalidated by them.
+pub(super) fn collect(accounting: Accounting) {
+    if !accounting.spills().any.load(Ordering::Acquire) {
+        return;
+    }
+    in_relaxed_capture_mode(|| collect_now(accounting));
+}
+
+fn collect_now(accounting: Accounting) {
+    let spills = accounting.spills();
     let reached: Vec<DeferredFree> = {
         let mut deferred = spills.deferred.lock();
         let (reached, waiting) = std::mem::take(&mut *deferred)

@@ -19,7 +19,8 @@
 //!
 //! The tick also keeps the region's path naming the container's region
 //! ([`crate::session::keep_region_path`]: a file deleted or replaced under running processes is
-//! put back within a period).
+//! put back within a period), and moves memory that elastic memory put in host memory back to the
+//! device when it has room ([`crate::memory::elastic_tick`]).
 //!
 //! The tick is started by the process's first launch, which always takes the handler's path (the
 //! limiter decides its mode there: [`ensure_tick`]); a process that never launches has none (and
@@ -123,6 +124,7 @@ fn tick(written: &mut u64) {
     }
     super::runtime::follow_live_limits(session);
     crate::session::keep_region_path(session);
+    crate::memory::elastic_tick();
 }
 
 /// At normal exit: writes `last_kernel_time` when a launch happened since the tick last wrote it.

@@ -239,6 +239,32 @@ fn spilled_memory_moves_back_when_the_device_has_room() {
     assert_eq!(truth.device(0).used(), CONTEXT + ON_DEVICE + SPILLED + 1);
 }
 
+/// A job whose allocator no longer calls the driver (PyTorch's cache, once warm) only launches:
+/// the library's tick moves its spills back.
+#[test]
+fn a_job_that_only_launches_gets_its_memory_back_on_the_device() {
+    let dir = ScratchDir::new("elastic-tick");
+    let truth = dir.truth();
+    let other = other_container(&dir);
+    let mut process = setup(Run::new(&compiled_program("monitor_launch")).hooked(), &dir)
+        .env("CUDA_DEVICE_MEMORY_LIMIT", LIMIT)
+        .env("CUDA_OVERSUBSCRIBE", "true")
+        .spawn(Duration::from_secs(60));
+    assert_eq!(process.ask("init"), "init 0");
+    assert_eq!(process.ask("ctx 0"), "ctx 0");
+    let (spill_status, _) = fill_and_spill(&mut process);
+    assert_eq!(spill_status, CUDA_SUCCESS);
+    assert_eq!(status(&process.ask("load")), CUDA_SUCCESS);
+    assert_eq!(status(&process.ask("launch 1")), CUDA_SUCCESS);
+    other.kill();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while truth.host_resident() > 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(truth.host_resident(), 0, "host memory 5 s after the device had room");
+    assert_eq!(held(&dir, process.pid()), (ON_DEVICE + SPILLED, 0));
+}
+
 #[test]
 fn the_exit_of_a_process_releases_its_spilled_memory() {
     let dir = ScratchDir::new("elastic-exit");
