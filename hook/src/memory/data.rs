@@ -196,6 +196,11 @@ pub fn create(
     }
     // SAFETY: the driver wrote the handle on success.
     let key = || unsafe { read(handle) };
+    let call = || {
+        let status = call();
+        spill::cannot_spill("cuMemCreate (VMM)", status);
+        status
+    };
     charged(
         Some(device),
         MemoryKind::Data,

@@ -137,6 +137,23 @@ pub(super) fn serve(accounting: Accounting, status: CUresult, ordinal: CUdevice,
     Some(pointer)
 }
 
+/// After an allocation unified memory cannot stand in for (`what`: VMM's `cuMemCreate`, an
+/// array) answered `status`: out of memory under elastic memory is said once, so the user knows
+/// why this one failed when others spill.
+pub(super) fn cannot_spill(what: &str, status: CUresult) {
+    if status != CUDA_ERROR_OUT_OF_MEMORY || !enabled() {
+        return;
+    }
+    static SAID: AtomicBool = AtomicBool::new(false);
+    if !SAID.swap(true, Ordering::Relaxed) {
+        tracing::warn!(
+            "{what} found no room on the device and cannot be served from host memory (CUDA_OVERSUBSCRIBE covers \
+             cuMemAlloc, pitched and stream-ordered allocations): it fails as the driver failed it; for PyTorch, \
+             leave expandable_segments off"
+        );
+    }
+}
+
 /// Before a spilled pointer is freed with `cuMemFree`: forgets it, and its host-backed bytes.
 /// False when the pointer is not a spill.
 pub(super) fn forget(accounting: Accounting, pointer: u64) -> bool {

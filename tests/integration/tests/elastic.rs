@@ -289,6 +289,36 @@ fn the_exit_of_a_process_releases_its_spilled_memory() {
     assert_eq!(truth.host_resident(), 0);
 }
 
+/// A forked child that spills and exits takes its spill with it; the parent's stays.
+#[test]
+fn a_forked_child_that_spills_and_exits_leaves_only_the_parents() {
+    let dir = ScratchDir::new("elastic-fork");
+    let truth = dir.truth();
+    let _other = other_container(&dir);
+    let mut process = container(&dir, Some("true"));
+    let (spill_status, _) = fill_and_spill(&mut process);
+    assert_eq!(spill_status, CUDA_SUCCESS);
+    let answer = process.ask(&format!("forkexit {}", 100 * MIB));
+    let fields: Vec<&str> = answer.split_whitespace().collect();
+    assert_eq!(fields.get(1), Some(&"0"), "the child's allocation failed: {answer}");
+    let child: i32 = fields.get(2).and_then(|pid| pid.parse().ok()).expect("child pid");
+    truth.reclaim_dead();
+    assert_eq!(truth.host_resident(), SPILLED, "host memory after the child's exit");
+    let snapshot = snapshot(&dir);
+    assert!(
+        snapshot
+            .processes
+            .iter()
+            .all(|p| p.pid != child || p.status != SLOT_LIVE),
+        "the child's slot outlived it"
+    );
+    assert_eq!(
+        held(&dir, process.pid()),
+        (ON_DEVICE + SPILLED, SPILLED),
+        "the parent's"
+    );
+}
+
 #[test]
 fn two_processes_share_the_limit_with_their_spills_counted() {
     let dir = ScratchDir::new("elastic-two");
