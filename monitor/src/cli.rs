@@ -67,10 +67,11 @@ pub enum Command {
     /// Serve the regions as Prometheus metrics over HTTP, at /metrics
     #[command(after_help = EXIT_STATUS)]
     Serve(ServeArgs),
-    /// Hold processes' kernel launches and copies until `resume`
+    /// Hold processes' kernel launches and copies until `resume`; with --release, also move their
+    /// GPU memory to host memory (the driver's checkpoint API) so the GPU is free meanwhile
     #[command(after_help = EXIT_STATUS)]
-    Suspend(ControlArgs),
-    /// Let suspended processes run again
+    Suspend(SuspendArgs),
+    /// Let suspended processes run again (released ones are restored onto the GPU first)
     #[command(after_help = EXIT_STATUS)]
     Resume(ControlArgs),
     /// Draw a `--record` file as a PNG or SVG chart
@@ -131,6 +132,20 @@ pub struct ControlArgs {
 }
 
 #[derive(Debug, Args)]
+pub struct SuspendArgs {
+    #[command(flatten)]
+    pub control: ControlArgs,
+    /// Also checkpoint each process's GPU memory into host memory and release it from the GPU
+    /// (driver r550 or later); `resume` restores it. Its charges stay against the container's limit
+    #[arg(long)]
+    pub release: bool,
+    /// With --release: how long to wait for a process's CUDA calls to drain before leaving it
+    /// running (seconds, or a duration such as 500ms)
+    #[arg(long, value_name = "SECONDS", default_value = "10", value_parser = lock_timeout, requires = "release")]
+    pub lock_timeout: Duration,
+}
+
+#[derive(Debug, Args)]
 pub struct PlotArgs {
     /// A file written by `--record`
     #[arg(long, value_name = "RECORD")]
@@ -159,6 +174,18 @@ pub struct SetArgs {
 }
 
 /// A `--watch` interval: seconds as a number (`2.5`), or a duration with its unit (`500ms`).
+fn lock_timeout(text: &str) -> Result<Duration, String> {
+    let timeout = match text.parse::<f64>() {
+        Ok(seconds) if seconds.is_finite() && seconds > 0.0 && seconds <= 3600.0 => Duration::from_secs_f64(seconds),
+        Ok(_) => return Err("not a number of seconds above 0 and at most 3600".into()),
+        Err(_) => humantime::parse_duration(text).map_err(|error| error.to_string())?,
+    };
+    if timeout.is_zero() || timeout > Duration::from_secs(3600) {
+        return Err("a timeout above 0 and at most an hour".into());
+    }
+    Ok(timeout)
+}
+
 fn watch_interval(text: &str) -> Result<Duration, String> {
     let interval = match text.parse::<f64>() {
         Ok(seconds) if seconds.is_finite() && seconds >= 0.0 => Duration::from_secs_f64(seconds),
@@ -203,7 +230,7 @@ mod tests {
             panic!("not show")
         };
         assert_eq!(show.watch, Some(Duration::from_millis(500)));
-        let Ok(Command::Suspend(control)) = parse("suspend --pid 42") else {
+        let Ok(Command::Suspend(SuspendArgs { control, .. })) = parse("suspend --pid 42") else {
             panic!("not suspend")
         };
         assert_eq!(control.pid, Some(42));

@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::sync::atomic::Ordering;
 
-use vgpu_region::{REGION_FILE_SIZE, SLOT_LIVE};
+use vgpu_region::{ProcessSnapshot, REGION_FILE_SIZE, SLOT_LIVE, SlotExtension, Snapshot};
 
 use crate::read::{Mapping, SHRANK, consistent_copy, decode, open_regular, shown};
 
@@ -29,6 +29,30 @@ pub struct Changed {
 /// Returns the slots changed (possibly none for [`Target::All`]); a pid with no live slot here is
 /// an empty list too, so a caller can look through several regions.
 pub fn set_suspended(path: &Path, target: Target, suspend: bool) -> Result<Vec<Changed>, String> {
+    visit(path, target, Order::Slots, |_, _, extension| {
+        extension.suspend.store(u32::from(suspend), Ordering::Release);
+        true
+    })
+}
+
+/// The order [`visit`] takes the targeted slots in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Order {
+    Slots,
+    Reversed,
+}
+
+/// Calls `act` on each targeted live slot of one region file (the region's snapshot, the slot's, its extension, which
+/// `act` may change with atomic stores) in `order`; returns the slots `act` said it changed that
+/// still belong to the same process after it. A slot that another process took in between gets
+/// its `suspend` flag and `flags` cleared again, as its attach left them, so a newcomer never
+/// inherits our stores.
+pub fn visit(
+    path: &Path,
+    target: Target,
+    order: Order,
+    mut act: impl FnMut(&Snapshot, &ProcessSnapshot, &SlotExtension) -> bool,
+) -> Result<Vec<Changed>, String> {
     let fail = |problem: String| format!("{}: {problem}", shown(path));
     let (file, metadata) = open_regular(path, true).map_err(fail)?;
     let len = metadata.len();
@@ -56,7 +80,7 @@ pub fn set_suspended(path: &Path, target: Target, suspend: bool) -> Result<Vec<C
         .iter()
         .filter(|process| process.status == SLOT_LIVE)
         .collect();
-    let chosen: Vec<_> = match target {
+    let mut chosen: Vec<_> = match target {
         Target::All => live,
         Target::Pid(pid) => {
             let by_pid: Vec<_> = live.iter().copied().filter(|process| process.pid == pid).collect();
@@ -67,6 +91,9 @@ pub fn set_suspended(path: &Path, target: Target, suspend: bool) -> Result<Vec<C
             }
         }
     };
+    if order == Order::Reversed {
+        chosen.reverse();
+    }
     let mut changed = Vec::new();
     for process in chosen {
         let (Some(slot), Some(extension)) = (region.hami.procs.get(process.slot), region.ext.slots.get(process.slot))
@@ -78,9 +105,9 @@ pub fn set_suspended(path: &Path, target: Target, suspend: bool) -> Result<Vec<C
             // The slot changed hands since it was read: leave the new owner alone.
             continue;
         }
-        extension.suspend.store(u32::from(suspend), Ordering::Release);
-        // A process that attached to this slot in between gets its flag back: the library's
-        // attach clears the flag, so the newcomer would otherwise inherit our store.
+        if !act(&state.snapshot, process, extension) {
+            continue;
+        }
         let still_same = extension.generation.load(Ordering::Acquire) == generation
             && slot.pid.load(Ordering::Acquire) == process.pid
             && slot.status.load(Ordering::Acquire) == SLOT_LIVE;
@@ -89,8 +116,10 @@ pub fn set_suspended(path: &Path, target: Target, suspend: bool) -> Result<Vec<C
                 slot: process.slot,
                 pid: process.pid,
             });
-        } else if suspend {
+        } else {
+            // What the newcomer's attach left there.
             extension.suspend.store(0, Ordering::Release);
+            extension.flags.store(0, Ordering::Release);
         }
     }
     if mapping.shrank() {

@@ -15,6 +15,7 @@
 //!   bounded).
 //! - [`cli`]: the command line (clap).
 //! - [`control`]: `suspend` / `resume`.
+//! - [`release`]: `suspend --release`, the driver's checkpoint API.
 //! - [`limits`]: `set`, the container's limits in its region.
 //! - [`plot`]: PNG or SVG charts from a `--record` file (`plotters`).
 
@@ -25,6 +26,7 @@ pub mod liveness;
 pub mod metrics;
 pub mod plot;
 pub mod read;
+pub mod release;
 pub mod report;
 pub mod serve;
 mod shrink;

@@ -8,9 +8,10 @@ use std::process::ExitCode;
 use std::time::{Duration, SystemTime};
 
 use clap::Parser as _;
-use vgpu_monitor::cli::{Cli, Command, ControlArgs, PlotArgs, Regions, ServeArgs, SetArgs, ShowArgs};
+use vgpu_monitor::cli::{Cli, Command, ControlArgs, PlotArgs, Regions, ServeArgs, SetArgs, ShowArgs, SuspendArgs};
 use vgpu_monitor::control::{self, Target};
 use vgpu_monitor::read::{DEFAULT_REGION_PATH, REGION_PATH_VARIABLE, discover, read_region, shown};
+use vgpu_monitor::release::{self, Checkpoint};
 use vgpu_monitor::report::{Report, build_report, now_unix_ms, process_is_alive};
 use vgpu_monitor::{limits, metrics, plot, table};
 
@@ -20,7 +21,8 @@ fn main() -> ExitCode {
     let result = match Cli::parse().into_command() {
         Command::Show(arguments) => show(&arguments),
         Command::Serve(arguments) => serve(&arguments),
-        Command::Suspend(arguments) => suspend_or_resume(&arguments, true),
+        Command::Suspend(arguments) if arguments.release => release(&arguments),
+        Command::Suspend(arguments) => suspend_or_resume(&arguments.control, true),
         Command::Resume(arguments) => suspend_or_resume(&arguments, false),
         Command::Plot(arguments) => plot_command(&arguments),
         Command::Set(arguments) => set_command(&arguments),
@@ -156,6 +158,27 @@ fn suspend_or_resume(options: &ControlArgs, suspend: bool) -> Result<bool, Strin
             }
         };
         for path in paths {
+            if !suspend && release::has_released(&path, target) {
+                // Released processes are restored before they run again.
+                let driver = match Checkpoint::load() {
+                    Ok(driver) => Some(driver),
+                    Err(problem) => {
+                        eprintln!("vgpu-smi: {problem}: released processes stay released");
+                        None
+                    }
+                };
+                match release::resume(&path, target, driver.as_ref()) {
+                    Ok(outcome) => {
+                        changed_any |= outcome.done > 0 || outcome.failed;
+                        failed |= outcome.failed;
+                    }
+                    Err(problem) => {
+                        eprintln!("vgpu-smi: {problem}");
+                        failed = true;
+                    }
+                }
+                continue;
+            }
             match control::set_suspended(&path, target, suspend) {
                 Ok(changed) => {
                     for slot in &changed {
@@ -176,6 +199,40 @@ fn suspend_or_resume(options: &ControlArgs, suspend: bool) -> Result<bool, Strin
             Target::All => "no live processes".to_string(),
         };
         eprintln!("vgpu-smi: {what} in the region(s): nothing {verb}");
+        return Ok(false);
+    }
+    Ok(!failed)
+}
+
+/// `suspend --release`: every targeted process held and its GPU memory checkpointed.
+fn release(options: &SuspendArgs) -> Result<bool, String> {
+    let driver = Checkpoint::load()?;
+    let target = options.control.pid.map_or(Target::All, Target::Pid);
+    let (mut done, mut failed) = (0, false);
+    for argument in region_arguments(&options.control.regions) {
+        let paths = match discover(&argument) {
+            Ok(paths) => paths,
+            Err(problem) => {
+                eprintln!("vgpu-smi: {}: {problem}", shown(&argument));
+                failed = true;
+                continue;
+            }
+        };
+        for path in paths {
+            match release::release(&path, target, &driver, options.lock_timeout) {
+                Ok(outcome) => {
+                    done += outcome.done;
+                    failed |= outcome.failed;
+                }
+                Err(problem) => {
+                    eprintln!("vgpu-smi: {problem}");
+                    failed = true;
+                }
+            }
+        }
+    }
+    if done == 0 && !failed {
+        eprintln!("vgpu-smi: no live process to release in the region(s)");
         return Ok(false);
     }
     Ok(!failed)

@@ -48,6 +48,7 @@ struct Families {
     memory_used: GaugeFamily,
     memory_by_kind: GaugeFamily,
     memory_host_backed: GaugeFamily,
+    memory_released: GaugeFamily,
     sm_limit: GaugeFamily,
     sm_utilization: GaugeFamily,
     device_processes: GaugeFamily,
@@ -55,6 +56,7 @@ struct Families {
     process_host_backed: GaugeFamily,
     process_sm_utilization: GaugeFamily,
     process_suspended: GaugeFamily,
+    process_released: GaugeFamily,
     process_alive: GaugeFamily,
     limiter_charged: SecondsGaugeFamily,
     limiter_held: SecondsCounterFamily,
@@ -131,6 +133,10 @@ impl Families {
                 "vgpu_device_memory_host_backed_bytes",
                 "Of the container's data on the device, bytes in host memory because the device had no room (CUDA_OVERSUBSCRIBE)",
             ),
+            memory_released: family(
+                "vgpu_device_memory_released_bytes",
+                "Of the container's memory on the device, bytes of released processes, off the GPU until resume (vgpu-smi suspend --release)",
+            ),
             sm_limit: family(
                 "vgpu_device_sm_limit_percent",
                 "Compute limit of the container in percent of the device (0 = unlimited)",
@@ -154,6 +160,10 @@ impl Families {
             process_sm_utilization: family(
                 "vgpu_process_sm_utilization_percent",
                 "Measured SM utilisation of one process on one device in percent",
+            ),
+            process_released: family(
+                "vgpu_process_released",
+                "1 while the process's GPU memory is checkpointed to host memory (vgpu-smi suspend --release)",
             ),
             process_suspended: family(
                 "vgpu_process_suspended",
@@ -230,6 +240,10 @@ pub fn encode_report(report: &Report) -> Result<String, std::fmt::Error> {
                 .get_or_create(&device_labels)
                 .set(gauge_value(device.memory_host_backed_bytes));
             families
+                .memory_released
+                .get_or_create(&device_labels)
+                .set(gauge_value(device.memory_released_bytes));
+            families
                 .sm_limit
                 .get_or_create(&device_labels)
                 .set(gauge_value(device.sm_limit_percent.unwrap_or(0)));
@@ -271,6 +285,10 @@ pub fn encode_report(report: &Report) -> Result<String, std::fmt::Error> {
                 .process_suspended
                 .get_or_create(&process_labels)
                 .set(i64::from(process.suspended));
+            families
+                .process_released
+                .get_or_create(&process_labels)
+                .set(i64::from(process.released));
             families
                 .process_alive
                 .get_or_create(&process_labels)

@@ -20,8 +20,8 @@ use std::sync::atomic::{AtomicU64, Ordering, fence};
 
 use vgpu_region::{
     COMPUTE_OFFSET, ComputeDevice, EXTENSION_OFFSET, HAMI_REGION_SIZE, HOST_BACKED_OFFSET, LayoutError, MAX_DEVICES,
-    MAX_SLOTS, ProcSlot, REGION_FILE_SIZE, RegionFile, SLOT_EXTENSIONS_OFFSET, SharedRegion, SlotExtension, Snapshot,
-    read_snapshot,
+    MAX_SLOTS, ProcSlot, REGION_FILE_SIZE, RegionFile, SLOT_EXTENSIONS_OFFSET, SLOT_RELEASED, SharedRegion,
+    SlotExtension, Snapshot, read_snapshot,
 };
 
 /// Where `libvgpu.so` puts the region when `CUDA_DEVICE_MEMORY_SHARED_CACHE` is unset.
@@ -42,6 +42,7 @@ const AFTER_PROCS_OFFSET: usize = std::mem::offset_of!(SharedRegion, proc_num);
 const PROC_NUM_OFFSET: usize = std::mem::offset_of!(SharedRegion, proc_num);
 const SEQLOCK_OFFSET_IN_SLOT: usize = std::mem::offset_of!(ProcSlot, seqlock);
 const SUSPEND_OFFSET_IN_SLOT_EXTENSION: usize = std::mem::offset_of!(SlotExtension, suspend);
+const FLAGS_OFFSET_IN_SLOT_EXTENSION: usize = std::mem::offset_of!(SlotExtension, flags);
 
 const _: () =
     assert!(PROCS_OFFSET.is_multiple_of(8) && SLOT_BYTES.is_multiple_of(8) && AFTER_PROCS_OFFSET.is_multiple_of(8));
@@ -60,6 +61,9 @@ pub struct RegionState {
     /// The `suspend` flag of each slot of `snapshot.processes` (same order); all false without
     /// the vgpu extension.
     pub suspended: Vec<bool>,
+    /// Per process of the snapshot: its slot's [`vgpu_region::SLOT_RELEASED`] flag (its GPU memory
+    /// checkpointed off the device by `vgpu-smi suspend --release`).
+    pub released: Vec<bool>,
 }
 
 /// One region file and what reading it gave: the state, or a one-line reason (without the path).
@@ -204,13 +208,29 @@ pub fn decode(image: &[u8]) -> Result<RegionState, String> {
         .iter()
         .map(|process| snapshot.extension.is_some() && suspend_flag(image, process.slot) != 0)
         .collect();
-    Ok(RegionState { snapshot, suspended })
+    let released = snapshot
+        .processes
+        .iter()
+        .map(|process| {
+            snapshot.extension.is_some()
+                && slot_extension_word(image, process.slot, FLAGS_OFFSET_IN_SLOT_EXTENSION) & SLOT_RELEASED != 0
+        })
+        .collect();
+    Ok(RegionState {
+        snapshot,
+        suspended,
+        released,
+    })
 }
 
 /// The `suspend` field of a slot's extension in an image (0 when the image is too short).
 fn suspend_flag(image: &[u8], slot: usize) -> u32 {
-    let offset =
-        EXTENSION_OFFSET + SLOT_EXTENSIONS_OFFSET + slot * SLOT_EXTENSION_BYTES + SUSPEND_OFFSET_IN_SLOT_EXTENSION;
+    slot_extension_word(image, slot, SUSPEND_OFFSET_IN_SLOT_EXTENSION)
+}
+
+/// A 4-byte field of a slot's extension in an image (0 when the image is too short).
+fn slot_extension_word(image: &[u8], slot: usize, field: usize) -> u32 {
+    let offset = EXTENSION_OFFSET + SLOT_EXTENSIONS_OFFSET + slot * SLOT_EXTENSION_BYTES + field;
     image
         .get(offset..offset + 4)
         .and_then(|bytes| <[u8; 4]>::try_from(bytes).ok())

@@ -78,6 +78,9 @@ pub struct DeviceReport {
     /// Of the data bytes: those host memory backs because the device could not
     /// (`CUDA_OVERSUBSCRIBE`); the job runs, slower, while this is above 0.
     pub memory_host_backed_bytes: u64,
+    /// Of the used bytes: those of released processes (`vgpu-smi suspend --release`), off the
+    /// GPU while they are held.
+    pub memory_released_bytes: u64,
     /// Compute limit in percent; `null` when unlimited.
     pub sm_limit_percent: Option<u64>,
     /// Measured SM utilisation: the sum of the processes' `device_util[d].sm_util`, those alive.
@@ -117,6 +120,9 @@ pub struct ProcessReport {
     pub status: String,
     /// The vgpu `suspend` flag is set: its launches and copies wait.
     pub suspended: bool,
+    /// `vgpu-smi suspend --release` checkpointed it: its GPU memory is in host memory, off the
+    /// GPU (its charges stay against the limit) until `resume` restores it.
+    pub released: bool,
     /// False when a writer was mid-update on every attempt: the figures may be torn.
     pub consistent: bool,
     /// Devices on which the process holds memory or utilisation.
@@ -187,7 +193,8 @@ fn region_report(read: &RegionRead, is_alive: &impl Fn(i32, Option<u64>) -> bool
         .iter()
         .zip(&alive)
         .zip(state.suspended.iter().copied().chain(std::iter::repeat(false)))
-        .map(|((process, &alive), suspended)| {
+        .zip(state.released.iter().copied().chain(std::iter::repeat(false)))
+        .map(|(((process, &alive), suspended), released)| {
             let devices = (0..device_count)
                 .filter(|&device| process.memory[device].total > 0 || process.sm_util[device] > 0)
                 .map(|device| {
@@ -210,6 +217,7 @@ fn region_report(read: &RegionRead, is_alive: &impl Fn(i32, Option<u64>) -> bool
                 host_pid: (process.hostpid != 0).then_some(process.hostpid),
                 status: if alive { "live" } else { "dead" }.to_string(),
                 suspended,
+                released,
                 consistent: process.consistent,
                 devices,
             }
@@ -241,6 +249,15 @@ fn region_report(read: &RegionRead, is_alive: &impl Fn(i32, Option<u64>) -> bool
                 memory_module_bytes: sum(|process, device| process.memory[device].module),
                 memory_data_bytes: sum(|process, device| process.memory[device].data),
                 memory_host_backed_bytes: sum(|process, device| process.host_backed[device]),
+                memory_released_bytes: snapshot
+                    .processes
+                    .iter()
+                    .zip(&alive)
+                    .zip(state.released.iter().copied().chain(std::iter::repeat(false)))
+                    .filter(|((_, alive), released)| **alive && *released)
+                    .fold(0u64, |total, ((process, _), _)| {
+                        total.saturating_add(process.memory[device].total)
+                    }),
                 sm_limit_percent: (snapshot.sm_limits[device] != 0).then_some(snapshot.sm_limits[device]),
                 sm_util_percent: sum(|process, device| process.sm_util[device]),
                 process_count: live_slots

@@ -143,7 +143,9 @@ fn render_region(text: &mut String, region: &RegionReport) {
     );
     let mut torn = false;
     for process in &region.processes {
-        let mut status = if process.suspended && process.status == "live" {
+        let mut status = if process.released && process.status == "live" {
+            "released".to_string()
+        } else if process.suspended && process.status == "live" {
             "suspended".to_string()
         } else {
             printable(&process.status).into_owned()

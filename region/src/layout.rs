@@ -37,6 +37,8 @@ pub const HAMI_REGION_SIZE: usize = 2_008_952;
 pub const SLOT_FREE: i32 = 0;
 /// `status` of a slot that belongs to a live (or not yet reaped) process.
 pub const SLOT_LIVE: i32 = 1;
+/// [`SlotExtension::flags`] bit: the process's device memory is checkpointed off the device.
+pub const SLOT_RELEASED: u32 = 1;
 
 /// The extension's magic: the ASCII bytes `VGPUEXT1` as they lie in the file.
 pub const EXTENSION_MAGIC: u64 = u64::from_le_bytes(*b"VGPUEXT1");
@@ -204,7 +206,9 @@ pub struct SlotExtension {
     pub generation: AtomicU64,
     /// Reserved for suspending a process's launches; 0.
     pub suspend: AtomicU32,
-    /// Reserved flags; 0.
+    /// Bit 0 ([`SLOT_RELEASED`]): `vgpu-smi suspend --release` checkpointed the process, its
+    /// device memory is in host memory and off the device (its charges stay); other bits
+    /// reserved, 0.
     pub flags: AtomicU32,
     /// Per region device index: this process's data allocations and frees under way (at most
     /// 255 counted). In the slot, so that the marks of a process that dies in the middle of a

@@ -48,6 +48,7 @@ mod exports {
 pub use exports::{EXPORTED, NOT_EXPORTED};
 
 mod array;
+mod checkpoint;
 mod config;
 mod context;
 mod device;

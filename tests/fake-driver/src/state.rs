@@ -168,6 +168,7 @@ pub fn lock() -> MutexGuard<'static, State> {
 
 /// The process state, or `CUDA_ERROR_NOT_INITIALIZED` before `cuInit`.
 pub fn initialised() -> CuResult<MutexGuard<'static, State>> {
+    crate::checkpoint::wait_while_held();
     let state = lock();
     if state.initialised {
         Ok(state)
@@ -307,6 +308,7 @@ impl State {
             CUDA_ERROR_UNKNOWN
         })?;
         self.slot = truth.register().ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+        crate::checkpoint::note_own_slot(self.slot);
         self.truth = Some(truth);
         self.pid = own_pid();
         if self.primary.is_empty() {
@@ -383,6 +385,7 @@ impl State {
         if self.pid != own_pid() {
             // A forked child gets its own slot.
             self.slot = truth.register().ok_or(CUDA_ERROR_OUT_OF_MEMORY)?;
+            crate::checkpoint::note_own_slot(self.slot);
             self.pid = own_pid();
         }
         if truth.reserve(self.slot, phys, bytes) {

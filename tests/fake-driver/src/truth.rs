@@ -19,7 +19,7 @@
 //! | --- | --- |
 //! | header, 16 words | magic, version, max devices, max processes, file size, initialiser pid, lock owner pid, journal (valid, device, slot, device used, slot used), 4 reserved |
 //! | 16 device records of 24 words | capacity, used, peak, busy ns, reservations, refusals, 2 reserved, 16 utilisation buckets |
-//! | 256 process slots of 40 words | pid (0 = free), start time, host-resident managed bytes, 1 reserved, used bytes per device (16), busy ns per device (16), 4 reserved |
+//! | 256 process slots of 40 words | pid (0 = free), start time, host-resident managed bytes, checkpoint state, used bytes per device (16), busy ns per device (16), 4 reserved |
 //!
 //! Rules:
 //! - **Initialisation**: the first opener creates the file (`O_CREAT`), grows it to [`FILE_SIZE`]
@@ -93,6 +93,9 @@ pub const P_PID: usize = 0;
 pub const P_START: usize = 1;
 /// Bytes of the process's managed memory that live in host memory (not in any device's `used`).
 pub const P_HOST: usize = 2;
+/// The process's checkpoint state ([`CheckpointState`]); a checkpointed process's `used` words
+/// keep what it held, which the devices' `used` no longer counts.
+pub const P_CHECKPOINT: usize = 3;
 pub const P_USED: usize = 4;
 pub const P_BUSY_NS: usize = P_USED + MAX_DEVICES;
 pub const PROCESS_WORDS: usize = 40;
@@ -109,6 +112,24 @@ const BUCKET_ID_SHIFT: u32 = 40;
 const BUCKET_BUSY_MASK: u64 = (1 << BUCKET_ID_SHIFT) - 1;
 const BUCKET_ID_MASK: u64 = (1 << (64 - BUCKET_ID_SHIFT)) - 1;
 const SEQ: Ordering = Ordering::SeqCst;
+
+/// A process's state for the driver's checkpoint API (`CUprocessState`'s values).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CheckpointState {
+    Running = 0,
+    Locked = 1,
+    Checkpointed = 2,
+}
+
+impl CheckpointState {
+    fn from_word(word: u64) -> CheckpointState {
+        match word {
+            1 => CheckpointState::Locked,
+            2 => CheckpointState::Checkpointed,
+            _ => CheckpointState::Running,
+        }
+    }
+}
 
 /// A mapping of the ground-truth file (or of anonymous memory when no file is configured).
 pub struct Truth {
@@ -136,6 +157,7 @@ pub struct ProcessRecord {
     pub busy_ns: [u64; MAX_DEVICES],
     /// Managed memory of the process that lives in host memory.
     pub host: u64,
+    pub checkpoint: CheckpointState,
 }
 
 impl Truth {
@@ -313,6 +335,7 @@ impl Truth {
                 used: [0; MAX_DEVICES],
                 busy_ns: [0; MAX_DEVICES],
                 host: self.slot_word(slot, P_HOST).load(SEQ),
+                checkpoint: CheckpointState::from_word(self.slot_word(slot, P_CHECKPOINT).load(SEQ)),
             };
             for device in 0..MAX_DEVICES {
                 record.used[device] = self.slot_word(slot, P_USED + device).load(SEQ);
@@ -356,6 +379,80 @@ impl Truth {
                 held.saturating_sub(bytes)
             })
         });
+    }
+
+    /// The live slot of `pid`.
+    pub fn slot_of(&self, pid: u32) -> Option<usize> {
+        (0..MAX_PROCESSES).find(|&slot| {
+            let word = self.slot_word(slot, P_PID).load(SEQ);
+            word == u64::from(pid) && process_alive(word, self.slot_word(slot, P_START).load(SEQ))
+        })
+    }
+
+    /// The checkpoint state of a slot.
+    pub fn checkpoint_state(&self, slot: usize) -> CheckpointState {
+        if slot >= MAX_PROCESSES {
+            return CheckpointState::Running;
+        }
+        CheckpointState::from_word(self.slot_word(slot, P_CHECKPOINT).load(SEQ))
+    }
+
+    /// Moves a slot from `from` to `to`; false when it was not in `from`.
+    pub fn change_checkpoint_state(&self, slot: usize, from: CheckpointState, to: CheckpointState) -> bool {
+        slot < MAX_PROCESSES
+            && self
+                .slot_word(slot, P_CHECKPOINT)
+                .compare_exchange(from as u64, to as u64, SEQ, SEQ)
+                .is_ok()
+    }
+
+    /// Checkpoints a locked slot: its memory leaves its devices (their `used` drops by what it
+    /// holds), and it is `Checkpointed`. False when it was not locked.
+    pub fn checkpoint(&self, slot: usize) -> bool {
+        let _guard = self.lock();
+        if self.checkpoint_state(slot) != CheckpointState::Locked {
+            return false;
+        }
+        for device in 0..MAX_DEVICES {
+            let held = self.slot_word(slot, P_USED + device).load(SEQ);
+            if held > 0 {
+                let used = self.device_word(device, D_USED).load(SEQ).saturating_sub(held);
+                self.commit(device, slot, used, held);
+            }
+        }
+        self.slot_word(slot, P_CHECKPOINT)
+            .store(CheckpointState::Checkpointed as u64, SEQ);
+        true
+    }
+
+    /// Restores a checkpointed slot onto its devices when every device has room for what it held
+    /// (then it is `Locked`); otherwise nothing changes and `Err` gives the device and the bytes
+    /// it lacks.
+    pub fn restore(&self, slot: usize) -> Result<(), (usize, u64)> {
+        let dead = self.dead_slots();
+        let _guard = self.lock();
+        self.reclaim_locked(&dead);
+        if self.checkpoint_state(slot) != CheckpointState::Checkpointed {
+            return Err((0, 0));
+        }
+        for device in 0..MAX_DEVICES {
+            let held = self.slot_word(slot, P_USED + device).load(SEQ);
+            let capacity = self.device_word(device, D_CAPACITY).load(SEQ);
+            let used = self.device_word(device, D_USED).load(SEQ);
+            if held > capacity.saturating_sub(used) {
+                return Err((device, held - capacity.saturating_sub(used)));
+            }
+        }
+        for device in 0..MAX_DEVICES {
+            let held = self.slot_word(slot, P_USED + device).load(SEQ);
+            if held > 0 {
+                let used = self.device_word(device, D_USED).load(SEQ) + held;
+                self.commit(device, slot, used, held);
+            }
+        }
+        self.slot_word(slot, P_CHECKPOINT)
+            .store(CheckpointState::Locked as u64, SEQ);
+        Ok(())
     }
 
     /// Host-resident managed memory of every live process.
@@ -461,10 +558,17 @@ impl Truth {
             if self.slot_word(slot, P_PID).load(SEQ) != pid || self.slot_word(slot, P_START).load(SEQ) != start {
                 continue;
             }
+            // A checkpointed process's memory is no longer on its devices.
+            let on_devices = self.slot_word(slot, P_CHECKPOINT).load(SEQ) != CheckpointState::Checkpointed as u64;
             for device in 0..MAX_DEVICES {
                 let held = self.slot_word(slot, P_USED + device).load(SEQ);
                 if held > 0 {
-                    let used = self.device_word(device, D_USED).load(SEQ).saturating_sub(held);
+                    let device_used = self.device_word(device, D_USED).load(SEQ);
+                    let used = if on_devices {
+                        device_used.saturating_sub(held)
+                    } else {
+                        device_used
+                    };
                     self.commit(device, slot, used, 0);
                 }
             }
