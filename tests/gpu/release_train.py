@@ -1,0 +1,29 @@
+"""A deterministic bf16 training loop holding about GIB GiB (tests/gpu/release.sh): prints
+'step <n> loss <value as hex>' every step and sleeps PAUSE seconds between steps, so a release and
+restore can happen between any two. Usage: release_train.py GIB STEPS PAUSE"""
+import sys
+import time
+
+import torch
+
+gib, steps, pause = float(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+torch.manual_seed(0)
+torch.backends.cudnn.deterministic = True
+width = 4096
+layers = max(1, int(gib * 1024 / 128))
+model = torch.nn.Sequential(
+    *[torch.nn.Linear(width, width, bias=False, dtype=torch.bfloat16, device="cuda") for _ in range(layers)]
+)
+for layer in model:
+    torch.nn.init.normal_(layer.weight, std=width**-0.5)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+batch = torch.randn(512, width, device="cuda", dtype=torch.bfloat16)
+print(f"ready layers {layers} reserved_mib {torch.cuda.memory_reserved() >> 20}", flush=True)
+for step in range(steps):
+    loss = model(batch).float().pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+    print(f"step {step} loss {loss.item().hex()}", flush=True)
+    time.sleep(pause)
+print("done", flush=True)
