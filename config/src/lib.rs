@@ -31,6 +31,8 @@ const COMPUTE_PROFILE_VAR: &str = "VGPU_COMPUTE_PROFILE";
 const LOG_LEVEL_VAR: &str = "LIBCUDA_LOG_LEVEL";
 const DISABLE_CONTROL_VAR: &str = "CUDA_DISABLE_CONTROL";
 const OVERSUBSCRIBE_VAR: &str = "CUDA_OVERSUBSCRIBE";
+const IDLE_RELEASE_VAR: &str = "CUDA_IDLE_RELEASE";
+const PRIORITY_RELEASE_VAR: &str = "CUDA_PRIORITY_RELEASE";
 
 const DEFAULT_TASK_PRIORITY: i32 = 1;
 const DEFAULT_LOG_LEVEL: u8 = 2;
@@ -121,6 +123,13 @@ pub struct Config {
     /// than the card has): an allocation the limit allows but the device cannot back is served
     /// from host memory the GPU reaches (docs/memory-accounting.md, "Elastic memory").
     pub oversubscribe: bool,
+    /// `CUDA_IDLE_RELEASE`: after this long without a launch, the process has its GPU memory
+    /// checkpointed to host memory (`vgpu-smi suspend --release` on itself) until its next launch,
+    /// copy or allocation.
+    pub idle_release: Option<std::time::Duration>,
+    /// `CUDA_PRIORITY_RELEASE=true`: while HAMi's monitor blocks the container by priority
+    /// (`recent_kernel` -1), the process's GPU memory is released the same way.
+    pub priority_release: bool,
 }
 
 impl Default for Config {
@@ -137,6 +146,8 @@ impl Default for Config {
             log_level: DEFAULT_LOG_LEVEL,
             control_disabled: false,
             oversubscribe: false,
+            idle_release: None,
+            priority_release: false,
             disable_control_unread: None,
         }
     }
@@ -310,6 +321,10 @@ impl Config {
         if let Some(oversubscribe) = read_setting(&lookup, OVERSUBSCRIBE_VAR, parse_oversubscribe)? {
             config.oversubscribe = oversubscribe;
         }
+        config.idle_release = read_setting(&lookup, IDLE_RELEASE_VAR, parse_idle_release)?.flatten();
+        if let Some(priority_release) = read_setting(&lookup, PRIORITY_RELEASE_VAR, parse_oversubscribe)? {
+            config.priority_release = priority_release;
+        }
         if let Some(policy) = read_setting(&lookup, UTILIZATION_POLICY_VAR, parse_policy)? {
             config.utilization_policy = policy;
         }
@@ -434,14 +449,40 @@ fn parse_disable_control(text: &str) -> Result<bool, String> {
     }
 }
 
-/// `CUDA_OVERSUBSCRIBE`: `true` or `1` (what HAMi's device plugin writes), `false` or `0`; any
-/// other value is refused rather than read as either, since each way changes what a job may do.
+/// `CUDA_OVERSUBSCRIBE` and `CUDA_PRIORITY_RELEASE`: `true` or `1` (what HAMi's device plugin
+/// writes), `false` or `0`; any other value is refused rather than read as either, since each way
+/// changes what a job may do.
 fn parse_oversubscribe(text: &str) -> Result<bool, String> {
     match text {
         "true" | "1" => Ok(true),
         "false" | "0" => Ok(false),
         _ => Err("expected true or 1 (on), false or 0 (off)".to_owned()),
     }
+}
+
+/// `CUDA_IDLE_RELEASE`: a duration of at least a second (`90s`, `10m`, `1h`, or plain seconds);
+/// `0` or `off` turns it off (`None`).
+fn parse_idle_release(text: &str) -> Result<Option<std::time::Duration>, String> {
+    const EXAMPLES: &str = "(expected a duration such as 90s, 10m or 1h, plain seconds, or 0 or off)";
+    if text == "0" || text == "off" {
+        return Ok(None);
+    }
+    let (number, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len()));
+    let scale = match unit {
+        "" | "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        _ => return Err(format!("not a duration {EXAMPLES}")),
+    };
+    let seconds = number
+        .parse::<u64>()
+        .ok()
+        .and_then(|count| count.checked_mul(scale))
+        .ok_or_else(|| format!("not a duration {EXAMPLES}"))?;
+    if seconds == 0 {
+        return Err(format!("a duration of at least 1 second {EXAMPLES}"));
+    }
+    Ok(Some(std::time::Duration::from_secs(seconds)))
 }
 
 fn parse_switch(text: &str) -> Result<bool, String> {
@@ -1018,6 +1059,33 @@ mod tests {
                 "{value:?}"
             );
         }
+    }
+
+    #[test]
+    fn idle_release_is_a_duration_and_priority_release_a_switch() {
+        let idle = |value: &str| config_of(&[("CUDA_IDLE_RELEASE", value)]).map(|config| config.idle_release);
+        let secs = |seconds| Ok(Some(std::time::Duration::from_secs(seconds)));
+        assert_eq!(config_of(&[]).map(|config| config.idle_release), Ok(None));
+        assert_eq!(idle("10m"), secs(600));
+        assert_eq!(idle("90s"), secs(90));
+        assert_eq!(idle("45"), secs(45));
+        assert_eq!(idle("1h"), secs(3600));
+        assert_eq!(idle("0"), Ok(None));
+        assert_eq!(idle("off"), Ok(None));
+        assert_eq!(idle(""), Ok(None));
+        for value in ["0s", "10 m", "-5", "1.5m", "10d", "99999999999999999999h", "m"] {
+            let error = idle(value).err();
+            assert_eq!(
+                error.as_ref().map(|e| e.variable.as_str()),
+                Some("CUDA_IDLE_RELEASE"),
+                "{value:?}"
+            );
+        }
+        let priority =
+            |value: &str| config_of(&[("CUDA_PRIORITY_RELEASE", value)]).map(|config| config.priority_release);
+        assert_eq!(priority("true"), Ok(true));
+        assert_eq!(priority("0"), Ok(false));
+        assert!(priority("yes").is_err());
     }
 
     #[test]

@@ -21,7 +21,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use libloading::Library;
-use vgpu_region::{ProcessSnapshot, SLOT_RELEASED, SlotExtension, Snapshot};
+use vgpu_region::{ProcessSnapshot, SLOT_IDLE_RELEASE, SLOT_PRIORITY_RELEASE, SLOT_RELEASED, SlotExtension, Snapshot};
 
 use crate::control::{self, Order, Target};
 use crate::read::shown;
@@ -240,7 +240,10 @@ fn restore(
     if status != CUDA_SUCCESS {
         return Err(format!("restored, but unlock failed: {}", status_name(status)));
     }
-    extension.flags.fetch_and(!SLOT_RELEASED, Ordering::AcqRel);
+    extension.flags.fetch_and(
+        !(SLOT_RELEASED | SLOT_IDLE_RELEASE | SLOT_PRIORITY_RELEASE),
+        Ordering::AcqRel,
+    );
     extension.suspend.store(0, Ordering::Release);
     Ok(started.elapsed().as_secs_f64())
 }

@@ -39,6 +39,12 @@ pub const SLOT_FREE: i32 = 0;
 pub const SLOT_LIVE: i32 = 1;
 /// [`SlotExtension::flags`] bit: the process's device memory is checkpointed off the device.
 pub const SLOT_RELEASED: u32 = 1;
+/// [`SlotExtension::flags`] bit: the process asked for its own release after `CUDA_IDLE_RELEASE`
+/// without a launch; it asks for the restore when it needs the GPU.
+pub const SLOT_IDLE_RELEASE: u32 = 2;
+/// [`SlotExtension::flags`] bit: the process asked for its own release while HAMi's monitor blocked
+/// the container by priority (`CUDA_PRIORITY_RELEASE`); it asks for the restore once unblocked.
+pub const SLOT_PRIORITY_RELEASE: u32 = 4;
 
 /// The extension's magic: the ASCII bytes `VGPUEXT1` as they lie in the file.
 pub const EXTENSION_MAGIC: u64 = u64::from_le_bytes(*b"VGPUEXT1");
@@ -207,8 +213,9 @@ pub struct SlotExtension {
     /// Reserved for suspending a process's launches; 0.
     pub suspend: AtomicU32,
     /// Bit 0 ([`SLOT_RELEASED`]): `vgpu-smi suspend --release` checkpointed the process, its
-    /// device memory is in host memory and off the device (its charges stay); other bits
-    /// reserved, 0.
+    /// device memory is in host memory and off the device (its charges stay); bits 1 and 2
+    /// ([`SLOT_IDLE_RELEASE`], [`SLOT_PRIORITY_RELEASE`]): why the process asked for it itself;
+    /// other bits reserved, 0.
     pub flags: AtomicU32,
     /// Per region device index: this process's data allocations and frees under way (at most
     /// 255 counted). In the slot, so that the marks of a process that dies in the middle of a

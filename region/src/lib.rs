@@ -80,8 +80,8 @@ pub use layout::{
     COMPUTE_OFFSET, ComputeDevice, DeviceMemory, DeviceUtil, EXTENSION_MAGIC, EXTENSION_OFFSET, EXTENSION_SIZE,
     EXTENSION_VERSION, Extension, FAVOUR_LOCK_OFFSET, FILE_LOCK_OFFSET, HAMI_INITIALIZED_FLAG, HAMI_MAJOR_VERSION,
     HAMI_MINOR_VERSION, HAMI_REGION_SIZE, HOST_BACKED_OFFSET, LockWords, MAX_DEVICES, MAX_SLOTS, OpaqueStorage,
-    ProcSlot, REGION_FILE_SIZE, RegionFile, SLOT_EXTENSIONS_OFFSET, SLOT_FREE, SLOT_LIVE, SLOT_RELEASED, SharedRegion,
-    SlotExtension, UUID_BYTES, layout_listing,
+    ProcSlot, REGION_FILE_SIZE, RegionFile, SLOT_EXTENSIONS_OFFSET, SLOT_FREE, SLOT_IDLE_RELEASE, SLOT_LIVE,
+    SLOT_PRIORITY_RELEASE, SLOT_RELEASED, SharedRegion, SlotExtension, UUID_BYTES, layout_listing,
 };
 pub use process::process_start_time;
 pub use snapshot::{ComputeCounters, ExtensionSnapshot, MemoryUsage, ProcessSnapshot, Snapshot, read_snapshot};

@@ -9,6 +9,7 @@
 //! parent's per-process state (its locks may be held by threads the child does not have).
 
 mod devices;
+pub mod self_release;
 pub mod suspend;
 
 use std::sync::OnceLock;

@@ -45,6 +45,7 @@ pub fn wait_while_suspended() {
 #[inline(never)]
 fn wait_for_resume() {
     let waited = std::panic::catch_unwind(|| {
+        super::self_release::wanted();
         tracing::info!("suspended by vgpu-smi: GPU work waits until `vgpu-smi resume`");
         while suspended() {
             std::thread::sleep(POLL_INTERVAL);

@@ -42,6 +42,8 @@ const WRITE_PERIOD_NS: u64 = 1_000_000_000;
 static LAUNCHED: AtomicBool = AtomicBool::new(false);
 /// The tick thread is running (or being started) in this process.
 static TICKING: AtomicBool = AtomicBool::new(false);
+/// A launch the tick saw has not been written into `last_kernel_time` yet.
+static UNWRITTEN: AtomicBool = AtomicBool::new(false);
 
 /// A launch on the handler's path notes that it happened. True when it is an unlimited launch
 /// that found the mode `Idle` (the first since the tick wrote): it goes to the driver directly.
@@ -118,10 +120,13 @@ fn tick(written: &mut u64) {
         return;
     };
     let now = super::now_ns();
-    if now.saturating_sub(*written) >= WRITE_PERIOD_NS && take_launches() {
+    let launched = take_launches();
+    UNWRITTEN.fetch_or(launched, Ordering::Relaxed);
+    if now.saturating_sub(*written) >= WRITE_PERIOD_NS && UNWRITTEN.swap(false, Ordering::Relaxed) {
         crate::session::write_kernel_time(session.region());
         *written = now;
     }
+    crate::session::self_release::tick(session, launched);
     super::runtime::follow_live_limits(session);
     crate::session::keep_region_path(session);
     crate::memory::elastic_tick();
@@ -135,7 +140,7 @@ pub fn write_at_exit() {
     let Some(session) = crate::session::get() else {
         return;
     };
-    if take_launches() {
+    if take_launches() | UNWRITTEN.swap(false, Ordering::Relaxed) {
         crate::session::write_kernel_time(session.region());
     }
 }

@@ -9,8 +9,11 @@ use std::path::PathBuf;
 use std::process::Output;
 use std::time::Duration;
 
+use std::sync::atomic::Ordering;
+use std::time::Instant;
 use vgpu_integration::{Run, ScratchDir, Session, compiled_program, profile_dir};
-use vgpu_region::{SLOT_LIVE, read_snapshot};
+
+use vgpu_region::{InitParams, Region, SLOT_LIVE, read_snapshot};
 
 const MIB: u64 = 1 << 20;
 const CONTEXT: u64 = 48 * MIB;
@@ -193,4 +196,76 @@ fn a_bad_lock_timeout_is_one_line_and_status_2() {
     }
     let output = vgpu_smi(&dir, &["suspend", "--lock-timeout", "1"]);
     assert_eq!(output.status.code(), Some(2), "--lock-timeout without --release");
+}
+
+/// A process of the container that has launched once (its tick runs), holding [`HELD`].
+fn launched_job(dir: &ScratchDir, variable: (&str, &str)) -> Session {
+    let mut session = setup(Run::new(&compiled_program("monitor_launch")).hooked(), dir)
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "2g")
+        .env(variable.0, variable.1)
+        .spawn(Duration::from_secs(60));
+    assert_eq!(session.ask("init"), "init 0");
+    assert_eq!(session.ask("ctx 0"), "ctx 0");
+    assert!(session.ask(&format!("alloc {HELD}")).starts_with("alloc 0 "));
+    assert!(session.ask("load").starts_with("load 0"));
+    assert!(session.ask("launch 1").starts_with("launch 0 "));
+    session
+}
+
+/// Waits up to `seconds` for the truth's device 0 to hold `bytes`.
+fn device_reaches(dir: &ScratchDir, bytes: u64, seconds: u64) -> bool {
+    let truth = dir.truth();
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    loop {
+        truth.reclaim_dead();
+        if truth.device(0).used() == bytes {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn an_idle_process_releases_its_memory_and_its_next_launch_restores_it() {
+    let dir = ScratchDir::new("release-idle");
+    let mut process = launched_job(&dir, ("CUDA_IDLE_RELEASE", "1"));
+    let pid = process.pid();
+    assert!(
+        device_reaches(&dir, 0, 10),
+        "still on the device 10 s after 1 s idle: {}",
+        dir.truth().device(0).used()
+    );
+    assert_eq!(region_view(&dir, pid), (CONTEXT + HELD, true));
+    // The next launch waits for the restore, then runs.
+    let started = Instant::now();
+    let answer = process.ask("launch 1");
+    assert!(answer.starts_with("launch 0 "), "{answer}");
+    eprintln!("the launch after an idle release waited {:?}", started.elapsed());
+    assert_eq!(dir.truth().device(0).used(), CONTEXT + HELD);
+    assert_eq!(region_view(&dir, pid), (CONTEXT + HELD, false));
+}
+
+#[test]
+fn a_process_blocked_by_priority_releases_its_memory_until_unblocked() {
+    let dir = ScratchDir::new("release-priority");
+    let mut process = launched_job(&dir, ("CUDA_PRIORITY_RELEASE", "true"));
+    let pid = process.pid();
+    let init = InitParams {
+        device_uuids: vec!["GPU-00000000-0000-0000-0000-000000000000".to_string()],
+        ..InitParams::default()
+    };
+    let region = Region::open(&dir.region(), &init).expect("open the region from the test");
+    region.hami().recent_kernel.store(-1, Ordering::Relaxed);
+    assert!(device_reaches(&dir, 0, 10), "not released 10 s after the block");
+    assert_eq!(region_view(&dir, pid), (CONTEXT + HELD, true));
+    region.hami().recent_kernel.store(2, Ordering::Relaxed);
+    assert!(
+        device_reaches(&dir, CONTEXT + HELD, 10),
+        "not restored 10 s after the block ended"
+    );
+    assert!(process.ask("launch 1").starts_with("launch 0 "));
+    assert_eq!(region_view(&dir, pid), (CONTEXT + HELD, false));
 }
