@@ -295,7 +295,7 @@ fn move_back(accounting: Accounting) {
         let free = match free_now_by_device.get(&spill.ordinal) {
             Some(free) => *free,
             None => {
-                let Some(free) = device_room(spill.ordinal) else {
+                let Some(free) = device_room() else {
                     continue;
                 };
                 free
@@ -325,16 +325,12 @@ fn move_back(accounting: Accounting) {
     }
 }
 
-/// Free device memory on `ordinal` beyond the headroom, as the driver sees it.
-fn device_room(ordinal: CUdevice) -> Option<u64> {
+/// Free device memory on the current device beyond the headroom, as the driver sees it.
+fn device_room() -> Option<u64> {
     let get_info = real::cuMemGetInfo_v2()?;
-    let total_mem = real::cuDeviceTotalMem_v2()?;
     let (mut free, mut total) = (0usize, 0usize);
-    // SAFETY: valid out-pointers to locals; the current context is the spill's (its process's).
-    let status = unsafe { get_info(&mut free, &mut 0usize) };
-    // SAFETY: as above.
-    let total_status = unsafe { total_mem(&mut total, ordinal) };
-    if status != CUDA_SUCCESS || total_status != CUDA_SUCCESS {
+    // SAFETY: valid out-pointers to locals; the current context's device is the spills'.
+    if unsafe { get_info(&mut free, &mut total) } != CUDA_SUCCESS {
         return None;
     }
     let headroom = (total as u64) / 1000 * HEADROOM_PER_MILLE;
