@@ -268,7 +268,7 @@ fn region_report(read: &RegionRead, is_alive: &impl Fn(i32, Option<u64>) -> bool
                     let counters = extension.compute[device];
                     LimiterReport {
                         charged_ns: counters.charged_ns,
-                        held_ns: counters.wait_ns,
+                        held_ns: counters.held_ns,
                         launches: counters.launches,
                     }
                 }),

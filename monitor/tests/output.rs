@@ -77,8 +77,8 @@ impl Image {
     /// The compute limiter's counters of a device: GPU time charged, time held, launches.
     fn limiter(&mut self, device: usize, charged_ns: u64, held_ns: u64, launches: u64) {
         let base = EXTENSION_OFFSET + COMPUTE_OFFSET + device * size_of::<ComputeDevice>();
-        self.put_u64(base + offset_of!(ComputeDevice, busy_ns), charged_ns);
-        self.put_u64(base + offset_of!(ComputeDevice, wait_ns), held_ns);
+        self.put_u64(base + offset_of!(ComputeDevice, charged_ns), charged_ns);
+        self.put_u64(base + offset_of!(ComputeDevice, held_ns), held_ns);
         self.put_u64(base + offset_of!(ComputeDevice, launches), launches);
     }
 

@@ -237,12 +237,13 @@ pub struct ComputeDevice {
     /// `CLOCK_MONOTONIC` ns up to which the bucket has been refilled; 0 = never used (the first
     /// user fills the bucket).
     pub refilled_ns: AtomicU64,
-    /// GPU time (ns) charged to the device by every process: estimates at launch plus the
-    /// corrections measurements brought. A monotonic counter for monitors.
-    pub busy_ns: AtomicU64,
-    /// Wall time (ns) launches spent waiting for budget or for `recent_kernel`, summed over
-    /// processes and threads.
-    pub wait_ns: AtomicU64,
+    /// Charged time: GPU time (ns) charged to the device by every process, estimates at launch
+    /// plus the corrections measurements brought; mostly grows, and a correction down lowers it.
+    /// (Formerly `busy_ns`; the bytes are the same.)
+    pub charged_ns: AtomicU64,
+    /// Held time: wall time (ns) launches spent waiting for budget or for `recent_kernel`, summed
+    /// over processes and threads; only grows. (Formerly `wait_ns`.)
+    pub held_ns: AtomicU64,
     /// Launches that went through the limiter.
     pub launches: AtomicU64,
     /// Limit in percent of the process that refilled the bucket last.
@@ -458,7 +459,7 @@ pub fn layout_listing() -> String {
             name: "ComputeDevice",
             placement: "vgpu compute limiter per device, Extension.compute[d] at 50176 + 64 * d",
             size: size_of::<ComputeDevice>(),
-            fields: fields!(ComputeDevice => budget_ns, refilled_ns, busy_ns, wait_ns, launches, limit_percent,
+            fields: fields!(ComputeDevice => budget_ns, refilled_ns, charged_ns, held_ns, launches, limit_percent,
                 flags, reserved),
         },
     ];

@@ -74,13 +74,14 @@ pub struct ExtensionSnapshot {
     pub compute: [ComputeCounters; MAX_DEVICES],
 }
 
-/// The compute limiter's monotonic counters for one device, summed over the region's processes.
+/// The compute limiter's counters for one device, summed over the region's processes: held time
+/// and launches only grow; charged time mostly grows (a correction down lowers it).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ComputeCounters {
     /// GPU time (ns) charged to the device's launches.
     pub charged_ns: u64,
     /// Wall time (ns) launches spent held by the limiter.
-    pub wait_ns: u64,
+    pub held_ns: u64,
     /// Launches that went through the limiter.
     pub launches: u64,
 }
@@ -333,8 +334,8 @@ pub(crate) fn decode(file: &RegionFile, extension_valid: bool, seqlock_attempts:
         compute: std::array::from_fn(|device| {
             let compute = &file.ext.compute[device];
             ComputeCounters {
-                charged_ns: compute.busy_ns.load(Ordering::Relaxed),
-                wait_ns: compute.wait_ns.load(Ordering::Relaxed),
+                charged_ns: compute.charged_ns.load(Ordering::Relaxed),
+                held_ns: compute.held_ns.load(Ordering::Relaxed),
                 launches: compute.launches.load(Ordering::Relaxed),
             }
         }),

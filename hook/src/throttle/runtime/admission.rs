@@ -255,7 +255,7 @@ impl Runtime {
         active: bool,
     ) {
         if waited > 0 {
-            bucket.wait_ns.fetch_add(waited, Ordering::Relaxed);
+            bucket.held_ns.fetch_add(waited, Ordering::Relaxed);
         }
         if let Some(device) = self.devices.get(region_index) {
             device.charged.fetch_add(charge, Ordering::Relaxed);

@@ -66,9 +66,9 @@ struct PollState {
 #[derive(Clone, Copy, Default)]
 struct Seen {
     at: u64,
-    busy_ns: u64,
+    charged_ns: u64,
     launches: u64,
-    wait_ns: u64,
+    held_ns: u64,
     /// Readings the boost factor has followed.
     readings: u32,
     /// NVML's busy time against the measured one, over the recent readings ([`trim`]).
@@ -85,9 +85,9 @@ impl Seen {
     fn now(compute: &ComputeDevice, at: u64, last: Seen) -> Seen {
         Seen {
             at,
-            busy_ns: compute.busy_ns.load(Ordering::Relaxed),
+            charged_ns: compute.charged_ns.load(Ordering::Relaxed),
             launches: compute.launches.load(Ordering::Relaxed),
-            wait_ns: compute.wait_ns.load(Ordering::Relaxed),
+            held_ns: compute.held_ns.load(Ordering::Relaxed),
             ..last
         }
     }
@@ -263,7 +263,7 @@ impl Runtime {
             let charged = unflushed(&device.flushed_charged, || {
                 device.charged.load(Ordering::Relaxed) as u64
             });
-            add_signed(&region_counters.busy_ns, charged as i64);
+            add_signed(&region_counters.charged_ns, charged as i64);
             let launches = unflushed(&device.flushed_launches, || device.launches.load(Ordering::Relaxed));
             region_counters.launches.fetch_add(launches, Ordering::Relaxed);
         }
@@ -317,7 +317,7 @@ impl Runtime {
         let last = *seen;
         let mut next_seen = Seen::now(compute, now, last);
         let period = now.saturating_sub(last.at).max(1);
-        let charged = next_seen.busy_ns.saturating_sub(last.busy_ns) as f64 / period as f64;
+        let charged = next_seen.charged_ns.saturating_sub(last.charged_ns) as f64 / period as f64;
         let unit = f64::from(FACTOR_UNIT);
         let current = f64::from(factors.boost.load(Ordering::Relaxed)) / unit;
         let trim_now = f64::from(factors.trim.load(Ordering::Relaxed)) / unit;
@@ -346,7 +346,7 @@ impl Runtime {
             "compute limiter: device {ordinal} period {} ms: charged {charged:.3} of it, launches waited {:.3} of it, \
              {} launches, NVML utilisation {}, samples {}, budget {} us, trim {trim:.3}",
             period / 1_000_000,
-            next_seen.wait_ns.saturating_sub(last.wait_ns) as f64 / period as f64,
+            next_seen.held_ns.saturating_sub(last.held_ns) as f64 / period as f64,
             next_seen.launches.saturating_sub(last.launches),
             nvml.utilisation
                 .map_or_else(|| "unknown".to_owned(), |percent| format!("{percent}%")),
