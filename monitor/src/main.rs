@@ -143,53 +143,59 @@ fn serve(options: &ServeArgs) -> Result<bool, String> {
     Ok(true)
 }
 
+/// The region files a control command acts on; an argument that names none is said, and sets
+/// `failed`.
+fn control_paths(regions: &Regions, failed: &mut bool) -> Vec<PathBuf> {
+    let mut all = Vec::new();
+    for argument in region_arguments(regions) {
+        match discover(&argument) {
+            Ok(paths) => all.extend(paths),
+            Err(problem) => {
+                eprintln!("vgpu-smi: {}: {problem}", shown(&argument));
+                *failed = true;
+            }
+        }
+    }
+    all
+}
+
 fn suspend_or_resume(options: &ControlArgs, suspend: bool) -> Result<bool, String> {
     let target = options.pid.map_or(Target::All, Target::Pid);
     let verb = if suspend { "suspended" } else { "resumed" };
     let mut changed_any = false;
     let mut failed = false;
-    for argument in region_arguments(&options.regions) {
-        let paths = match discover(&argument) {
-            Ok(paths) => paths,
-            Err(problem) => {
-                eprintln!("vgpu-smi: {}: {problem}", shown(&argument));
-                failed = true;
-                continue;
-            }
-        };
-        for path in paths {
-            if !suspend && release::has_released(&path, target) {
-                // Released processes are restored before they run again.
-                let driver = match Checkpoint::load() {
-                    Ok(driver) => Some(driver),
-                    Err(problem) => {
-                        eprintln!("vgpu-smi: {problem}: released processes stay released");
-                        None
-                    }
-                };
-                match release::resume(&path, target, driver.as_ref()) {
-                    Ok(outcome) => {
-                        changed_any |= outcome.done > 0 || outcome.failed;
-                        failed |= outcome.failed;
-                    }
-                    Err(problem) => {
-                        eprintln!("vgpu-smi: {problem}");
-                        failed = true;
-                    }
+    for path in control_paths(&options.regions, &mut failed) {
+        if !suspend && release::has_released(&path, target) {
+            // Released processes are restored before they run again.
+            let driver = match Checkpoint::load() {
+                Ok(driver) => Some(driver),
+                Err(problem) => {
+                    eprintln!("vgpu-smi: {problem}: released processes stay released");
+                    None
                 }
-                continue;
-            }
-            match control::set_suspended(&path, target, suspend) {
-                Ok(changed) => {
-                    for slot in &changed {
-                        println!("{verb} pid {} (slot {}) in {}", slot.pid, slot.slot, shown(&path));
-                    }
-                    changed_any |= !changed.is_empty();
+            };
+            match release::resume(&path, target, driver.as_ref()) {
+                Ok(outcome) => {
+                    changed_any |= outcome.done > 0 || outcome.failed;
+                    failed |= outcome.failed;
                 }
                 Err(problem) => {
                     eprintln!("vgpu-smi: {problem}");
                     failed = true;
                 }
+            }
+            continue;
+        }
+        match control::set_suspended(&path, target, suspend) {
+            Ok(changed) => {
+                for slot in &changed {
+                    println!("{verb} pid {} (slot {}) in {}", slot.pid, slot.slot, shown(&path));
+                }
+                changed_any |= !changed.is_empty();
+            }
+            Err(problem) => {
+                eprintln!("vgpu-smi: {problem}");
+                failed = true;
             }
         }
     }
@@ -209,25 +215,15 @@ fn release(options: &SuspendArgs) -> Result<bool, String> {
     let driver = Checkpoint::load()?;
     let target = options.control.pid.map_or(Target::All, Target::Pid);
     let (mut done, mut failed) = (0, false);
-    for argument in region_arguments(&options.control.regions) {
-        let paths = match discover(&argument) {
-            Ok(paths) => paths,
-            Err(problem) => {
-                eprintln!("vgpu-smi: {}: {problem}", shown(&argument));
-                failed = true;
-                continue;
+    for path in control_paths(&options.control.regions, &mut failed) {
+        match release::release(&path, target, &driver, options.lock_timeout) {
+            Ok(outcome) => {
+                done += outcome.done;
+                failed |= outcome.failed;
             }
-        };
-        for path in paths {
-            match release::release(&path, target, &driver, options.lock_timeout) {
-                Ok(outcome) => {
-                    done += outcome.done;
-                    failed |= outcome.failed;
-                }
-                Err(problem) => {
-                    eprintln!("vgpu-smi: {problem}");
-                    failed = true;
-                }
+            Err(problem) => {
+                eprintln!("vgpu-smi: {problem}");
+                failed = true;
             }
         }
     }

@@ -184,6 +184,7 @@ pub fn resume(path: &Path, target: Target, driver: Option<&Checkpoint>) -> Resul
     control::visit(path, target, Order::Reversed, |snapshot, process, extension| {
         if extension.flags.load(Ordering::Acquire) & SLOT_RELEASED == 0 {
             extension.suspend.store(0, Ordering::Release);
+            println!("resumed pid {} (slot {}) in {}", process.pid, process.slot, shown(path));
             outcome.done += 1;
             return true;
         }

@@ -36,17 +36,8 @@ impl State {
             Err(error) => return Err(error),
         };
         let charge = if residence == Residence::Device { size } else { 0 };
-        let alloc = Alloc {
-            size,
-            charge,
-            phys: current.phys,
-            ordinal: current.ordinal,
-            ctx: current.ctx,
-            pool: None,
-            graph: false,
-        };
         let ptr = self
-            .place(current.phys, alloc)
+            .place(current.phys, Alloc::plain(current, size, charge))
             .inspect_err(|_| self.uncharge(current.phys, charge))?;
         if residence == Residence::Host {
             self.record_host(size, true);

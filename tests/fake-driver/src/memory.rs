@@ -30,6 +30,21 @@ pub struct Alloc {
     pub graph: bool,
 }
 
+impl Alloc {
+    /// An allocation of `size` bytes in the current context, charging `charge`, of no pool or graph.
+    pub fn plain(current: Current, size: u64, charge: u64) -> Alloc {
+        Alloc {
+            size,
+            charge,
+            phys: current.phys,
+            ordinal: current.ordinal,
+            ctx: current.ctx,
+            pool: None,
+            graph: false,
+        }
+    }
+}
+
 /// A window of device addresses handing out 512-aligned ranges, first fit from a cursor.
 pub struct VaSpace {
     lo: u64,
@@ -103,16 +118,7 @@ impl State {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         self.charge(current.phys, charge)?;
-        let alloc = Alloc {
-            size,
-            charge,
-            phys: current.phys,
-            ordinal: current.ordinal,
-            ctx: current.ctx,
-            pool: None,
-            graph: false,
-        };
-        self.place(current.phys, alloc)
+        self.place(current.phys, Alloc::plain(current, size, charge))
             .inspect_err(|_| self.uncharge(current.phys, charge))
     }
 
