@@ -48,6 +48,33 @@ fn is_alive_in(proc: &Path, pid: i32, recorded_start_time: Option<u64>, nested: 
     start_time.is_some_and(nested)
 }
 
+/// The pid, in `vgpu-smi`'s own pid namespace, of the live process a slot records: the slot's pid
+/// when the process with that pid here started at the recorded tick, else the visible process
+/// started then whose innermost pid is the slot's (the view from the host). `None` without a
+/// recorded start time (nothing to tell a reused or forged pid by) or when no such process lives:
+/// a pid written into the region is never acted on unless its start time matches.
+pub fn visible_pid(pid: i32, recorded_start_time: Option<u64>) -> Option<i32> {
+    visible_pid_in(Path::new("/proc"), pid, recorded_start_time)
+}
+
+fn visible_pid_in(proc: &Path, pid: i32, recorded_start_time: Option<u64>) -> Option<i32> {
+    let start_time = recorded_start_time.filter(|&ticks| ticks != 0)?;
+    if pid <= 0 {
+        return None;
+    }
+    match read_stat(proc, pid) {
+        Some((state, ticks)) if ticks == start_time => return (!exited(state)).then_some(pid),
+        _ => {}
+    }
+    let scan = Scan::new(proc);
+    scan.by_start_time
+        .get(&start_time)
+        .into_iter()
+        .flatten()
+        .copied()
+        .find(|&visible| innermost_pid(proc, visible) == Some(pid))
+}
+
 /// The processes visible in a `/proc`, by start time, zombies left out.
 struct Scan {
     by_start_time: HashMap<u64, Vec<i32>>,
@@ -158,6 +185,30 @@ mod tests {
         for root in [host, container] {
             let _ = std::fs::remove_dir_all(root);
         }
+    }
+
+    #[test]
+    fn the_visible_pid_of_a_slot_needs_its_start_time() {
+        let host = fake_proc(&[
+            (4242, 'S', 1000, "4242\t7"),
+            (4243, 'Z', 2000, "4243\t9"),
+            (7, 'S', 50, "7"),
+        ]);
+        assert_eq!(
+            visible_pid_in(&host, 7, Some(1000)),
+            Some(4242),
+            "the container's 7, from the host"
+        );
+        assert_eq!(visible_pid_in(&host, 7, Some(50)), Some(7), "the host's own 7");
+        assert_eq!(visible_pid_in(&host, 9, Some(2000)), None, "a zombie");
+        assert_eq!(visible_pid_in(&host, 7, None), None, "no start time: not acted on");
+        assert_eq!(
+            visible_pid_in(&host, 7, Some(1001)),
+            None,
+            "a forged or stale start time"
+        );
+        assert_eq!(visible_pid_in(&host, -1, Some(1000)), None);
+        let _ = std::fs::remove_dir_all(host);
     }
 
     #[test]

@@ -3,6 +3,10 @@
 //! r550 and later, called on another process by pid), so the GPU's memory is free for others
 //! while they are held, and restored before they run again.
 //!
+//! The pid a slot records is acted on only when a live process with that start time is found
+//! (`liveness::visible_pid`): in the container it is the slot's pid, on the host its host pid;
+//! a forged or stale pid in the region is left alone.
+//!
 //! Release, per live process of the region: lock it (its CUDA calls wait; a process whose calls do
 //! not drain within the timeout is reported and left running), checkpoint it (its memory goes to
 //! host memory and its device allocations are released), then mark its slot released
@@ -24,6 +28,7 @@ use libloading::Library;
 use vgpu_region::{ProcessSnapshot, SLOT_IDLE_RELEASE, SLOT_PRIORITY_RELEASE, SLOT_RELEASED, SlotExtension, Snapshot};
 
 use crate::control::{self, Order, Target};
+use crate::liveness::visible_pid;
 use crate::read::shown;
 use crate::units::human_bytes;
 
@@ -116,10 +121,20 @@ pub fn release(path: &Path, target: Target, driver: &Checkpoint, timeout: Durati
         if process.pid == own || extension.flags.load(Ordering::Acquire) & SLOT_RELEASED != 0 {
             return false;
         }
+        let Some(pid) = visible_pid(process.pid, process.start_time) else {
+            println!(
+                "pid {} (slot {}) in {}: no live process here started when its slot says: left alone",
+                process.pid,
+                process.slot,
+                shown(path)
+            );
+            outcome.failed = true;
+            return false;
+        };
         extension.suspend.store(1, Ordering::Release);
         let held = human_bytes(process.memory.iter().map(|usage| usage.total).sum());
         let started = Instant::now();
-        let status = driver.lock(process.pid, timeout);
+        let status = driver.lock(pid, timeout);
         if status != CUDA_SUCCESS {
             let why = if status == CUDA_ERROR_NOT_READY {
                 format!("its CUDA calls did not drain within {timeout:?}")
@@ -137,9 +152,9 @@ pub fn release(path: &Path, target: Target, driver: &Checkpoint, timeout: Durati
             return false;
         }
         let locked = started.elapsed();
-        let status = driver.call(driver.checkpoint, process.pid);
+        let status = driver.call(driver.checkpoint, pid);
         if status != CUDA_SUCCESS {
-            let _ = driver.call(driver.unlock, process.pid);
+            let _ = driver.call(driver.unlock, pid);
             println!(
                 "pid {} (slot {}) in {}: checkpoint failed ({}): unlocked, left running",
                 process.pid,
@@ -232,12 +247,14 @@ fn restore(
     process: &ProcessSnapshot,
     extension: &SlotExtension,
 ) -> Result<f64, String> {
+    let pid = visible_pid(process.pid, process.start_time)
+        .ok_or_else(|| "no live process here started when its slot says".to_string())?;
     let started = Instant::now();
-    let status = driver.call(driver.restore, process.pid);
+    let status = driver.call(driver.restore, pid);
     if status != CUDA_SUCCESS {
         return Err(format!("{}{}", status_name(status), shortfall(snapshot, process)));
     }
-    let status = driver.call(driver.unlock, process.pid);
+    let status = driver.call(driver.unlock, pid);
     if status != CUDA_SUCCESS {
         return Err(format!("restored, but unlock failed: {}", status_name(status)));
     }
