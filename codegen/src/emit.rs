@@ -3,8 +3,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
-use crate::handlers;
-use crate::route::{Arg, Routed};
+use crate::route::Routed;
 use crate::table::{Class, format_version};
 
 /// The `hook_macros::hooks!` input: one `extern "C"` block whose items carry their routing in a
@@ -18,16 +17,7 @@ pub fn hooks_input(routed: &[Routed]) -> String {
             function.class.key().replace('-', "_")
         );
         if let Some(handler) = &function.handler {
-            let args: Vec<String> = function
-                .args
-                .iter()
-                .map(|arg| match arg {
-                    Arg::Call => handlers::CALL.to_string(),
-                    Arg::EntryPoint => handlers::ENTRY_POINT.to_string(),
-                    Arg::Param(name) => name.clone(),
-                    Arg::PerThread(value) => format!("{} = {value}", handlers::PER_THREAD),
-                })
-                .collect();
+            let args: Vec<String> = function.args.iter().map(ToString::to_string).collect();
             let _ = write!(attr, ", handler = crate::{handler}, args({})", args.join(", "));
             if let Some(fast_path) = &function.fast_path {
                 let _ = write!(attr, ", fast_path = crate::{fast_path}");

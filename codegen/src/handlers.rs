@@ -20,12 +20,7 @@ use std::path::Path;
 
 use crate::{Error, Result};
 
-/// The closure that calls the real function.
-pub const CALL: &str = "call";
-/// The entry point's name.
-pub const ENTRY_POINT: &str = "entry_point";
-/// Whether the function is a per-thread-default-stream variant.
-pub const PER_THREAD: &str = "per_thread";
+pub use vgpu_handler_args::{CALL, ENTRY_POINT, PER_THREAD};
 
 /// Every public function of the sources, by module, with `pub use` re-exports.
 #[derive(Default, Debug)]

@@ -10,18 +10,7 @@ use crate::table::{Class, Entry, Table, format_version};
 use crate::variants::split_name;
 use crate::{Error, Library, Result};
 
-/// What a handler parameter receives.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Arg {
-    /// The closure that calls the real function.
-    Call,
-    /// The entry point's name.
-    EntryPoint,
-    /// The header parameter of this name.
-    Param(String),
-    /// Whether the function is a per-thread-default-stream variant.
-    PerThread(bool),
-}
+pub use vgpu_handler_args::Arg;
 
 /// One function of a header with what the hook does with it.
 #[derive(Clone, Debug)]
@@ -43,7 +32,7 @@ impl Routed {
             .iter()
             .filter_map(|arg| match arg {
                 Arg::Param(name) => Some(name.clone()),
-                Arg::PerThread(value) => Some(format!("{} = {value}", handlers::PER_THREAD)),
+                Arg::PerThread(_) => Some(arg.to_string()),
                 Arg::Call | Arg::EntryPoint => None,
             })
             .collect()

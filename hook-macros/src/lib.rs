@@ -33,17 +33,7 @@ struct Function {
     suspendable: bool,
 }
 
-/// One handler argument.
-enum Arg {
-    /// The closure that calls the real function.
-    Call,
-    /// The function's name.
-    EntryPoint,
-    /// A constant the generator states.
-    Constant(syn::LitBool),
-    /// The wrapper's parameter of this name.
-    Param(Ident),
-}
+use vgpu_handler_args::Arg;
 
 struct Input {
     functions: Vec<Function>,
@@ -83,16 +73,14 @@ impl Parse for Input {
                     } else if meta.path.is_ident("args") {
                         meta.parse_nested_meta(|arg| {
                             let ident = arg.path.require_ident()?.clone();
-                            if arg.input.peek(syn::Token![=]) {
-                                // A constant the generator states, passed as its value.
-                                handler_args.push(Arg::Constant(arg.value()?.parse()?));
-                            } else if ident == "call" {
-                                handler_args.push(Arg::Call);
-                            } else if ident == "entry_point" {
-                                handler_args.push(Arg::EntryPoint);
+                            let value = if arg.input.peek(syn::Token![=]) {
+                                Some(arg.value()?.parse::<syn::LitBool>()?.value)
                             } else {
-                                handler_args.push(Arg::Param(ident));
-                            }
+                                None
+                            };
+                            let parsed = Arg::from_attribute(&ident.to_string(), value)
+                                .map_err(|problem| syn::Error::new_spanned(&ident, problem))?;
+                            handler_args.push(parsed);
                             Ok(())
                         })?;
                     } else {
@@ -117,13 +105,16 @@ impl Parse for Input {
             };
             if let Some((_, args)) = &handler {
                 for arg in args {
-                    if let Arg::Param(ident) = arg {
+                    if let Arg::Param(name) = arg {
                         let known = item.sig.inputs.iter().any(|input| {
                             matches!(input, syn::FnArg::Typed(typed)
-                                if matches!(typed.pat.as_ref(), syn::Pat::Ident(p) if p.ident == *ident))
+                                if matches!(typed.pat.as_ref(), syn::Pat::Ident(p) if p.ident == name))
                         });
                         if !known {
-                            return Err(syn::Error::new_spanned(ident, "not a parameter of this function"));
+                            return Err(syn::Error::new_spanned(
+                                &item.sig.ident,
+                                format!("`{name}` is not a parameter of this function"),
+                            ));
                         }
                     }
                 }
@@ -254,8 +245,11 @@ fn expand(input: &Input) -> syn::Result<TokenStream2> {
                 let args = args.iter().map(|arg| match arg {
                     Arg::Call => quote!(move || unsafe { real(#(#param_names),*) }),
                     Arg::EntryPoint => quote!(#name_text),
-                    Arg::Constant(value) => quote!(#value),
-                    Arg::Param(ident) => quote!(#ident),
+                    Arg::PerThread(value) => quote!(#value),
+                    Arg::Param(name) => {
+                        let ident = Ident::new(name, Span::call_site());
+                        quote!(#ident)
+                    }
                 });
                 quote! {
                     crate::real::guard(#name_text, #panicked, move || {
