@@ -36,7 +36,7 @@
 //!   [`REAP_INTERVAL`] during charges, and always before a charge or an attach is refused. The
 //!   reaps of attach and of the interval are quick ([`Reap::Quick`]): their cost under the lock
 //!   hardly grows with the number of live processes, so a thousand processes can start at once.
-//! - **Readers never spin without bound** ([`snapshot::SEQLOCK_READ_ATTEMPTS`]).
+//! - **Readers never spin without bound** ([`image::SEQLOCK_READ_ATTEMPTS`]).
 //! - **Nothing but a region file of an accepted owner is used.** A symbolic link at the path is
 //!   never followed; a directory, FIFO, device, socket or a file with several hard links is
 //!   refused; so is a file owned by another user than this process's and root (unless
@@ -59,6 +59,7 @@
 
 pub mod anchor;
 mod error;
+pub mod image;
 mod layout;
 mod lock;
 pub mod process;
@@ -982,7 +983,7 @@ impl Region {
 
     /// Decodes the live region without locking it (seqlock-consistent per slot, bounded retries).
     pub fn snapshot(&self) -> Snapshot {
-        snapshot::decode(self.file(), true, snapshot::SEQLOCK_READ_ATTEMPTS)
+        snapshot::decode_image(&image::consistent_copy(self.file()))
     }
 
     fn check_device(&self, device: usize) -> Result<(), RegionError> {

@@ -5,7 +5,7 @@
 //! changed during the read), but a bounded number of times only, because a writer killed mid-update
 //! leaves the seqlock odd for good; such a slot is reported with `consistent: false`.
 
-use std::sync::atomic::{Ordering, fence};
+use std::sync::atomic::Ordering;
 
 use crate::error::LayoutError;
 use crate::layout::{
@@ -14,8 +14,7 @@ use crate::layout::{
     SLOT_LIVE, UUID_BYTES,
 };
 
-/// How often a live reader re-reads a slot whose seqlock moved before giving up on it.
-pub const SEQLOCK_READ_ATTEMPTS: u32 = 64;
+pub use crate::image::SEQLOCK_READ_ATTEMPTS;
 
 /// One process's memory on one device, by kind (HAMi-core's `device_memory_t` without the unused
 /// fields).
@@ -154,7 +153,13 @@ pub fn read_snapshot(bytes: &[u8]) -> Result<Snapshot, LayoutError> {
     let file = image.file();
     check_hami_header(file)?;
     let extension_valid = bytes.len() >= REGION_FILE_SIZE && check_extension_header(file).is_ok();
-    Ok(decode(file, extension_valid, 1))
+    Ok(decode(file, extension_valid))
+}
+
+/// Decodes a consistent copy of this process's own, validated region
+/// ([`crate::image::consistent_copy`]): the extension is taken as valid, as it was at open.
+pub(crate) fn decode_image(bytes: &[u8]) -> Snapshot {
+    decode(ImageCopy::new(bytes).file(), true)
 }
 
 /// A zeroed, properly aligned [`RegionFile`] holding a copy of an image's bytes.
@@ -280,10 +285,10 @@ pub(crate) fn check_totals(file: &RegionFile) -> Result<(), LayoutError> {
     Ok(())
 }
 
-/// Decodes a region whose HAMi header passed [`check_hami_header`] (counts are clamped anyway, so
-/// a concurrent scribbler cannot make this index out of bounds). `seqlock_attempts` is 1 for a
-/// static image and [`SEQLOCK_READ_ATTEMPTS`] for a live mapping.
-pub(crate) fn decode(file: &RegionFile, extension_valid: bool, seqlock_attempts: u32) -> Snapshot {
+/// Decodes an image whose HAMi header passed [`check_hami_header`] (counts are clamped anyway, so
+/// a scribbled count cannot make this index out of bounds). A slot's seqlock odd in the image is
+/// a torn slot: the copy ([`crate::image::consistent_copy`]) left it so.
+fn decode(file: &RegionFile, extension_valid: bool) -> Snapshot {
     let hami = &file.hami;
     let device_num = usize::try_from(hami.device_num.load(Ordering::Acquire))
         .unwrap_or(0)
@@ -298,7 +303,7 @@ pub(crate) fn decode(file: &RegionFile, extension_valid: bool, seqlock_attempts:
         if status == SLOT_FREE {
             continue;
         }
-        let (memory, consistent) = read_slot_memory(slot, seqlock_attempts);
+        let (memory, consistent) = read_slot_memory(slot);
         let slot_extension = extension_valid.then(|| file.ext.slots.get(index)).flatten();
         processes.push(ProcessSnapshot {
             slot: index,
@@ -367,33 +372,16 @@ pub(crate) fn read_uuid(bytes: &[std::sync::atomic::AtomicU8; UUID_BYTES]) -> St
     String::from_utf8_lossy(&raw).into_owned()
 }
 
-/// Reads a slot's memory figures under its seqlock: at most `attempts` tries, then the last read
-/// is returned as inconsistent.
-fn read_slot_memory(slot: &ProcSlot, attempts: u32) -> ([MemoryUsage; MAX_DEVICES], bool) {
-    let mut memory = [MemoryUsage::default(); MAX_DEVICES];
-    for attempt in 0..attempts.max(1) {
-        if attempt > 0 {
-            // A writer holds the slot for well under a microsecond; let it finish.
-            if attempt < 8 {
-                std::hint::spin_loop()
-            } else {
-                std::thread::yield_now()
-            }
+/// A slot's memory figures in an image, and whether its seqlock says they are consistent.
+fn read_slot_memory(slot: &ProcSlot) -> ([MemoryUsage; MAX_DEVICES], bool) {
+    let memory = std::array::from_fn(|device| {
+        let shared = &slot.used[device];
+        MemoryUsage {
+            context: shared.context_size.load(Ordering::Relaxed),
+            module: shared.module_size.load(Ordering::Relaxed),
+            data: shared.data_size.load(Ordering::Relaxed),
+            total: shared.total.load(Ordering::Relaxed),
         }
-        let before = slot.seqlock.load(Ordering::Acquire);
-        for (usage, shared) in memory.iter_mut().zip(slot.used.iter()) {
-            *usage = MemoryUsage {
-                context: shared.context_size.load(Ordering::Relaxed),
-                module: shared.module_size.load(Ordering::Relaxed),
-                data: shared.data_size.load(Ordering::Relaxed),
-                total: shared.total.load(Ordering::Relaxed),
-            };
-        }
-        fence(Ordering::Acquire);
-        let after = slot.seqlock.load(Ordering::Relaxed);
-        if before.is_multiple_of(2) && before == after {
-            return (memory, true);
-        }
-    }
-    (memory, false)
+    });
+    (memory, slot.seqlock.load(Ordering::Relaxed).is_multiple_of(2))
 }
