@@ -41,6 +41,7 @@ struct LockArgs {
 }
 
 type ByPid = unsafe extern "C" fn(c_int, *mut c_void) -> c_int;
+type ErrorName = unsafe extern "C" fn(c_int, *mut *const std::ffi::c_char) -> c_int;
 
 const CUDA_SUCCESS: c_int = 0;
 const CUDA_ERROR_NOT_READY: c_int = 600;
@@ -52,6 +53,7 @@ pub struct Checkpoint {
     checkpoint: ByPid,
     restore: ByPid,
     unlock: ByPid,
+    error_name: Option<ErrorName>,
 }
 
 impl Checkpoint {
@@ -68,7 +70,13 @@ impl Checkpoint {
                 .map(|symbol| *symbol)
                 .map_err(|_| format!("the CUDA driver has no {name} (it needs driver r550 or later)"))
         };
+        // SAFETY: cuGetErrorName(CUresult, const char **) as cuda.h declares it, used only while
+        // `library` is loaded.
+        let error_name = unsafe { library.get::<ErrorName>(b"cuGetErrorName") }
+            .ok()
+            .map(|symbol| *symbol);
         Ok(Checkpoint {
+            error_name,
             lock: symbol("cuCheckpointProcessLock")?,
             checkpoint: symbol("cuCheckpointProcessCheckpoint")?,
             restore: symbol("cuCheckpointProcessRestore")?,
@@ -87,22 +95,24 @@ impl Checkpoint {
         unsafe { (self.lock)(pid, (&mut args as *mut LockArgs).cast()) }
     }
 
+    /// The driver's name of a status (`cuGetErrorName`), or its number.
+    fn status_name(&self, status: c_int) -> String {
+        let mut name: *const std::ffi::c_char = std::ptr::null();
+        let named = self.error_name.is_some_and(|error_name| {
+            // SAFETY: a valid out-pointer to a local; the driver points it at a static string.
+            (unsafe { error_name(status, &mut name) }) == CUDA_SUCCESS && !name.is_null()
+        });
+        if named {
+            // SAFETY: non-null, NUL-terminated and static, as cuGetErrorName promises.
+            unsafe { std::ffi::CStr::from_ptr(name) }.to_string_lossy().into_owned()
+        } else {
+            format!("CUDA error {status}")
+        }
+    }
+
     fn call(&self, function: ByPid, pid: i32) -> c_int {
         // SAFETY: the driver's function; its arguments are optional (null).
         unsafe { function(pid, std::ptr::null_mut()) }
-    }
-}
-
-/// `cuGetErrorName`-style text for the statuses these calls return.
-fn status_name(status: c_int) -> String {
-    match status {
-        1 => "CUDA_ERROR_INVALID_VALUE".into(),
-        2 => "CUDA_ERROR_OUT_OF_MEMORY".into(),
-        3 => "CUDA_ERROR_NOT_INITIALIZED".into(),
-        401 => "CUDA_ERROR_ILLEGAL_STATE".into(),
-        600 => "CUDA_ERROR_NOT_READY".into(),
-        801 => "CUDA_ERROR_NOT_SUPPORTED".into(),
-        other => format!("CUDA error {other}"),
     }
 }
 
@@ -139,7 +149,7 @@ pub fn release(path: &Path, target: Target, driver: &Checkpoint, timeout: Durati
             let why = if status == CUDA_ERROR_NOT_READY {
                 format!("its CUDA calls did not drain within {timeout:?}")
             } else {
-                status_name(status)
+                driver.status_name(status)
             };
             println!(
                 "pid {} (slot {}) in {}: not locked ({why}): left running, its memory on the GPU",
@@ -160,7 +170,7 @@ pub fn release(path: &Path, target: Target, driver: &Checkpoint, timeout: Durati
                 process.pid,
                 process.slot,
                 shown(path),
-                status_name(status)
+                driver.status_name(status)
             );
             extension.suspend.store(0, Ordering::Release);
             outcome.failed = true;
@@ -252,11 +262,15 @@ fn restore(
     let started = Instant::now();
     let status = driver.call(driver.restore, pid);
     if status != CUDA_SUCCESS {
-        return Err(format!("{}{}", status_name(status), shortfall(snapshot, process)));
+        return Err(format!(
+            "{}{}",
+            driver.status_name(status),
+            shortfall(snapshot, process)
+        ));
     }
     let status = driver.call(driver.unlock, pid);
     if status != CUDA_SUCCESS {
-        return Err(format!("restored, but unlock failed: {}", status_name(status)));
+        return Err(format!("restored, but unlock failed: {}", driver.status_name(status)));
     }
     extension.flags.fetch_and(
         !(SLOT_RELEASED | SLOT_IDLE_RELEASE | SLOT_PRIORITY_RELEASE),

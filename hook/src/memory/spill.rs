@@ -261,14 +261,18 @@ fn free_now(accounting: Accounting, pointer: u64) -> CUresult {
     let Some(free) = real::cuMemFree_v2() else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
-    forget(accounting, pointer);
     let Some((charges, owner)) = accounting.ledger().take_charges(Family::Pointer, pointer) else {
         // SAFETY: the pointer came from cuMemAllocManaged here.
-        return unsafe { free(pointer) };
+        let status = unsafe { free(pointer) };
+        if status == CUDA_SUCCESS {
+            forget(accounting, pointer);
+        }
+        return status;
     };
     // SAFETY: as above.
     let status = unsafe { free(pointer) };
     if status == CUDA_SUCCESS {
+        forget(accounting, pointer);
         charges.iter().for_each(|charge| accounting.release(*charge));
     } else {
         accounting.ledger().put_back(Family::Pointer, pointer, charges, owner);

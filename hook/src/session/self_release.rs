@@ -38,6 +38,11 @@ static RETRY_AFTER_NS: AtomicU64 = AtomicU64::new(0);
 /// How long after a failed helper the library tries again.
 const RETRY_PERIOD_NS: u64 = 30_000_000_000;
 
+/// Whether the tick must look at launches every period (an idle release is configured).
+pub fn watches_launches() -> bool {
+    super::config().is_ok_and(|config| config.idle_release.is_some())
+}
+
 /// From the tick: whether launches happened since the last one; releases or restores as the
 /// configuration and the region say.
 pub fn tick(session: &'static Session, launched: bool) {

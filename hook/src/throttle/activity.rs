@@ -120,9 +120,13 @@ fn tick(written: &mut u64) {
         return;
     };
     let now = super::now_ns();
-    let launched = take_launches();
+    let due = now.saturating_sub(*written) >= WRITE_PERIOD_NS;
+    // Launches are looked at once a write is due, or every tick while an idle release watches
+    // them: each look sends the next unlimited launch through the handler once.
+    let watching = crate::session::self_release::watches_launches();
+    let launched = (due || watching) && take_launches();
     UNWRITTEN.fetch_or(launched, Ordering::Relaxed);
-    if now.saturating_sub(*written) >= WRITE_PERIOD_NS && UNWRITTEN.swap(false, Ordering::Relaxed) {
+    if due && UNWRITTEN.swap(false, Ordering::Relaxed) {
         crate::session::write_kernel_time(session.region());
         *written = now;
     }

@@ -637,6 +637,25 @@ impl Drop for ScratchDir {
     }
 }
 
+/// The numeric field `index` of a stdin-driven program's answer line (`alloc 0 140737488355328`:
+/// field 1 is the status, field 2 the pointer).
+pub fn answer_number(answer: &str, index: usize) -> u64 {
+    answer
+        .split_whitespace()
+        .nth(index)
+        .and_then(|field| field.parse().ok())
+        .unwrap_or_else(|| panic!("no number at field {index} of {answer:?}"))
+}
+
+/// The status (field 1) of a stdin-driven program's answer line.
+pub fn answer_status(answer: &str) -> i32 {
+    answer
+        .split_whitespace()
+        .nth(1)
+        .and_then(|field| field.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {answer:?}"))
+}
+
 /// The numeric `key=value` fields of a test program's output line, after its first word
 /// (`done launches=12 seconds=3.0`).
 #[derive(Debug)]

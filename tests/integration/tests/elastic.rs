@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use std::process::Output;
 use std::time::Duration;
 
+use vgpu_integration::answer_status as status;
 use vgpu_integration::{Run, ScratchDir, Session, command, compiled_program, profile_dir};
 use vgpu_region::{SLOT_LIVE, Snapshot, read_snapshot};
 use vgpu_test_spawn::output_started;
@@ -63,20 +64,8 @@ fn container(dir: &ScratchDir, oversubscribe: Option<&str>) -> Session {
     session
 }
 
-fn status(answer: &str) -> i32 {
-    answer
-        .split_whitespace()
-        .nth(1)
-        .and_then(|field| field.parse().ok())
-        .unwrap_or_else(|| panic!("no status in {answer:?}"))
-}
-
 fn pointer(answer: &str) -> u64 {
-    answer
-        .split_whitespace()
-        .nth(2)
-        .and_then(|field| field.parse().ok())
-        .unwrap_or_else(|| panic!("no pointer in {answer:?}"))
+    vgpu_integration::answer_number(answer, 2)
 }
 
 fn snapshot(dir: &ScratchDir) -> Snapshot {

@@ -10,6 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use vgpu_integration::answer_status as status;
 use vgpu_integration::{Run, ScratchDir, Session, truth};
 use vgpu_region::{SLOT_LIVE, Snapshot, read_snapshot};
 
@@ -485,14 +486,6 @@ fn set_sm_limit(region: &vgpu_region::Region, percent: u64) {
 }
 
 /// The answer's status field (after the command name).
-fn status(answer: &str) -> i32 {
-    answer
-        .split_whitespace()
-        .nth(1)
-        .and_then(|field| field.parse().ok())
-        .unwrap_or_else(|| panic!("no status in {answer:?}"))
-}
-
 const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
 
 /// Lines of a finished program's stderr that contain `text`.

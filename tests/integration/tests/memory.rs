@@ -15,6 +15,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use vgpu_codegen::table::{Class, Table};
+use vgpu_integration::answer_number as number;
+use vgpu_integration::answer_status as status;
 use vgpu_integration::{
     Run, ScratchDir, Session, cuda_version, fault_injection_hook_library, one_at_a_time, truth, workspace_root,
 };
@@ -84,24 +86,6 @@ fn device_used(snapshot: &Snapshot, physical: usize) -> u64 {
 
 fn fields(line: &str) -> Vec<String> {
     line.split_whitespace().map(str::to_string).collect()
-}
-
-/// The numeric field `index` of an answer line.
-fn number(answer: &str, index: usize) -> u64 {
-    answer
-        .split_whitespace()
-        .nth(index)
-        .and_then(|f| f.parse().ok())
-        .unwrap_or_else(|| panic!("no number at field {index} of {answer:?}"))
-}
-
-/// The status (field 1) of an answer line.
-fn status(answer: &str) -> i32 {
-    answer
-        .split_whitespace()
-        .nth(1)
-        .and_then(|f| f.parse().ok())
-        .unwrap_or_else(|| panic!("no status in {answer:?}"))
 }
 
 fn stderr_lines(output: &std::process::Output) -> Vec<String> {

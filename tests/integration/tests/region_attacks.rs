@@ -15,6 +15,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use vgpu_integration::answer_status as status;
 use vgpu_integration::{Fields, Run, ScratchDir, Session, one_at_a_time};
 use vgpu_region::{
     EXTENSION_OFFSET, Extension, ProcSlot, REGION_FILE_SIZE, SLOT_EXTENSIONS_OFFSET, SLOT_LIVE, SharedRegion,
@@ -74,14 +75,6 @@ fn write_region(path: &Path, offset: usize, bytes: &[u8]) {
         .open(path)
         .expect("open the region to write it");
     file.write_all_at(bytes, offset as u64).expect("write the region");
-}
-
-fn status(answer: &str) -> i32 {
-    answer
-        .split_whitespace()
-        .nth(1)
-        .and_then(|field| field.parse().ok())
-        .unwrap_or_else(|| panic!("no status in {answer:?}"))
 }
 
 #[test]
