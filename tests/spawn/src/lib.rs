@@ -122,8 +122,8 @@ fn command_line(command: &Command) -> Vec<u8> {
 
 /// Whether the child passed its exec within `limit`: it runs the command, or its command line is
 /// set and no longer ends with this process's. An ended child (reaped here: a later wait returns
-/// the same status) or one whose command line cannot be read has passed its exec or never will,
-/// and counts as started.
+/// the same status) has passed its exec or never will, and counts as started; so does any child
+/// where `/proc` cannot be read.
 fn became_program(child: &mut Child, expected: &[u8], limit: Duration) -> bool {
     let own = own_command_line();
     let cmdline = format!("/proc/{}/cmdline", child.id());
@@ -131,9 +131,12 @@ fn became_program(child: &mut Child, expected: &[u8], limit: Duration) -> bool {
     loop {
         // Empty while an exec sets the new program up (a `vfork` parent is let go before the
         // arguments are in place): not known yet.
-        let passed_exec = std::fs::read(&cmdline).map_or(true, |line| {
-            line == expected || (!line.is_empty() && !line.ends_with(own))
-        });
+        // Unreadable while the child lives (seen under qemu-user): not known yet either, unless
+        // this machine has no readable /proc at all.
+        let passed_exec = match std::fs::read(&cmdline) {
+            Ok(line) => line == expected || (!line.is_empty() && !line.ends_with(own)),
+            Err(_) => std::fs::metadata("/proc/self/cmdline").is_err(),
+        };
         if passed_exec || !matches!(child.try_wait(), Ok(None)) {
             return true;
         }
