@@ -133,7 +133,7 @@ fn became_program(child: &mut Child, expected: &[u8], limit: Duration) -> bool {
         // arguments are in place): not known yet.
         // Unreadable while the child lives (seen under qemu-user): not known yet either, unless
         // this machine has no readable /proc at all.
-        let passed_exec = match std::fs::read(&cmdline) {
+        let passed_exec = match read_command_line(&cmdline) {
             Ok(line) => line == expected || (!line.is_empty() && !line.ends_with(own)),
             Err(_) => std::fs::metadata("/proc/self/cmdline").is_err(),
         };
@@ -145,6 +145,18 @@ fn became_program(child: &mut Child, expected: &[u8], limit: Duration) -> bool {
         }
         std::thread::sleep(Duration::from_millis(2));
     }
+}
+
+/// A command line read in one `read` call, which sees one address space. `std::fs::read` first
+/// reads 32 bytes, then the rest: a child whose exec lands between the two gives the start of
+/// the old line (qemu's, not ending with this process's) and nothing of the new one (empty until
+/// the exec sets it up), which looks like another program.
+fn read_command_line(path: &str) -> io::Result<Vec<u8>> {
+    // Far longer than any command line the tests start; the kernel returns it in one call.
+    let mut line = vec![0; 1 << 17];
+    let length = std::fs::File::open(path)?.read(&mut line)?;
+    line.truncate(length);
+    Ok(line)
 }
 
 /// This process's command line as it reads it. Under qemu-user that is the emulated program's
@@ -258,7 +270,7 @@ mod tests {
             }
             // Said as they are, so that a failure says which way it went.
             Ok(Ok(mut child)) => {
-                let line = std::fs::read(format!("/proc/{}/cmdline", child.id())).unwrap_or_default();
+                let line = read_command_line(&format!("/proc/{}/cmdline", child.id())).unwrap_or_default();
                 let ended = child.try_wait();
                 let _ = child.kill();
                 let _ = child.wait();
