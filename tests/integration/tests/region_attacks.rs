@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 use vgpu_integration::answer_status as status;
 use vgpu_integration::{Fields, Run, ScratchDir, Session, one_at_a_time};
 use vgpu_region::{
-    EXTENSION_OFFSET, Extension, ProcSlot, REGION_FILE_SIZE, SLOT_EXTENSIONS_OFFSET, SLOT_LIVE, SharedRegion,
-    SlotExtension, read_snapshot,
+    DeviceMemory, EXTENSION_OFFSET, Extension, ProcSlot, REGION_FILE_SIZE, SLOT_EXTENSIONS_OFFSET, SLOT_LIVE,
+    SharedRegion, SlotExtension, read_snapshot,
 };
 
 const MIB: u64 = 1 << 20;
@@ -194,7 +194,7 @@ fn attack(label: &str, spare: Spare, seconds: u64) -> Outcome {
     let mut workers: Vec<Session> = (1..=4)
         .map(|seed| {
             attack_run(&dir, "mem_race")
-                .args([seed.to_string().as_str(), "0", "barrier", "launch"])
+                .args([seed.to_string().as_str(), "0", "barrier", "hold", "launch"])
                 .spawn(Duration::from_secs(seconds + 60))
         })
         .collect();
@@ -256,11 +256,16 @@ fn attack(label: &str, spare: Spare, seconds: u64) -> Outcome {
         spare != Spare::Accounting || lost.is_empty(),
         "{label}: the live slots (slot, pid) {lost:?} were freed or taken while their workers ran"
     );
+    let mut dones = Vec::new();
+    for worker in &mut workers {
+        worker.send("stop");
+        dones.push(worker.read_line().unwrap_or_default());
+    }
+    // The workers now hold what they allocated, and make no more calls.
+    let truth_left = at_rest(&dir, &live_slots);
     let mut reports = Vec::new();
     let mut stderr_lines: std::collections::BTreeMap<String, usize> = std::collections::BTreeMap::new();
-    for mut worker in workers {
-        worker.send("stop");
-        let done = worker.read_line().unwrap_or_default();
+    for (mut worker, done) in workers.into_iter().zip(dones) {
         let output = worker.finish();
         assert!(
             output.status.success(),
@@ -278,6 +283,13 @@ fn attack(label: &str, spare: Spare, seconds: u64) -> Outcome {
         }
     }
     let truth_peak = dir.truth().device(0).peak();
+    if spare == Spare::Accounting {
+        assert!(
+            truth_left.iter().all(|rest| rest.device <= rest.charged),
+            "{label}: at rest, a worker held more on the device than its slot is charged (the charge was lost, \
+             not late): {truth_left:?}"
+        );
+    }
     for report in &reports {
         assert_eq!(report.get("errors"), 0.0, "{label}: calls failed: {report:?}");
         assert!(
@@ -307,6 +319,7 @@ fn attack(label: &str, spare: Spare, seconds: u64) -> Outcome {
         .iter()
         .take(20)
         .map(|(line, count)| format!("{count} x {line}"))
+        .chain(std::iter::once(format!("at rest: {truth_left:?}")))
         .collect::<Vec<_>>()
         .join("\n");
     Outcome {
@@ -315,6 +328,37 @@ fn attack(label: &str, spare: Spare, seconds: u64) -> Outcome {
         truth_peak,
         stderr,
     }
+}
+
+/// One worker at rest: what the device holds for it and what its slot is charged (device 0).
+#[derive(Debug)]
+struct AtRest {
+    #[expect(dead_code, reason = "shown by Debug in failure messages")]
+    pid: i32,
+    device: u64,
+    charged: u64,
+}
+
+/// What the ground truth holds for each worker and what its slot (read from the slot's own bytes,
+/// which the accounting attack spares) is charged, while the workers hold their memory and make no
+/// calls: a charge lost during the attack shows here, where a late one has caught up.
+fn at_rest(dir: &ScratchDir, live: &[(usize, i32)]) -> Vec<AtRest> {
+    let image = std::fs::read(dir.region()).expect("read the region");
+    let processes = dir.truth().processes();
+    live.iter()
+        .map(|&(slot, pid)| {
+            let at = std::mem::offset_of!(SharedRegion, procs)
+                + slot * size_of::<ProcSlot>()
+                + std::mem::offset_of!(ProcSlot, used)
+                + std::mem::offset_of!(DeviceMemory, total);
+            let charged = u64::from_ne_bytes(image[at..at + 8].try_into().expect("8 bytes"));
+            let device = processes
+                .iter()
+                .find(|process| i64::from(process.pid) == i64::from(pid))
+                .map_or(0, |process| process.used[0]);
+            AtRest { pid, device, charged }
+        })
+        .collect()
 }
 
 /// CI's length of each attack (the issue's 20 s: `random_writes_for_20_seconds`, ignored).
