@@ -1,9 +1,12 @@
 //! Support for the integration tests: where the built libraries are, compiling the C test
 //! programs, and running them with the hook preloaded against the fake driver.
 //!
-//! The libraries are cdylibs, which cargo cannot hand to a test as a dependency, so the tests
-//! expect them built first (`make test` does: `cargo build --workspace`, and the fault-injection
-//! build into `target/fault-injection`). A missing one is a test failure naming the command.
+//! The libraries are cdylibs and `vgpu-smi` a binary of another package, which cargo cannot hand
+//! to a test as dependencies, so the harness builds them (the first time a test of the process asks
+//! for one, with the cargo that runs the tests: nothing when they are up to date), and the
+//! fault-injection library (into `target/fault-injection`) when a test asks for it. A plain
+//! `cargo test --workspace` in a fresh clone therefore tests what the sources say; a failed build
+//! is a test failure with cargo's own words.
 //!
 //! For another architecture (`scripts/cross-test.sh` runs the suite for aarch64 under qemu-user),
 //! three variables say where things are and how to run them: `CARGO_BUILD_TARGET` (which cargo
@@ -77,22 +80,71 @@ fn require(path: PathBuf, how: &str) -> PathBuf {
     path
 }
 
+/// Runs `cargo build` for `packages` (and `extra` arguments) in this test process's profile, with
+/// the cargo that runs the tests and its environment (an older release's headers, another
+/// target), once per process for each distinct call; panics with cargo's output when the build
+/// fails.
+fn cargo_build(packages: &[&str], extra: &[&str]) {
+    static BUILT: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let mut built = BUILT.lock().unwrap_or_else(PoisonError::into_inner);
+    let key = format!("{packages:?} {extra:?}");
+    if built.contains(&key) {
+        return;
+    }
+    // The cargo that runs the tests (set at run time), else the one that built them.
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| option_env!("CARGO").unwrap_or("cargo").into());
+    let mut command = Command::new(cargo);
+    command.arg("build").current_dir(workspace_root());
+    for package in packages {
+        command.args(["-p", package]);
+    }
+    if profile() == "release" {
+        command.arg("--release");
+    }
+    command.args(extra);
+    let output = command.output().expect("run cargo build");
+    assert!(
+        output.status.success(),
+        "`{command:?}` failed ({}):\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    built.push(key);
+}
+
+/// `file` of the profile folder, once `package` is built.
+fn built(package: &str, file: &str) -> PathBuf {
+    cargo_build(&[package], &[]);
+    require(profile_dir().join(file), &format!("cargo build -p {package}"))
+}
+
 /// The hook, `libvgpu.so`.
 pub fn hook_library() -> PathBuf {
-    require(profile_dir().join("libvgpu.so"), "cargo build --workspace")
+    built("vgpu-hook", "libvgpu.so")
 }
 
 /// The fake Vulkan driver, `libvgpu_fake_icd.so`.
 pub fn fake_icd_library() -> PathBuf {
-    require(profile_dir().join("libvgpu_fake_icd.so"), "cargo build --workspace")
+    built("vgpu-fake-icd", "libvgpu_fake_icd.so")
 }
 
-/// The hook built with the test-only `fault-injection` feature.
+/// The monitor, `vgpu-smi`.
+pub fn vgpu_smi() -> PathBuf {
+    built("vgpu-monitor", "vgpu-smi")
+}
+
+/// The hook built with the test-only `fault-injection` feature, in a target folder of its own (a
+/// cdylib's file name carries no hash of its features: in the same folder, the two builds would
+/// overwrite each other's `libvgpu.so` while cargo took either for up to date).
 pub fn fault_injection_hook_library() -> PathBuf {
+    let target = target_dir().join("fault-injection");
+    let target_arg = target.to_string_lossy().into_owned();
+    cargo_build(
+        &["vgpu-hook"],
+        &["--features", "fault-injection", "--target-dir", &target_arg],
+    );
     require(
-        with_build_target(target_dir().join("fault-injection"))
-            .join(profile())
-            .join("libvgpu.so"),
+        with_build_target(target).join(profile()).join("libvgpu.so"),
         "cargo build -p vgpu-hook --features fault-injection --target-dir target/fault-injection",
     )
 }
@@ -113,7 +165,7 @@ pub fn fake_driver_dir() -> PathBuf {
                 )
             }
             None => (
-                require(profile_dir().join("libvgpu_fake_driver.so"), "cargo build --workspace"),
+                built("vgpu-fake-driver", "libvgpu_fake_driver.so"),
                 profile_dir().join("fake-driver"),
             ),
         };

@@ -9,12 +9,11 @@
 //! The fake keeps managed memory on the device when it fits and in host memory otherwise, and
 //! counts each process's host-resident bytes in its truth (`tests/fake-driver/src/managed.rs`).
 
-use std::path::PathBuf;
 use std::process::Output;
 use std::time::Duration;
 
 use vgpu_integration::answer_status as status;
-use vgpu_integration::{Run, ScratchDir, Session, command, compiled_program, profile_dir};
+use vgpu_integration::{Run, ScratchDir, Session, command, compiled_program};
 use vgpu_region::{SLOT_LIVE, Snapshot, read_snapshot};
 use vgpu_test_spawn::output_started;
 
@@ -333,7 +332,7 @@ fn two_processes_share_the_limit_with_their_spills_counted() {
 }
 
 fn vgpu_smi(arguments: &[&str]) -> Output {
-    let path: PathBuf = profile_dir().join("vgpu-smi");
+    let path = vgpu_integration::vgpu_smi();
     let output = output_started(
         command(&path)
             .args(arguments)

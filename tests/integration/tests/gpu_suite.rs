@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use vgpu_integration::{Run, ScratchDir, compiled_program, hook_library, one_at_a_time, profile_dir, workspace_root};
+use vgpu_integration::{Run, ScratchDir, compiled_program, hook_library, one_at_a_time, workspace_root};
 
 /// `python3` as the test's own PATH finds it: a command whose PATH is changed would look there.
 fn python3() -> PathBuf {
@@ -101,7 +101,7 @@ fn the_held_record_reads_vgpu_smi() {
         let dir = ScratchDir::new("gpu-suite-held");
         let record = dir.join("record.jsonl");
         let mut recorder = vgpu_test_spawn::spawn_started(
-            Command::new(profile_dir().join("vgpu-smi"))
+            Command::new(vgpu_integration::vgpu_smi())
                 .arg("--region")
                 .arg(dir.region())
                 .args(["--watch", "0.1", "--record"])

@@ -649,8 +649,7 @@ fn garbage_limits_in_the_region_never_crash_nor_lift_a_limit_silently() {
 /// Runs `vgpu-smi` (built with the workspace) with these arguments (through the test runner, an
 /// emulator for another architecture).
 fn vgpu_smi(arguments: &[&str]) -> std::process::Output {
-    let path = vgpu_integration::profile_dir().join("vgpu-smi");
-    assert!(path.is_file(), "{} is missing: cargo build --workspace", path.display());
+    let path = vgpu_integration::vgpu_smi();
     vgpu_test_spawn::output_started(
         vgpu_integration::command(&path)
             .args(arguments)

@@ -386,7 +386,7 @@ fn hami_writes(region: &Path, offset: usize, value: i32) {
 }
 
 fn vgpu_smi_json(region: &Path) -> serde_json::Value {
-    let path = vgpu_integration::profile_dir().join("vgpu-smi");
+    let path = vgpu_integration::vgpu_smi();
     let output = vgpu_test_spawn::output_started(vgpu_integration::command(&path).args([
         "--region",
         &region.display().to_string(),
@@ -470,7 +470,7 @@ fn hamis_view_holds_through_a_containers_life() {
 
     // An operator changes the limit while no process runs; the next process keeps it, and
     // HAMi's writes.
-    let path = vgpu_integration::profile_dir().join("vgpu-smi");
+    let path = vgpu_integration::vgpu_smi();
     let set = vgpu_test_spawn::output_started(vgpu_integration::command(&path).args([
         "set",
         "--region",

@@ -15,7 +15,7 @@ use std::process::Output;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use vgpu_integration::{Run, ScratchDir, Session, command, compiled_program, one_at_a_time, profile_dir};
+use vgpu_integration::{Run, ScratchDir, Session, command, compiled_program, one_at_a_time, vgpu_smi};
 use vgpu_region::{InitParams, Region};
 use vgpu_test_spawn::{output_started, spawn_started};
 
@@ -30,16 +30,6 @@ const REPORT_TIME_MS: &str = "1767225600000";
 
 fn program() -> PathBuf {
     compiled_program("monitor_launch")
-}
-
-fn vgpu_smi() -> PathBuf {
-    let path = profile_dir().join("vgpu-smi");
-    assert!(
-        path.is_file(),
-        "{} is missing: build it first with `cargo build --workspace` (or run `make test`)",
-        path.display()
-    );
-    path
 }
 
 /// A fresh folder for one test's region and truth files, removed afterwards unless the test

@@ -5,13 +5,12 @@
 //! the next `resume`; a process killed while released leaves nothing behind; a process that cannot
 //! be locked is reported and left running.
 
-use std::path::PathBuf;
 use std::process::Output;
 use std::time::Duration;
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;
-use vgpu_integration::{Run, ScratchDir, Session, compiled_program, profile_dir};
+use vgpu_integration::{Run, ScratchDir, Session, compiled_program};
 
 use vgpu_region::{InitParams, Region, SLOT_LIVE, read_snapshot};
 
@@ -50,7 +49,7 @@ fn other(dir: &ScratchDir, bytes: u64) -> (Session, String) {
 }
 
 fn vgpu_smi(dir: &ScratchDir, arguments: &[&str]) -> Output {
-    let path: PathBuf = profile_dir().join("vgpu-smi");
+    let path = vgpu_integration::vgpu_smi();
     let region = dir.region().to_string_lossy().into_owned();
     let mut all: Vec<&str> = arguments.to_vec();
     all.extend(["--region", &region]);
