@@ -27,9 +27,11 @@ lint: headers
 	$(TIMED) clippy $(CARGO) clippy --workspace --all-targets -- -D warnings
 
 # Every older release of cuda-versions.txt first (its hook and fake driver, the header-dependent
-# tests), then the default build and every test, then the default library on an older fake driver.
+# tests), then the default build and every test (scripts/run-tests.py: `cargo test --workspace`,
+# its test binaries two at a time, with the time each took), then the default library on an older
+# fake driver.
 test: fault-build versions build lint
-	$(TIMED) tests $(CARGO) test --workspace
+	$(TIMED) tests env CARGO=$(CARGO) python3 scripts/run-tests.py --workspace
 	$(TIMED) versions-cross scripts/test-versions.sh cross
 	# fuzzing needs nightly: `make fuzz` (see fuzz/README.md)
 

@@ -674,11 +674,35 @@ impl ScratchDir {
     }
 }
 
-/// For the tests of one binary that measure waits, times or shares: one at a time, so that they
-/// do not share the CPUs with each other.
-pub fn one_at_a_time() -> MutexGuard<'static, ()> {
+/// For the tests that measure waits, times or shares: one at a time, so that they do not share the
+/// CPUs with each other, in one binary (a mutex) and across the binaries `scripts/run-tests.py`
+/// runs side by side (a lock on a file of the target folder, which the kernel drops with a process
+/// that dies holding it).
+pub fn one_at_a_time() -> Turn {
     static TURN: Mutex<()> = Mutex::new(());
-    TURN.lock().unwrap_or_else(PoisonError::into_inner)
+    let guard = TURN.lock().unwrap_or_else(PoisonError::into_inner);
+    let path = target_dir().join("test-turn.lock");
+    let file = std::fs::create_dir_all(target_dir())
+        .and_then(|()| {
+            std::fs::OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(&path)
+        })
+        .and_then(|file| file.lock().map(|()| file));
+    // Without the file (a read-only target folder), the binaries' turns are not shared; the
+    // binary's own still are.
+    Turn {
+        _file: file.ok(),
+        _guard: guard,
+    }
+}
+
+/// A test's turn ([`one_at_a_time`]); ends when dropped.
+pub struct Turn {
+    _file: Option<std::fs::File>,
+    _guard: MutexGuard<'static, ()>,
 }
 
 impl Drop for ScratchDir {
