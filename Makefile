@@ -4,13 +4,17 @@ FAULT_DIR := target/fault-injection
 # Each step of `make test` says how long it took (scripts/timed.sh).
 TIMED := scripts/timed.sh
 
-.PHONY: headers build release demo test versions lint fault-build cross-test dist bench-callgrind fuzz clean
+.PHONY: headers build programs release demo test versions lint fault-build cross-test dist bench-callgrind fuzz clean
 
 headers:
 	scripts/fetch-headers.sh
 
 build: headers
 	$(TIMED) build $(CARGO) build --workspace
+
+# What the integration tests run, built as their harness builds it (scripts/build-test-programs.sh).
+programs: headers
+	$(TIMED) programs env CARGO=$(CARGO) scripts/build-test-programs.sh
 
 release: headers
 	$(CARGO) build --release -p vgpu-hook -p vgpu-monitor
@@ -30,7 +34,7 @@ lint: headers
 # tests), then the default build and every test (scripts/run-tests.py: `cargo test --workspace`,
 # its test binaries two at a time, with the time each took), then the default library on an older
 # fake driver.
-test: fault-build versions build lint
+test: fault-build versions programs lint
 	$(TIMED) tests env CARGO=$(CARGO) python3 scripts/run-tests.py --workspace
 	$(TIMED) versions-cross scripts/test-versions.sh cross
 	# fuzzing needs nightly: `make fuzz` (see fuzz/README.md)

@@ -31,7 +31,7 @@ export QEMU_LD_PREFIX=/usr/aarch64-linux-gnu
 export VGPU_TEST_RUNNER=qemu-aarch64-static
 export VGPU_TEST_CC=aarch64-linux-gnu-gcc
 
-cargo build -p vgpu-hook -p vgpu-fake-driver -p vgpu-monitor -p vgpu-fake-icd
+scripts/build-test-programs.sh
 
 # The start of the tests' children, where qemu's forks show (tests/spawn).
 cargo test -p vgpu-test-spawn

@@ -112,25 +112,30 @@ fn cargo_build(packages: &[&str], extra: &[&str]) {
     built.push(key);
 }
 
-/// `file` of the profile folder, once `package` is built.
-fn built(package: &str, file: &str) -> PathBuf {
-    cargo_build(&[package], &[]);
-    require(profile_dir().join(file), &format!("cargo build -p {package}"))
+/// What the tests run that cargo does not build for them, built together as
+/// `scripts/build-test-programs.sh` builds them (the same selection resolves the same features:
+/// neither build redoes the other's).
+pub const PROGRAM_PACKAGES: [&str; 4] = ["vgpu-hook", "vgpu-fake-driver", "vgpu-fake-icd", "vgpu-monitor"];
+
+/// `file` of the profile folder, once [`PROGRAM_PACKAGES`] are built.
+fn built(file: &str) -> PathBuf {
+    cargo_build(&PROGRAM_PACKAGES, &[]);
+    require(profile_dir().join(file), "scripts/build-test-programs.sh")
 }
 
 /// The hook, `libvgpu.so`.
 pub fn hook_library() -> PathBuf {
-    built("vgpu-hook", "libvgpu.so")
+    built("libvgpu.so")
 }
 
 /// The fake Vulkan driver, `libvgpu_fake_icd.so`.
 pub fn fake_icd_library() -> PathBuf {
-    built("vgpu-fake-icd", "libvgpu_fake_icd.so")
+    built("libvgpu_fake_icd.so")
 }
 
 /// The monitor, `vgpu-smi`.
 pub fn vgpu_smi() -> PathBuf {
-    built("vgpu-monitor", "vgpu-smi")
+    built("vgpu-smi")
 }
 
 /// The hook built with the test-only `fault-injection` feature, in a target folder of its own (a
@@ -164,10 +169,7 @@ pub fn fake_driver_dir() -> PathBuf {
                     profile_dir().join("fake-driver-other"),
                 )
             }
-            None => (
-                built("vgpu-fake-driver", "libvgpu_fake_driver.so"),
-                profile_dir().join("fake-driver"),
-            ),
+            None => (built("libvgpu_fake_driver.so"), profile_dir().join("fake-driver")),
         };
         std::fs::create_dir_all(&dir).expect("create the fake driver folder");
         // Made under a name of this process's and renamed over the old link, so a program of
@@ -751,5 +753,27 @@ impl Fields {
     /// The field's value; panics (failing the test) when the program did not print it.
     pub fn get(&self, key: &str) -> f64 {
         *self.0.get(key).unwrap_or_else(|| panic!("no {key} in {:?}", self.0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_build_script_builds_the_packages_the_harness_builds() {
+        let script = std::fs::read_to_string(workspace_root().join("scripts/build-test-programs.sh"))
+            .expect("read scripts/build-test-programs.sh");
+        let command = script
+            .lines()
+            .find(|line| line.starts_with("exec "))
+            .expect("the script's exec line");
+        let words: Vec<&str> = command.split_whitespace().collect();
+        let packages: Vec<&str> = words
+            .windows(2)
+            .filter(|pair| pair[0] == "-p")
+            .map(|pair| pair[1])
+            .collect();
+        assert_eq!(packages, PROGRAM_PACKAGES, "{command}");
     }
 }

@@ -80,16 +80,16 @@ impl Runtime {
     }
 
     fn before(&'static self, stream: CUstream, key: u64, measurable: bool) -> Option<Ticket> {
-        let accounting = crate::session::get()?;
+        let session = crate::session::get()?;
         // With one device (the common case) every launch goes there: no need to ask the driver.
-        let ordinal = if accounting.device(1).is_none() {
+        let ordinal = if session.device(1).is_none() {
             0
         } else {
             crate::session::current_ordinal()?
         };
-        let region_index = accounting.device(ordinal)?.region_index;
-        let limit = accounting.sm_limit(region_index)?;
-        let region = accounting.region();
+        let region_index = session.device(ordinal)?.region_index;
+        let limit = session.sm_limit(region_index)?;
+        let region = session.region();
         let hami = region.hami();
         let bucket = region.extension().compute.get(region_index)?;
         let device = self.devices.get(region_index)?;
@@ -122,7 +122,7 @@ impl Runtime {
                 let admitted = if capturing(stream) {
                     None
                 } else {
-                    self.admit(accounting, region_index, charge, wait, now)
+                    self.admit(session, region_index, charge, wait, now)
                 };
                 let Some(waited) = admitted else {
                     device.estimates().forget(key, plan);
@@ -202,8 +202,8 @@ impl Runtime {
         }
         if status != CUDA_SUCCESS {
             // A launch the driver refused takes no GPU time.
-            if let Some(accounting) = crate::session::get()
-                && let Some(bucket) = accounting.region().extension().compute.get(ticket.region_index)
+            if let Some(session) = crate::session::get()
+                && let Some(bucket) = session.region().extension().compute.get(ticket.region_index)
             {
                 self.charge(bucket, ticket.region_index, -(ticket.charge as i64));
             }

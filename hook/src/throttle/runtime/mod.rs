@@ -253,7 +253,7 @@ pub fn forget_stream(stream: CUstream, call: impl FnOnce() -> CUresult) -> CUres
     call()
 }
 
-/// Adds a signed amount to a monotonic counter without wrapping below zero.
+/// Adds a signed amount to a counter (a correction lowers it) without wrapping below zero.
 fn add_signed(counter: &AtomicU64, delta: i64) {
     if delta >= 0 {
         counter.fetch_add(delta as u64, Ordering::Relaxed);

@@ -106,7 +106,7 @@ impl PollState {
             // reading already sets the factor.
             seen_at_nvml: std::array::from_fn(|index| {
                 crate::session::get()
-                    .and_then(|accounting| accounting.region().extension().compute.get(index))
+                    .and_then(|session| session.region().extension().compute.get(index))
                     .map_or(Seen::default(), |compute| Seen::now(compute, now, Seen::default()))
             }),
             panicked: false,
@@ -199,13 +199,13 @@ impl Runtime {
     /// Reads NVML for each device in use: the boost factor follows its power, the trim its
     /// utilisation samples. Marked as inside the driver, and stopped at exit between devices.
     fn nvml_step(&self, state: &mut PollState, now: u64, starting: bool) {
-        let Some(accounting) = crate::session::get() else {
+        let Some(session) = crate::session::get() else {
             return;
         };
         // NVML's utilisation covers up to a second before the reading: from then on it covers
         // only time since the first limited launch.
         let comparable = now.saturating_sub(state.started) >= TRIM_AFTER_NS;
-        for (ordinal, device) in self.devices_in_use(accounting) {
+        for (ordinal, device) in self.devices_in_use(session) {
             POLLER_IN_DRIVER.store(true, Ordering::SeqCst);
             if SHUTDOWN.load(Ordering::SeqCst) {
                 return;
@@ -237,7 +237,7 @@ impl Runtime {
                 power,
             };
             self.follow_nvml(
-                accounting,
+                session,
                 ordinal,
                 device,
                 nvml,
@@ -252,10 +252,10 @@ impl Runtime {
     /// counters (kept locally so that a launch touches one shared line less). The background
     /// thread and the exit handler may flush at once: [`unflushed`] moves each change once.
     pub(super) fn flush(&self) {
-        let Some(accounting) = crate::session::get() else {
+        let Some(session) = crate::session::get() else {
             return;
         };
-        let compute = &accounting.region().extension().compute;
+        let compute = &session.region().extension().compute;
         for (region_counters, device) in compute.iter().zip(&self.devices) {
             if !device.touched() {
                 continue;
@@ -285,10 +285,10 @@ impl Runtime {
     /// The visible devices this process has launched on, with their ordinals.
     fn devices_in_use<'a>(
         &'a self,
-        accounting: &'static crate::session::Session,
+        session: &'static crate::session::Session,
     ) -> impl Iterator<Item = (CUdevice, &'a crate::session::DeviceEntry)> + 'a {
         (0..MAX_DEVICES as CUdevice)
-            .map_while(move |ordinal| Some((ordinal, accounting.device(ordinal)?)))
+            .map_while(move |ordinal| Some((ordinal, session.device(ordinal)?)))
             .filter(|(_, device)| self.devices.get(device.region_index).is_some_and(Device::touched))
     }
 
@@ -299,7 +299,7 @@ impl Runtime {
     /// ([`trim`]).
     fn follow_nvml(
         &self,
-        accounting: &'static crate::session::Session,
+        session: &'static crate::session::Session,
         ordinal: CUdevice,
         device: &crate::session::DeviceEntry,
         nvml: NvmlReading,
@@ -308,7 +308,7 @@ impl Runtime {
     ) {
         let index = device.region_index;
         let (Some(compute), Some(seen), Some(factors)) = (
-            accounting.region().extension().compute.get(index),
+            session.region().extension().compute.get(index),
             seen_at_nvml.get_mut(index),
             self.devices.get(index),
         ) else {
@@ -411,10 +411,10 @@ impl Runtime {
         if correction == 0 {
             return;
         }
-        let Some(accounting) = crate::session::get() else {
+        let Some(session) = crate::session::get() else {
             return;
         };
-        if let Some(bucket) = accounting.region().extension().compute.get(info.region_index) {
+        if let Some(bucket) = session.region().extension().compute.get(info.region_index) {
             self.charge(bucket, info.region_index, correction);
         }
     }
@@ -426,12 +426,12 @@ impl Runtime {
         let Some(_writing) = crate::exit::slot_write() else {
             return;
         };
-        let Some(accounting) = crate::session::get() else {
+        let Some(session) = crate::session::get() else {
             return;
         };
-        let Some(slot) = accounting
+        let Some(slot) = session
             .slot_index()
-            .and_then(|index| accounting.region().hami().procs.get(index))
+            .and_then(|index| session.region().hami().procs.get(index))
         else {
             return;
         };
