@@ -159,6 +159,37 @@ pub enum MemoryKind {
     Data,
 }
 
+impl MemoryKind {
+    /// Every kind, in the order of [`MemoryKind::index`].
+    pub const ALL: [MemoryKind; 3] = [MemoryKind::Context, MemoryKind::Module, MemoryKind::Data];
+
+    /// The kind's position in [`MemoryKind::ALL`].
+    pub fn index(self) -> usize {
+        match self {
+            MemoryKind::Context => 0,
+            MemoryKind::Module => 1,
+            MemoryKind::Data => 2,
+        }
+    }
+}
+
+/// Bytes per region device index and kind ([`MemoryKind::index`]).
+pub type ChargeTable = [[u64; 3]; MAX_DEVICES];
+
+/// What [`Region::keep_slot`] found and did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SlotKept {
+    /// The slot is the process's and holds at least what it said.
+    Intact,
+    /// The slot is the process's but held less than the process holds: raised by this many bytes.
+    Raised(u64),
+    /// The slot was no longer the process's (its status, pid or generation had changed): taken
+    /// back, with this many bytes charged.
+    Restored(u64),
+    /// Another live process holds the slot now; nothing was changed.
+    TakenBy(i32),
+}
+
 /// What the creator of a region writes into it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct InitParams {
@@ -733,6 +764,108 @@ impl Region {
         });
         total.store(after, Ordering::Release);
         Ok(())
+    }
+
+    /// How the slot differs from what its process knows it holds, read without the lock:
+    /// [`SlotKept::Intact`] when it is the process's and holds at least `held`, else what
+    /// [`Region::keep_slot`] would do (`Raised` and `Restored` with the bytes missing).
+    pub fn slot_differs(&self, slot: &Slot, held: &ChargeTable) -> SlotKept {
+        let Some(proc_slot) = self.file().hami.procs.get(slot.index) else {
+            return SlotKept::Intact;
+        };
+        let missing = |usage: &DeviceMemory, wanted: &[u64; 3]| -> u64 {
+            MemoryKind::ALL
+                .iter()
+                .map(|kind| wanted[kind.index()].saturating_sub(kind_field(usage, *kind).load(Ordering::Relaxed)))
+                .sum()
+        };
+        if self.owned_slot(slot).is_err() {
+            return SlotKept::Restored(held.iter().flatten().sum());
+        }
+        let short: u64 = proc_slot
+            .used
+            .iter()
+            .zip(held)
+            .map(|(usage, wanted)| missing(usage, wanted))
+            .sum();
+        if short == 0 {
+            SlotKept::Intact
+        } else {
+            SlotKept::Raised(short)
+        }
+    }
+
+    /// Makes the region hold what this process knows it holds (`held`, per device and kind),
+    /// after a writer replaced or changed the file's contents under it (a copy of an older image
+    /// over the live file keeps its inode, so the region's anchor cannot see it): a slot that is
+    /// no longer the process's (status, pid or generation changed) is taken back unless another
+    /// live process holds it, and a charge below `held` is raised to it. Charges above `held` are
+    /// left alone: the caller's `held` can lag behind its charges (an allocation is charged before
+    /// the driver is called), never run ahead of them. The running totals are recounted after any
+    /// change.
+    pub fn keep_slot(&self, slot: &Slot, start_time: u64, held: &ChargeTable) -> Result<SlotKept, RegionError> {
+        let guard = self.lock()?;
+        let file = self.file();
+        let lost = || RegionError::SlotLost {
+            path: self.path.clone(),
+            slot: slot.index,
+        };
+        let proc_slot = file.hami.procs.get(slot.index).ok_or_else(lost)?;
+        let extension = file.ext.slots.get(slot.index).ok_or_else(lost)?;
+        let kept = if self.owned_slot(slot).is_ok() {
+            let mut raised = 0u64;
+            write_slot(proc_slot, || {
+                for (usage, wanted) in proc_slot.used.iter().zip(held) {
+                    for kind in MemoryKind::ALL {
+                        let field = kind_field(usage, kind);
+                        let have = field.load(Ordering::Relaxed);
+                        if have < wanted[kind.index()] {
+                            raised = raised.saturating_add(wanted[kind.index()] - have);
+                            field.store(wanted[kind.index()], Ordering::Relaxed);
+                        }
+                    }
+                }
+            });
+            if raised == 0 {
+                return Ok(SlotKept::Intact);
+            }
+            SlotKept::Raised(raised)
+        } else {
+            let occupant = proc_slot.pid.load(Ordering::Relaxed);
+            if proc_slot.status.load(Ordering::Relaxed) == SLOT_LIVE
+                && occupant != slot.pid
+                && process::is_alive(occupant, extension.start_time.load(Ordering::Relaxed))
+            {
+                return Ok(SlotKept::TakenBy(occupant));
+            }
+            let mut restored = 0u64;
+            write_slot(proc_slot, || {
+                clear_monitor_fields(proc_slot);
+                for (usage, wanted) in proc_slot.used.iter().zip(held) {
+                    clear_device_memory(usage);
+                    for kind in MemoryKind::ALL {
+                        kind_field(usage, kind).store(wanted[kind.index()], Ordering::Relaxed);
+                        restored = restored.saturating_add(wanted[kind.index()]);
+                    }
+                }
+                extension.start_time.store(start_time, Ordering::Relaxed);
+                extension.generation.store(slot.generation, Ordering::Relaxed);
+                extension.suspend.store(0, Ordering::Relaxed);
+                extension.flags.store(0, Ordering::Relaxed);
+                clear_in_flight_marks(extension);
+                clear_host_backed(file, slot.index);
+                proc_slot.pid.store(slot.pid, Ordering::Relaxed);
+                proc_slot.status.store(SLOT_LIVE, Ordering::Release);
+            });
+            // A later attach must not hand out this slot's generation again.
+            file.ext
+                .next_generation
+                .fetch_max(slot.generation.saturating_add(1), Ordering::Relaxed);
+            SlotKept::Restored(restored)
+        };
+        // Recounts each slot's total from its kinds, the running totals and proc_num.
+        self.recompute_locked(&guard);
+        Ok(kept)
     }
 
     /// Releases up to `bytes` of `kind` on `device` from `slot`, never more than the slot holds of

@@ -337,3 +337,89 @@ fn a_dead_measurer_does_not_slow_data_calls() {
         u64::from(std::process::id())
     );
 }
+
+/// What this process holds: `data` bytes of data on device 0.
+fn holding(data: u64) -> vgpu_region::ChargeTable {
+    let mut held = [[0; 3]; MAX_DEVICES];
+    held[0][MemoryKind::Data.index()] = data;
+    held
+}
+
+#[test]
+fn a_charge_a_writer_lowered_is_raised_back_to_what_the_process_holds() {
+    let dir = ScratchDir::new("keep-raised");
+    let region = open(&dir);
+    let slot = region.attach(own_pid()).unwrap();
+    region.try_charge(&slot, 0, MemoryKind::Data, GIB, None).unwrap();
+    assert_eq!(
+        region.keep_slot(&slot, 0, &holding(GIB)).unwrap(),
+        vgpu_region::SlotKept::Intact
+    );
+    // A writer lowers the slot's data charge (and the running total with it).
+    let usage = &region.hami().procs[slot.index()].used[0];
+    usage.data_size.store(GIB / 4, Ordering::Relaxed);
+    usage.total.store(GIB / 4, Ordering::Relaxed);
+    assert_eq!(
+        region.keep_slot(&slot, 0, &holding(GIB)).unwrap(),
+        vgpu_region::SlotKept::Raised(GIB - GIB / 4)
+    );
+    assert_eq!(region.device_used(0), GIB, "the running total is recounted");
+    // A charge above what the process says it holds (one under way) is left as it is.
+    region.try_charge(&slot, 0, MemoryKind::Data, 7, None).unwrap();
+    assert_eq!(
+        region.keep_slot(&slot, 0, &holding(GIB)).unwrap(),
+        vgpu_region::SlotKept::Intact
+    );
+    assert_eq!(region.device_used(0), GIB + 7);
+}
+
+#[test]
+fn a_slot_that_an_older_image_copied_over_the_file_erased_is_taken_back_with_its_charges() {
+    let dir = ScratchDir::new("keep-restored");
+    let region = open(&dir);
+    let slot = region.attach(own_pid()).unwrap();
+    region.try_charge(&slot, 0, MemoryKind::Data, GIB, None).unwrap();
+    // `cp` of a fresh image over the live file: the same inode, every byte replaced.
+    let image = vgpu_region::initial_image(&one_device()).unwrap();
+    std::fs::write(dir.region_path(), &image).unwrap();
+    assert_eq!(region.device_used(0), 0, "the copy erased the charge");
+    let refused = region.try_charge(&slot, 0, MemoryKind::Data, 1, None);
+    assert!(
+        matches!(refused, Err(ChargeError::Region(RegionError::SlotLost { .. }))),
+        "{refused:?}"
+    );
+    assert_eq!(
+        region.keep_slot(&slot, 0, &holding(GIB)).unwrap(),
+        vgpu_region::SlotKept::Restored(GIB)
+    );
+    assert_eq!(region.device_used(0), GIB);
+    let snapshot = read_snapshot(&std::fs::read(dir.region_path()).unwrap()).unwrap();
+    let process = snapshot
+        .processes
+        .iter()
+        .find(|process| process.slot == slot.index())
+        .expect("the slot is listed");
+    assert_eq!((process.pid, process.memory[0].data), (own_pid(), GIB));
+    // The slot is the process's again: its calls work.
+    region.try_charge(&slot, 0, MemoryKind::Data, 1, None).unwrap();
+    assert_eq!(region.uncharge(&slot, 0, MemoryKind::Data, GIB + 1).unwrap(), GIB + 1);
+}
+
+#[test]
+fn a_slot_another_live_process_holds_now_is_left_to_it() {
+    let dir = ScratchDir::new("keep-taken");
+    let region = open(&dir);
+    let slot = region.attach(own_pid()).unwrap();
+    region.try_charge(&slot, 0, MemoryKind::Data, GIB, None).unwrap();
+    // The copied image has another process (pid 1, alive, start time unknown) in this slot.
+    let shared = &region.hami().procs[slot.index()];
+    shared.pid.store(1, Ordering::Relaxed);
+    region.extension().slots[slot.index()]
+        .start_time
+        .store(0, Ordering::Relaxed);
+    assert_eq!(
+        region.keep_slot(&slot, 0, &holding(GIB)).unwrap(),
+        vgpu_region::SlotKept::TakenBy(1)
+    );
+    assert_eq!(shared.pid.load(Ordering::Relaxed), 1, "nothing was changed");
+}

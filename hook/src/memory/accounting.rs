@@ -2,7 +2,7 @@
 //! session (the region, the devices, the slot): the process's ledger of what it charged, and the
 //! queue of region updates the lock did not let through.
 
-use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -36,6 +36,9 @@ struct Own {
     retrying: AtomicBool,
     /// Allocations served from host memory (`CUDA_OVERSUBSCRIBE`).
     spills: Spills,
+    /// Charges and releases this process made in the region (wrapping): [`super::restore`] acts
+    /// on a difference between the ledger and the slot only when none was made in between.
+    region_updates: AtomicU64,
 }
 
 /// This process's part: the one of the current fork epoch (see [`session::epoch`]).
@@ -51,6 +54,7 @@ impl Own {
             has_pending: AtomicBool::new(false),
             retrying: AtomicBool::new(false),
             spills: Spills::default(),
+            region_updates: AtomicU64::new(0),
         }))
     }
 
@@ -507,7 +511,9 @@ impl Accounting {
         if fault_injection::lock_times_out() {
             return Err(ChargeError::Region(self.fault_timeout()));
         }
-        self.region().try_charge(slot, device, kind, bytes, limit)
+        let charged = self.region().try_charge(slot, device, kind, bytes, limit);
+        self.own.region_updates.fetch_add(1, Ordering::Relaxed);
+        charged
     }
 
     fn region_uncharge(&self, slot: &Slot, device: usize, kind: MemoryKind, bytes: u64) -> Result<u64, RegionError> {
@@ -515,7 +521,19 @@ impl Accounting {
         if fault_injection::lock_times_out() {
             return Err(self.fault_timeout());
         }
-        self.region().uncharge(slot, device, kind, bytes)
+        let released = self.region().uncharge(slot, device, kind, bytes);
+        self.own.region_updates.fetch_add(1, Ordering::Relaxed);
+        released
+    }
+
+    /// What this process holds by its own account, and its count of region updates; `None` while
+    /// updates wait in its queue (the slot and the ledger differ by them, rightly).
+    pub(super) fn held(&self) -> Option<(vgpu_region::ChargeTable, u64)> {
+        if self.own.has_pending.load(Ordering::Acquire) {
+            return None;
+        }
+        let updates = self.own.region_updates.load(Ordering::Acquire);
+        Some((self.own.ledger.held(), updates))
     }
 
     #[cfg(feature = "fault-injection")]

@@ -155,6 +155,29 @@ impl Ledger {
         self.charges.lock()
     }
 
+    /// Everything this process has charged, by region device index and kind: the handles' charges
+    /// and the primary contexts'. It can lag behind the region (an allocation is charged there
+    /// before the driver is called and recorded here after; a free leaves here first), never run
+    /// ahead of it.
+    pub fn held(&self) -> vgpu_region::ChargeTable {
+        let mut held = [[0u64; 3]; vgpu_region::MAX_DEVICES];
+        let mut add = |charge: &Charge| {
+            if let Some(device) = held.get_mut(charge.region_index) {
+                let bytes = &mut device[charge.kind.index()];
+                *bytes = bytes.saturating_add(charge.bytes);
+            }
+        };
+        self.charges()
+            .values()
+            .for_each(|entry| entry.charges.iter().for_each(&mut add));
+        self.primary
+            .lock()
+            .values()
+            .filter_map(|primary| primary.charge.as_ref())
+            .for_each(&mut add);
+        held
+    }
+
     /// Records a charge under a handle owned by `owner` (a context, or 0).
     pub fn insert_owned(&self, family: Family, key: u64, charge: Charge, owner: u64) {
         let mut charges = self.charges();

@@ -19,7 +19,8 @@
 //!
 //! The tick also keeps the region's path naming the container's region
 //! ([`crate::session::keep_region_path`]: a file deleted or replaced under running processes is
-//! put back within a period), and moves memory that elastic memory put in host memory back to the
+//! put back within a period), the process's slot holding what it holds (`memory::restore`: a copy
+//! written over the file is repaired within two periods), and moves memory that elastic memory put in host memory back to the
 //! device when it has room ([`crate::memory::elastic_tick`]).
 //!
 //! The tick is started by the process's first launch, which always takes the handler's path (the
@@ -133,6 +134,7 @@ fn tick(written: &mut u64) {
     crate::session::self_release::tick(session, launched);
     super::runtime::follow_live_limits(session);
     crate::session::keep_region_path(session);
+    crate::memory::restore_tick();
     crate::memory::elastic_tick();
 }
 

@@ -2014,6 +2014,96 @@ fn a_region_deleted_or_replaced_under_running_processes_stays_one_region() {
     }
 }
 
+/// An older image of the region written over the live file in place (as `cp copy path` does: the
+/// same inode, so the anchor does not see it) while a process that launches holds 800 MiB under a
+/// 1 GiB limit: one image from before the process allocated (its slot there holds its context
+/// only), one from before it started (no slot of its own). At the library's next tick (0.5 s; a
+/// lowered charge 0.1 s later, once confirmed; asserted with room for a loaded machine, the times
+/// printed) the region charges the process all it holds again, so a process started then is
+/// refused what the limit does not allow and the device never holds more than the limit.
+/// Before, the copy erased the charge for good and the second process got 800 MiB too.
+#[test]
+fn an_older_image_copied_over_the_region_is_repaired_at_the_next_tick() {
+    for image in ["allocated later", "started later"] {
+        let dir = ScratchDir::new("memory-region-copied-over");
+        let start = |name: &str| {
+            let mut session = setup(Run::new(&program(name)).hooked(), &dir)
+                .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+                .spawn(Duration::from_secs(60));
+            assert_eq!(session.ask("init"), "init 0");
+            assert_eq!(session.ask("ctx 0"), "ctx 0");
+            session
+        };
+        let read = || std::fs::read(dir.region()).expect("read the region");
+        let early = (image == "started later").then(|| {
+            // A process that came and went leaves the region with no live slot.
+            let mut before = start("mem_ops");
+            before.send("quit");
+            assert!(before.finish().status.success());
+            read()
+        });
+        let mut first = start("monitor_launch");
+        let truth = dir.truth();
+        let copy = early.unwrap_or_else(read);
+        let held = first.ask(&format!("alloc {}", 800 * MIB));
+        assert_eq!(status(&held), CUDA_SUCCESS, "{held}");
+        // A launch starts the library's tick.
+        assert_eq!(first.ask("load"), "load 0", "{image}");
+        let launched = first.ask("launch 1");
+        assert!(launched.starts_with("launch 0 "), "{image}: {launched}");
+        let before = device_used(&snapshot(&dir.region()), 0);
+        assert_eq!(before, CONTEXT + 800 * MIB, "{image}");
+        {
+            use std::os::unix::fs::FileExt;
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .open(dir.region())
+                .expect("open the region");
+            file.write_all_at(&copy, 0).expect("write the copy over the region");
+        }
+        let written = Instant::now();
+        assert!(
+            device_used(&snapshot(&dir.region()), 0) < before,
+            "{image}: the copy did not lower the charge"
+        );
+        while device_used(&snapshot(&dir.region()), 0) < before && written.elapsed() < Duration::from_secs(3) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let repaired = written.elapsed();
+        eprintln!("{image}: the region charged the process all it holds again after {repaired:?}");
+        assert!(
+            repaired <= Duration::from_millis(1000),
+            "{image}: the charge came back after {repaired:?} ({} MiB)",
+            device_used(&snapshot(&dir.region()), 0) / MIB
+        );
+        let shown = snapshot(&dir.region());
+        assert_eq!(
+            (usage(&shown, first.pid(), 0).total, device_used(&shown, 0)),
+            (CONTEXT + 800 * MIB, CONTEXT + 800 * MIB),
+            "{image}"
+        );
+        let mut second = start("mem_ops");
+        let refused = second.ask(&format!("alloc {}", 800 * MIB));
+        assert_eq!(status(&refused), CUDA_ERROR_OUT_OF_MEMORY, "{image}: {refused}");
+        assert!(
+            truth.device(0).peak() <= GIB,
+            "{image}: the device held {} MiB",
+            truth.device(0).peak() / MIB
+        );
+        assert!(second.finish().status.success(), "{image}");
+        first.send("quit");
+        let output = first.finish();
+        assert!(output.status.success(), "{image}: {output:?}");
+        let said = String::from_utf8_lossy(&output.stderr);
+        let expected = if image == "started later" {
+            "no longer had this process's slot"
+        } else {
+            "bytes less than it holds"
+        };
+        assert_eq!(said.matches(expected).count(), 1, "{image}: {said}");
+    }
+}
+
 /// Takes the region's lock as another process's library does (a write lock on the byte at
 /// `FILE_LOCK_OFFSET`, through a description of its own), until the file is closed.
 fn hold_region_lock(path: &std::path::Path) -> std::fs::File {
