@@ -369,7 +369,8 @@ impl Accounting {
         let Some(slot) = self.session.slot() else {
             return;
         };
-        session::keep_region_path_now_and_then(self.session);
+        // The region's path is looked after from the calls that charge (and the tick): a release
+        // cannot take the container past its limit.
         let released = match self.apply_pending(own, slot) {
             Ok(()) => self.region_uncharge(slot, charge.region_index, charge.kind, charge.bytes),
             Err(error) => Err(error),

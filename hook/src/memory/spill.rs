@@ -80,9 +80,17 @@ impl Spills {
         self.any.store(any, Ordering::Release);
     }
 
-    /// Whether `pointer` was served from host memory by this library.
+    /// Whether `pointer` was served from host memory by this library. Inlined: without spills it
+    /// is one load on every free.
+    #[inline(always)]
     pub fn holds(&self, pointer: u64) -> bool {
-        self.any.load(Ordering::Acquire) && self.live.lock().contains_key(&pointer)
+        self.any.load(Ordering::Acquire) && self.holds_now(pointer)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn holds_now(&self, pointer: u64) -> bool {
+        self.live.lock().contains_key(&pointer)
     }
 }
 
@@ -222,10 +230,16 @@ pub fn tick() {
 /// back to the device when it has room (at most every [`MOVE_BACK_PERIOD_NS`]). Called from the
 /// memory calls and the tick; the driver calls are made in relaxed capture mode, so that another
 /// thread's stream capture is never invalidated by them.
+#[inline(always)]
 pub(super) fn collect(accounting: Accounting) {
-    if !accounting.spills().any.load(Ordering::Acquire) {
-        return;
+    if accounting.spills().any.load(Ordering::Acquire) {
+        collect_in_relaxed_mode(accounting);
     }
+}
+
+#[cold]
+#[inline(never)]
+fn collect_in_relaxed_mode(accounting: Accounting) {
     in_relaxed_capture_mode(|| collect_now(accounting));
 }
 

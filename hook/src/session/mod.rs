@@ -233,13 +233,20 @@ pub fn start(config: &Config) -> Result<(), String> {
 /// How often a process looks at its region's path from its memory calls.
 const PATH_CHECK_PERIOD_NS: u64 = 500_000_000;
 
-/// From a memory call: [`keep_region_path`] at most every [`PATH_CHECK_PERIOD_NS`] (one clock read
-/// otherwise). A process whose tick runs (it launched kernels) also checks from there; one that
-/// neither launches nor allocates leaves it to the next process that starts (which puts the region
-/// back before it opens the path).
+/// Set while the library's tick runs in this process (`throttle::activity`), which looks at the
+/// region's path every period: the memory calls then leave it to the tick.
+pub static TICK_KEEPS_PATH: AtomicBool = AtomicBool::new(false);
+
+/// From a memory call that charges: [`keep_region_path`] at most every [`PATH_CHECK_PERIOD_NS`]
+/// (one clock read otherwise), unless the tick runs (it launched kernels) and checks it. A process
+/// that neither launches nor allocates leaves it to the next process that starts (which puts the
+/// region back before it opens the path).
 #[inline]
 pub fn keep_region_path_now_and_then(session: &Session) {
     static CHECKED_NS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    if TICK_KEEPS_PATH.load(Ordering::Relaxed) {
+        return;
+    }
     let now = vgpu_region::monotonic_ns();
     let last = CHECKED_NS.load(Ordering::Relaxed);
     if now.saturating_sub(last) >= PATH_CHECK_PERIOD_NS

@@ -80,6 +80,7 @@ pub fn ensure_tick() {
 
 extern "C" fn forked_child() {
     TICKING.store(false, Ordering::Relaxed);
+    crate::session::TICK_KEEPS_PATH.store(false, Ordering::Relaxed);
     LAUNCHED.store(false, Ordering::Relaxed);
     // The child's first launch decides again, on the handler's path, where its tick starts.
     MODE.store(Mode::Undecided);
@@ -102,9 +103,11 @@ fn start_tick() {
 fn tick_loop() {
     let mut written = 0u64;
     let mut said = false;
+    crate::session::TICK_KEEPS_PATH.store(true, Ordering::Relaxed);
     loop {
         std::thread::sleep(TICK_PERIOD);
         if crate::exit::exiting() {
+            crate::session::TICK_KEEPS_PATH.store(false, Ordering::Relaxed);
             return;
         }
         let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| tick(&mut written)));
