@@ -806,12 +806,7 @@ impl Region {
     pub fn keep_slot(&self, slot: &Slot, start_time: u64, held: &ChargeTable) -> Result<SlotKept, RegionError> {
         let guard = self.lock()?;
         let file = self.file();
-        let lost = || RegionError::SlotLost {
-            path: self.path.clone(),
-            slot: slot.index,
-        };
-        let proc_slot = file.hami.procs.get(slot.index).ok_or_else(lost)?;
-        let extension = file.ext.slots.get(slot.index).ok_or_else(lost)?;
+        let (proc_slot, extension) = self.slot_parts(slot)?;
         let kept = if self.owned_slot(slot).is_ok() {
             let mut raised = 0u64;
             write_slot(proc_slot, || {
@@ -1130,19 +1125,28 @@ impl Region {
         }
     }
 
-    /// The slot, if it still belongs to the holder of `slot`.
-    fn owned_slot(&self, slot: &Slot) -> Result<&ProcSlot, RegionError> {
-        let file = self.file();
-        let lost = || RegionError::SlotLost {
+    fn slot_lost(&self, slot: &Slot) -> RegionError {
+        RegionError::SlotLost {
             path: self.path.clone(),
             slot: slot.index,
-        };
-        let shared = file.hami.procs.get(slot.index).ok_or_else(lost)?;
-        let extension = file.ext.slots.get(slot.index).ok_or_else(lost)?;
+        }
+    }
+
+    /// The slot's two parts (HAMi-core's and the extension's), whoever holds it now.
+    fn slot_parts(&self, slot: &Slot) -> Result<(&ProcSlot, &SlotExtension), RegionError> {
+        let file = self.file();
+        let shared = file.hami.procs.get(slot.index).ok_or_else(|| self.slot_lost(slot))?;
+        let extension = file.ext.slots.get(slot.index).ok_or_else(|| self.slot_lost(slot))?;
+        Ok((shared, extension))
+    }
+
+    /// The slot, if it still belongs to the holder of `slot`.
+    fn owned_slot(&self, slot: &Slot) -> Result<&ProcSlot, RegionError> {
+        let (shared, extension) = self.slot_parts(slot)?;
         let owned = shared.status.load(Ordering::Relaxed) == SLOT_LIVE
             && shared.pid.load(Ordering::Relaxed) == slot.pid
             && extension.generation.load(Ordering::Relaxed) == slot.generation;
-        if owned { Ok(shared) } else { Err(lost()) }
+        if owned { Ok(shared) } else { Err(self.slot_lost(slot)) }
     }
 
     /// Takes the region's lock, waiting at most [`LOCK_TIMEOUT`] (see `lock.rs`). When the
