@@ -360,6 +360,15 @@ fn a_charge_a_writer_lowered_is_raised_back_to_what_the_process_holds() {
     usage.data_size.store(GIB / 4, Ordering::Relaxed);
     usage.total.store(GIB / 4, Ordering::Relaxed);
     assert_eq!(
+        region.slot_differs(&slot, &holding(GIB)),
+        vgpu_region::SlotKept::Raised(GIB - GIB / 4),
+        "the look without the lock sees what is missing"
+    );
+    assert_eq!(
+        region.slot_differs(&slot, &holding(GIB / 4)),
+        vgpu_region::SlotKept::Intact
+    );
+    assert_eq!(
         region.keep_slot(&slot, 0, &holding(GIB)).unwrap(),
         vgpu_region::SlotKept::Raised(GIB - GIB / 4)
     );
@@ -383,6 +392,10 @@ fn a_slot_that_an_older_image_copied_over_the_file_erased_is_taken_back_with_its
     let image = vgpu_region::initial_image(&one_device()).unwrap();
     std::fs::write(dir.region_path(), &image).unwrap();
     assert_eq!(region.device_used(0), 0, "the copy erased the charge");
+    assert_eq!(
+        region.slot_differs(&slot, &holding(GIB)),
+        vgpu_region::SlotKept::Restored(GIB)
+    );
     let refused = region.try_charge(&slot, 0, MemoryKind::Data, 1, None);
     assert!(
         matches!(refused, Err(ChargeError::Region(RegionError::SlotLost { .. }))),
