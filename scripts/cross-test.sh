@@ -38,11 +38,12 @@ cargo test -p vgpu-test-spawn
 
 # What the architecture can change, and only that (the rest is the same Rust on either, and runs
 # natively in `make test`): the exports and cuGetProcAddress of an aarch64 library (foundation),
-# the driver structs its handlers read as bindgen lays them out for aarch64 (memory), the exit
-# paths HAMi relies on (hami), HAMi's own C reader built for aarch64 against the region (hami_reader),
-# and the aarch64 Vulkan loader (vulkan). Not run here: monitor.rs and region_attacks.rs (vgpu-smi
-# and hostile writers: logic with no architecture-dependent part), and the fault-injection tests,
-# whose library would be a second aarch64 build of every dependency for what is plain Rust logic.
+# the driver structs its handlers read as bindgen lays them out for aarch64 (memory), HAMi's own C
+# reader built for aarch64 against the region (hami_reader; it also sees a slot freed at exit), and
+# the aarch64 Vulkan loader (vulkan). Not run here: monitor.rs, hami.rs and region_attacks.rs
+# (vgpu-smi, HAMi's protocol and hostile writers: logic with no architecture-dependent part), and
+# the fault-injection tests, whose library would be a second aarch64 build of every dependency for
+# what is plain Rust logic.
 # Left out under emulation as well, each for its reason (all pass natively in `make test`):
 # - compute.rs, compute_jobs.rs, board_profile.rs (whole files): they hold GPU-time shares against
 #   wall-clock time, and qemu slows the host side of each launch unevenly (tens of times), so they
@@ -58,7 +59,7 @@ cargo test -p vgpu-test-spawn
 # - a_flood_of_failing_calls_gives_few_lines_and_counts_the_rest: it calls for 11 s to see one line
 #   after the 10 s rate-limit interval, a 1 s margin that an emulated start-up (the library's first
 #   call) can use up on a loaded machine (seen once in CI's clone: 5 lines instead of 6).
-cargo test -p vgpu-integration --test foundation --test memory --test hami --test hami_reader --test vulkan \
+cargo test -p vgpu-integration --test foundation --test memory --test hami_reader --test vulkan \
   --no-fail-fast -- \
   --skip racing_processes_never_exceed_the_limit_together \
   --skip kill_storm_never_blocks_survivors_and_leaves_no_charge \
