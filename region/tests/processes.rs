@@ -512,10 +512,18 @@ fn a_process_killed_inside_a_data_call_takes_its_mark_with_it() {
     assert_eq!(region.quiet_read(0, deadline(), || ()), None);
     caller.kill();
 
-    // Killed, its mark no longer counts, before any reaping ...
+    // Killed, its mark no longer counts, before any reaping: the read does not wait for a
+    // deadline far longer than any scheduling delay.
     let started = Instant::now();
-    assert_eq!(region.quiet_read(0, deadline(), || ()), Some(()));
-    assert!(started.elapsed() < Duration::from_millis(20), "{:?}", started.elapsed());
+    assert_eq!(
+        region.quiet_read(0, Instant::now() + Duration::from_secs(5), || ()),
+        Some(())
+    );
+    assert!(
+        started.elapsed() < Duration::from_millis(2500),
+        "{:?}",
+        started.elapsed()
+    );
     assert_eq!(
         region.extension().slots[index].memory_in_flight[0].load(Ordering::Relaxed),
         1
