@@ -834,24 +834,19 @@ impl Region {
                 return Ok(SlotKept::TakenBy(occupant));
             }
             let mut restored = 0u64;
-            write_slot(proc_slot, || {
-                clear_monitor_fields(proc_slot);
-                for (usage, wanted) in proc_slot.used.iter().zip(held) {
-                    clear_device_memory(usage);
+            self.occupy_slot_locked(
+                &guard,
+                slot.index,
+                slot.pid,
+                slot.generation,
+                start_time,
+                |usage, device| {
                     for kind in MemoryKind::ALL {
-                        kind_field(usage, kind).store(wanted[kind.index()], Ordering::Relaxed);
-                        restored = restored.saturating_add(wanted[kind.index()]);
+                        kind_field(usage, kind).store(held[device][kind.index()], Ordering::Relaxed);
+                        restored = restored.saturating_add(held[device][kind.index()]);
                     }
-                }
-                extension.start_time.store(start_time, Ordering::Relaxed);
-                extension.generation.store(slot.generation, Ordering::Relaxed);
-                extension.suspend.store(0, Ordering::Relaxed);
-                extension.flags.store(0, Ordering::Relaxed);
-                clear_in_flight_marks(extension);
-                clear_host_backed(file, slot.index);
-                proc_slot.pid.store(slot.pid, Ordering::Relaxed);
-                proc_slot.status.store(SLOT_LIVE, Ordering::Release);
-            });
+                },
+            );
             // A later attach must not hand out this slot's generation again.
             file.ext
                 .next_generation
@@ -1287,28 +1282,47 @@ impl Region {
     fn claim_slot_locked(&self, guard: &LockGuard<'_>, index: usize, pid: i32, start_time: u64) -> Slot {
         let file = self.file();
         let generation = file.ext.next_generation.fetch_add(1, Ordering::Relaxed).max(1);
-        if let (Some(slot), Some(extension)) = (file.hami.procs.get(index), file.ext.slots.get(index)) {
-            write_slot(slot, || {
-                // Free slots are zero already, except in a file another implementation wrote.
-                slot.used.iter().for_each(clear_device_memory);
-                clear_monitor_fields(slot);
-                extension.start_time.store(start_time, Ordering::Relaxed);
-                extension.generation.store(generation, Ordering::Relaxed);
-                extension.suspend.store(0, Ordering::Relaxed);
-                extension.flags.store(0, Ordering::Relaxed);
-                clear_in_flight_marks(extension);
-                clear_host_backed(file, index);
-                slot.pid.store(pid, Ordering::Relaxed);
-                // HAMi's monitor reads pid once it sees the status.
-                slot.status.store(SLOT_LIVE, Ordering::Release);
-            });
-        }
+        self.occupy_slot_locked(guard, index, pid, generation, start_time, |_, _| {});
         let proc_num = &file.hami.proc_num;
         if proc_num.load(Ordering::Relaxed) < index as i32 + 1 {
             proc_num.store(index as i32 + 1, Ordering::Release);
         }
         self.shrink_proc_num_locked(guard);
         Slot { index, pid, generation }
+    }
+
+    /// Writes slot `index` as live for `pid` under `generation`, with nothing of any former
+    /// holder left (free slots are zero already, except in a file another implementation wrote or
+    /// one copied over), then `charge` fills each device's memory.
+    fn occupy_slot_locked(
+        &self,
+        _guard: &LockGuard<'_>,
+        index: usize,
+        pid: i32,
+        generation: u64,
+        start_time: u64,
+        mut charge: impl FnMut(&DeviceMemory, usize),
+    ) {
+        let file = self.file();
+        let (Some(slot), Some(extension)) = (file.hami.procs.get(index), file.ext.slots.get(index)) else {
+            return;
+        };
+        write_slot(slot, || {
+            for (device, usage) in slot.used.iter().enumerate() {
+                clear_device_memory(usage);
+                charge(usage, device);
+            }
+            clear_monitor_fields(slot);
+            extension.start_time.store(start_time, Ordering::Relaxed);
+            extension.generation.store(generation, Ordering::Relaxed);
+            extension.suspend.store(0, Ordering::Relaxed);
+            extension.flags.store(0, Ordering::Relaxed);
+            clear_in_flight_marks(extension);
+            clear_host_backed(file, index);
+            slot.pid.store(pid, Ordering::Relaxed);
+            // HAMi's monitor reads pid once it sees the status.
+            slot.status.store(SLOT_LIVE, Ordering::Release);
+        });
     }
 
     /// `proc_num` = one more than the highest live slot (HAMi's monitor reads `0..proc_num`).

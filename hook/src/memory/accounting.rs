@@ -2,7 +2,7 @@
 //! session (the region, the devices, the slot): the process's ledger of what it charged, and the
 //! queue of region updates the lock did not let through.
 
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -36,9 +36,6 @@ struct Own {
     retrying: AtomicBool,
     /// Allocations served from host memory (`CUDA_OVERSUBSCRIBE`).
     spills: Spills,
-    /// Charges and releases this process made in the region (wrapping): [`super::restore`] acts
-    /// on a difference between the ledger and the slot only when none was made in between.
-    region_updates: AtomicU64,
 }
 
 /// This process's part: the one of the current fork epoch (see [`session::epoch`]).
@@ -54,7 +51,6 @@ impl Own {
             has_pending: AtomicBool::new(false),
             retrying: AtomicBool::new(false),
             spills: Spills::default(),
-            region_updates: AtomicU64::new(0),
         }))
     }
 
@@ -102,20 +98,9 @@ impl Own {
 #[derive(Default)]
 struct Pending {
     /// Bytes to charge, by region device index and kind.
-    charges: [[u64; KINDS]; MAX_DEVICES],
+    charges: vgpu_region::ChargeTable,
     /// Bytes to release, by region device index and kind.
-    releases: [[u64; KINDS]; MAX_DEVICES],
-}
-
-const KINDS: usize = 3;
-const ALL_KINDS: [MemoryKind; KINDS] = [MemoryKind::Context, MemoryKind::Module, MemoryKind::Data];
-
-fn kind_index(kind: MemoryKind) -> usize {
-    match kind {
-        MemoryKind::Context => 0,
-        MemoryKind::Module => 1,
-        MemoryKind::Data => 2,
-    }
+    releases: vgpu_region::ChargeTable,
 }
 
 impl Pending {
@@ -136,7 +121,7 @@ impl Pending {
         ) else {
             return;
         };
-        let kind = kind_index(charge.kind);
+        let kind = charge.kind.index();
         let (same, other) = if release {
             (&mut releases[kind], &mut charges[kind])
         } else {
@@ -456,13 +441,13 @@ impl Accounting {
         let mut stopped = None;
         'apply: for release in [false, true] {
             for device in 0..MAX_DEVICES {
-                for kind in ALL_KINDS {
+                for kind in MemoryKind::ALL {
                     let table = if release {
                         &mut pending.releases
                     } else {
                         &mut pending.charges
                     };
-                    let bytes = table[device][kind_index(kind)];
+                    let bytes = table[device][kind.index()];
                     if bytes == 0 {
                         continue;
                     }
@@ -480,7 +465,7 @@ impl Accounting {
                             })
                     };
                     match result {
-                        Ok(()) => table[device][kind_index(kind)] = 0,
+                        Ok(()) => table[device][kind.index()] = 0,
                         Err(error) if lock_not_taken(&error) => {
                             stopped = Some(error);
                             break 'apply;
@@ -490,7 +475,7 @@ impl Accounting {
                             if !session::detached() {
                                 tracing::error!("{error}; {bytes} queued bytes could not be written");
                             }
-                            table[device][kind_index(kind)] = 0;
+                            table[device][kind.index()] = 0;
                         }
                     }
                 }
@@ -512,9 +497,7 @@ impl Accounting {
         if fault_injection::lock_times_out() {
             return Err(ChargeError::Region(self.fault_timeout()));
         }
-        let charged = self.region().try_charge(slot, device, kind, bytes, limit);
-        self.own.region_updates.fetch_add(1, Ordering::Relaxed);
-        charged
+        self.region().try_charge(slot, device, kind, bytes, limit)
     }
 
     fn region_uncharge(&self, slot: &Slot, device: usize, kind: MemoryKind, bytes: u64) -> Result<u64, RegionError> {
@@ -522,19 +505,16 @@ impl Accounting {
         if fault_injection::lock_times_out() {
             return Err(self.fault_timeout());
         }
-        let released = self.region().uncharge(slot, device, kind, bytes);
-        self.own.region_updates.fetch_add(1, Ordering::Relaxed);
-        released
+        self.region().uncharge(slot, device, kind, bytes)
     }
 
-    /// What this process holds by its own account, and its count of region updates; `None` while
-    /// updates wait in its queue (the slot and the ledger differ by them, rightly).
-    pub(super) fn held(&self) -> Option<(vgpu_region::ChargeTable, u64)> {
+    /// What this process holds by its own account; `None` while updates wait in its queue (the
+    /// slot and the ledger differ by them, rightly).
+    pub(super) fn held(&self) -> Option<vgpu_region::ChargeTable> {
         if self.own.has_pending.load(Ordering::Acquire) {
             return None;
         }
-        let updates = self.own.region_updates.load(Ordering::Acquire);
-        Some((self.own.ledger.held(), updates))
+        Some(self.own.ledger.held())
     }
 
     #[cfg(feature = "fault-injection")]

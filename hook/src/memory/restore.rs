@@ -9,9 +9,8 @@
 //! The ledger lags behind the slot while a call is under way (charged first, recorded after the
 //! driver; released from the ledger first), never runs ahead of it, so a slot below the ledger was
 //! lowered by someone else. Even so a lowered charge is raised only when it is still lowered a
-//! moment later ([`CONFIRM_AFTER`]) with the same ledger and no region update of this process in
-//! between; a slot that is no longer the process's is taken back at once (no call of its own can
-//! cause that).
+//! moment later ([`CONFIRM_AFTER`]) with the same ledger; a slot that is no longer the process's
+//! is taken back at once (no call of its own can cause that).
 
 use std::time::Duration;
 
@@ -20,9 +19,8 @@ use vgpu_region::SlotKept;
 use super::accounting::accounting;
 use crate::session;
 
-/// How long a lowered charge must stay lowered, with the ledger unchanged and no region update of
-/// this process, before it is raised: far longer than any step of a call between its region
-/// update and its ledger's.
+/// How long a lowered charge must stay lowered, with the ledger unchanged, before it is raised: far
+/// longer than any step of a call between its region update and its ledger's.
 const CONFIRM_AFTER: Duration = Duration::from_millis(100);
 
 /// From the library's tick: compares the slot with the ledger and repairs the slot when a writer
@@ -33,16 +31,14 @@ pub fn tick() {
         return;
     }
     let Some(slot) = accounting.slot() else { return };
-    let Some((held, updates)) = accounting.held() else {
-        return;
-    };
+    let Some(held) = accounting.held() else { return };
     let region = accounting.region();
     match region.slot_differs(slot, &held) {
         SlotKept::Intact => return,
         SlotKept::Raised(_) => {
             std::thread::sleep(CONFIRM_AFTER);
-            let still = accounting.held() == Some((held, updates))
-                && matches!(region.slot_differs(slot, &held), SlotKept::Raised(_));
+            let still =
+                accounting.held() == Some(held) && matches!(region.slot_differs(slot, &held), SlotKept::Raised(_));
             if !still {
                 return;
             }

@@ -20,8 +20,8 @@
 //! The tick also keeps the region's path naming the container's region
 //! ([`crate::session::keep_region_path`]: a file deleted or replaced under running processes is
 //! put back within a period), the process's slot holding what it holds (`memory::restore`: a copy
-//! written over the file is repaired within two periods), and moves memory that elastic memory put in host memory back to the
-//! device when it has room ([`crate::memory::elastic_tick`]).
+//! written over the file is repaired at the next tick), and moves memory that elastic memory put
+//! in host memory back to the device when it has room ([`crate::memory::elastic_tick`]).
 //!
 //! The tick is started by the process's first launch, which always takes the handler's path (the
 //! limiter decides its mode there: [`ensure_tick`]); a process that never launches has none (and

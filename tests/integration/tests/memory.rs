@@ -1955,6 +1955,28 @@ fn updates_made_while_the_lock_times_out_are_applied_once_it_works() {
     assert_eq!((used(), truth.device(0).used()), (0, 0));
 }
 
+/// `program` started under a 1 GiB limit with this test's files, its context made current.
+fn started_under_1g(dir: &ScratchDir, program_name: &str) -> Session {
+    let mut session = setup(Run::new(&program(program_name)).hooked(), dir)
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+        .spawn(Duration::from_secs(60));
+    assert_eq!(session.ask("init"), "init 0");
+    assert_eq!(session.ask("ctx 0"), "ctx 0");
+    session
+}
+
+/// A second process, beside one holding 800 MiB under 1 GiB, is refused 800 MiB, and the device
+/// never held more than the limit.
+fn refused_800_mib_under_the_limit(second: &mut Session, truth: &truth::Truth, label: &str) {
+    let refused = second.ask(&format!("alloc {}", 800 * MIB));
+    assert_eq!(status(&refused), CUDA_ERROR_OUT_OF_MEMORY, "{label}: {refused}");
+    assert!(
+        truth.device(0).peak() <= GIB,
+        "{label}: the device held {} MiB",
+        truth.device(0).peak() / MIB
+    );
+}
+
 /// The region file deleted (`rm`, as advice for changing limits says) or replaced by an older copy
 /// (`mv copy path`) while a process holds 800 MiB under a 1 GiB limit: a process started at once
 /// joins the container's region (put back at the path from its anchor) and is refused what the
@@ -1966,14 +1988,7 @@ fn updates_made_while_the_lock_times_out_are_applied_once_it_works() {
 fn a_region_deleted_or_replaced_under_running_processes_stays_one_region() {
     for how in ["rm", "mv"] {
         let dir = ScratchDir::new("memory-region-deleted");
-        let start = || {
-            let mut session = setup(Run::new(&program("mem_ops")).hooked(), &dir)
-                .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
-                .spawn(Duration::from_secs(60));
-            assert_eq!(session.ask("init"), "init 0");
-            assert_eq!(session.ask("ctx 0"), "ctx 0");
-            session
-        };
+        let start = || started_under_1g(&dir, "mem_ops");
         let mut first = start();
         let truth = dir.truth();
         let copy = dir.join("copy.cache");
@@ -1985,13 +2000,7 @@ fn a_region_deleted_or_replaced_under_running_processes_stays_one_region() {
             _ => std::fs::rename(&copy, dir.region()).expect("move the copy over the region"),
         }
         let mut second = start();
-        let refused = second.ask(&format!("alloc {}", 800 * MIB));
-        assert_eq!(status(&refused), CUDA_ERROR_OUT_OF_MEMORY, "{how}: {refused}");
-        assert!(
-            truth.device(0).peak() <= GIB,
-            "{how}: the device held {} MiB",
-            truth.device(0).peak() / MIB
-        );
+        refused_800_mib_under_the_limit(&mut second, &truth, how);
         let shown = snapshot(&dir.region());
         assert_eq!(
             shown.processes.len(),
@@ -2026,14 +2035,7 @@ fn a_region_deleted_or_replaced_under_running_processes_stays_one_region() {
 fn an_older_image_copied_over_the_region_is_repaired_at_the_next_tick() {
     for image in ["allocated later", "started later"] {
         let dir = ScratchDir::new("memory-region-copied-over");
-        let start = |name: &str| {
-            let mut session = setup(Run::new(&program(name)).hooked(), &dir)
-                .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
-                .spawn(Duration::from_secs(60));
-            assert_eq!(session.ask("init"), "init 0");
-            assert_eq!(session.ask("ctx 0"), "ctx 0");
-            session
-        };
+        let start = |name: &str| started_under_1g(&dir, name);
         let read = || std::fs::read(dir.region()).expect("read the region");
         let early = (image == "started later").then(|| {
             // A process that came and went leaves the region with no live slot.
@@ -2083,13 +2085,7 @@ fn an_older_image_copied_over_the_region_is_repaired_at_the_next_tick() {
             "{image}"
         );
         let mut second = start("mem_ops");
-        let refused = second.ask(&format!("alloc {}", 800 * MIB));
-        assert_eq!(status(&refused), CUDA_ERROR_OUT_OF_MEMORY, "{image}: {refused}");
-        assert!(
-            truth.device(0).peak() <= GIB,
-            "{image}: the device held {} MiB",
-            truth.device(0).peak() / MIB
-        );
+        refused_800_mib_under_the_limit(&mut second, &truth, image);
         assert!(second.finish().status.success(), "{image}");
         first.send("quit");
         let output = first.finish();
