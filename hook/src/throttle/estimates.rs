@@ -75,10 +75,6 @@ struct Entry {
     key: u64,
     /// Smoothed measured cost in ns; 0 until the first measurement.
     estimate: u64,
-    /// What a bracket read for the key on a queued stream, as it read it (ns, smoothed as the
-    /// estimate, saturated), and how many such readings came ([`Estimates::queued_reading`]).
-    queued_reading: u32,
-    queued_readings: u32,
     /// Launches of this key (saturating).
     launches: u32,
     /// Samples taken (issued) for this key.
@@ -363,34 +359,6 @@ impl Estimates {
         entry.uncorrected = 0;
         entry.uncorrected_charged = 0;
         own.saturating_add(others)
-    }
-
-    /// Records what a bracket read for a launch of `key` on a queued stream, before anything was
-    /// taken off it. Smoothed as the estimate is; a key not in the table is not added.
-    pub fn note_queued_reading(&mut self, key: u64, reading_ns: u64) {
-        let reading = u32::try_from(reading_ns).unwrap_or(u32::MAX);
-        if let Some(entry) = self.find(key) {
-            entry.queued_reading = if entry.queued_readings == 0 {
-                reading
-            } else {
-                ((u64::from(entry.queued_reading) * 3 + u64::from(reading)) / 4) as u32
-            };
-            entry.queued_readings = entry.queued_readings.saturating_add(1);
-        }
-    }
-
-    /// What a bracket reads for a launch of `key` on a queued stream, once [`SETTLED_SAMPLES`]
-    /// such readings came and while the key is steady (its measurements deviate from its estimate
-    /// by at most [`STEADY_DEVIATION_PERCENT`] on average); else `None`. The reading of a key whose
-    /// time varies launch by launch is off by far more than a bracket adds, so a pair holding it
-    /// says nothing of the bracket (and, its figures clamped, would bias the overhead up).
-    pub fn queued_reading(&mut self, key: u64) -> Option<u64> {
-        self.find(key)
-            .filter(|entry| entry.queued_readings >= SETTLED_SAMPLES)
-            .filter(|entry| {
-                u128::from(entry.deviation) * 100 <= u128::from(entry.slow_mean) * u128::from(STEADY_DEVIATION_PERCENT)
-            })
-            .map(|entry| u64::from(entry.queued_reading))
     }
 
     /// The current estimate of `key` (0 when unknown), for tests and logs.
@@ -859,26 +827,5 @@ mod tests {
         // Every recent key is still found or re-created without panicking, and charges are sane.
         let plan = estimates.plan(3, 1 << 40);
         assert!(plan.charge > 0);
-    }
-
-    #[test]
-    fn a_keys_queued_reading_counts_once_settled_and_follows_as_the_estimate_does() {
-        let mut estimates = Estimates::default();
-        estimates.plan(7, 1);
-        estimates.note_queued_reading(8, 5_000); // not in the table: not added
-        assert_eq!(estimates.queued_reading(8), None);
-        for _ in 0..SETTLED_SAMPLES - 1 {
-            estimates.note_queued_reading(7, 20_000);
-        }
-        assert_eq!(estimates.queued_reading(7), None);
-        estimates.note_queued_reading(7, 20_000);
-        assert_eq!(estimates.queued_reading(7), Some(20_000));
-        estimates.note_queued_reading(7, 24_000);
-        assert_eq!(estimates.queued_reading(7), Some(21_000));
-        estimates.note_queued_reading(7, u64::MAX);
-        assert_eq!(
-            estimates.queued_reading(7),
-            Some((21_000 * 3 + u64::from(u32::MAX)) / 4)
-        );
     }
 }

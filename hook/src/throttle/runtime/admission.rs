@@ -10,10 +10,9 @@ use vgpu_region::{ComputeDevice, SharedRegion};
 
 use crate::capture::capturing;
 use crate::sys::cuda::{CUDA_SUCCESS, CUresult, CUstream};
-use crate::throttle::sensor::{InFlight, MIN_PAIR_PART_NS, Member, SampleInfo};
+use crate::throttle::sensor::{InFlight, Member, SampleInfo};
 use crate::throttle::{Stream, activity, bucket, now_ns};
 
-use super::pairs::{self, OpenPair};
 use super::{Runtime, SHUTDOWN, runtime};
 
 /// Shortest sleep of a waiting launch: below this, sleeping costs more than it saves, and the
@@ -39,8 +38,6 @@ pub struct Ticket {
     planned_sample: bool,
     /// Boxed: most launches are not sampled, and a ticket this small moves in registers.
     sample: Option<Box<InFlight>>,
-    /// The pair this launch is the second launch of.
-    closes: Option<OpenPair>,
     /// The launch is bracketed for an overlap window (boxed as the sample).
     member: Option<Box<Member>>,
 }
@@ -132,7 +129,6 @@ impl Runtime {
             }
         };
         self.account(hami, bucket, region_index, charge as i64, waited, active);
-        let closes = pairs::take_closable(region_index, stream, measurable && !plan.sample);
         let info = SampleInfo {
             key,
             charged: plan.charge,
@@ -144,17 +140,10 @@ impl Runtime {
                 device.estimates().forget(key, plan);
                 return None;
             }
-            device.sensor.begin(stream, info, false).map(|mut launch| {
+            device.sensor.begin(stream, info).map(|mut launch| {
                 device.sensor.open_window(&mut launch, now);
                 Box::new(launch)
             })
-        } else if measurable
-            && closes.is_none()
-            && plan.charge >= MIN_PAIR_PART_NS
-            && device.sensor.pair_due()
-            && !capturing(stream)
-        {
-            device.sensor.begin(stream, info, true).map(Box::new)
         } else {
             None
         };
@@ -170,7 +159,6 @@ impl Runtime {
             region_index,
             planned_sample: plan.sample,
             sample,
-            closes,
         })
     }
 
@@ -178,25 +166,10 @@ impl Runtime {
         let Some(device) = self.devices.get(ticket.region_index) else {
             return;
         };
-        if let Some(pair) = ticket.closes {
-            pair.close(ticket.key, status);
-        }
         if let Some(member) = ticket.member {
             device.sensor.end_member(*member, status);
         }
-        // A pair's first launch is never a planned sample of its key.
-        let measured = match ticket.sample {
-            Some(sample) if sample.is_pair() => {
-                if status == CUDA_SUCCESS {
-                    pairs::open(ticket.runtime, ticket.region_index, sample);
-                } else {
-                    device.sensor.abandon(*sample);
-                }
-                false
-            }
-            Some(sample) => device.sensor.end(*sample, status),
-            None => false,
-        };
+        let measured = ticket.sample.is_some_and(|sample| device.sensor.end(*sample, status));
         if ticket.planned_sample && !measured {
             device.estimates().not_measured(ticket.key, ticket.planned);
         }

@@ -9,7 +9,6 @@
 //! background thread is gone, so the child builds fresh state on its first limited launch.
 
 pub(super) mod admission;
-mod pairs;
 pub(super) mod poller;
 
 use std::sync::Once;

@@ -11,7 +11,7 @@ use vgpu_region::{ComputeDevice, MAX_DEVICES};
 use crate::sys::cuda::CUdevice;
 use crate::throttle::boost::{self, Compensation, PowerReading};
 use crate::throttle::now_ns;
-use crate::throttle::sensor::{MIN_PAIR_PART_NS, Measured, SampleInfo};
+use crate::throttle::sensor::Measured;
 use crate::throttle::{boards, nvml_reading, trim};
 
 use super::{Device, FACTOR_UNIT, POLLER_IN_DRIVER, RUNTIME, Runtime, SHUTDOWN, add_signed, at_exit};
@@ -376,37 +376,17 @@ impl Runtime {
         }
     }
 
-    /// A measurement came back: correct the charges it stands for (a pair: learn what a bracket
-    /// adds on a queued stream from it).
+    /// A measurement came back: correct the charges it stands for.
     fn correct(&self, device: &Device, sample: Measured) {
-        let Measured {
-            info,
-            gpu_ns: measured,
-            reading_ns,
-            queued,
-            pair_with,
-        } = sample;
-        if let Some(second) = pair_with {
-            learn_from_pair(device, info, second, reading_ns);
-            return;
-        }
-        let correction = {
-            let mut estimates = device.estimates();
-            let correction = estimates.measured(info.key, info.charged, measured);
-            if queued {
-                estimates.note_queued_reading(info.key, reading_ns);
-            }
-            correction
-        };
+        let Measured { info, gpu_ns: measured } = sample;
+        let correction = device.estimates().measured(info.key, info.charged, measured);
         let correction = self.scaled(info.region_index, correction);
         // One line per measurement: what a run's diagnosis needs (measured against charged).
         tracing::debug!(
-            "compute limiter: device index {} key {:x} measured {measured} ns, charged {} ns, correction {correction} ns, \
-             stream {}",
+            "compute limiter: device index {} key {:x} measured {measured} ns, charged {} ns, correction {correction} ns",
             info.region_index,
             info.key,
             info.charged,
-            if queued { "queued" } else { "idle" }
         );
         if correction == 0 {
             return;
@@ -451,29 +431,6 @@ impl Runtime {
             slot.device_util[index].sm_util.store(percent, Ordering::Relaxed);
         }
     }
-}
-
-/// A pair came back: `pair_ns` for the launch of `info.key` and the next one, of `second`. It
-/// counts where both keys have settled readings on queued streams, long enough
-/// ([`MIN_PAIR_PART_NS`]).
-fn learn_from_pair(device: &Device, info: SampleInfo, second: u64, pair_ns: u64) {
-    let parts = {
-        let mut estimates = device.estimates();
-        (estimates.queued_reading(info.key), estimates.queued_reading(second))
-    };
-    let (Some(first_ns), Some(second_ns)) = parts else {
-        return;
-    };
-    if first_ns < MIN_PAIR_PART_NS || second_ns < MIN_PAIR_PART_NS {
-        return;
-    }
-    let overhead = device.sensor.learn_overhead(pair_ns, first_ns + second_ns);
-    tracing::debug!(
-        "compute limiter: device index {} pair {:x}+{second:x} measured {pair_ns} ns, alone {first_ns}+{second_ns} ns; \
-         queued bracket overhead now {overhead} ns",
-        info.region_index,
-        info.key
-    );
 }
 
 /// The change of a running total since its watermark, moving the watermark to the total read:
