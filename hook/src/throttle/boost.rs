@@ -97,8 +97,9 @@ impl Compensation {
     }
 }
 
-/// Below this busy share the power says nothing about the container's work.
-const MIN_SHARE: f64 = 0.02;
+/// Below this measured share a reading says nothing of the container's work (NVML's figures are
+/// in whole percent; the power of a GPU this idle is mostly idle power).
+pub const MIN_SHARE: f64 = 0.05;
 /// Weight of a new reading in the factor (readings come once a second; NVML's power is itself
 /// averaged over about a second). The first readings are taken whole (the runtime reads NVML
 /// every 250 ms in the first 1.5 s), so that a job is charged its boost from its second second.

@@ -18,6 +18,7 @@ mod activity;
 mod boards;
 mod boost;
 mod bucket;
+mod correction;
 mod estimates;
 mod nvml_reading;
 mod overlap;
@@ -25,7 +26,6 @@ mod runtime;
 mod sensor;
 #[cfg(test)]
 mod sim;
-mod trim;
 
 use std::ffi::c_uint;
 use std::sync::atomic::{AtomicU8, Ordering};

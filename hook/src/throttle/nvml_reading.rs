@@ -1,6 +1,5 @@
 //! NVML's readings of a whole GPU that the limiter's background thread takes: its utilisation,
-//! once a second, for NVML's trim ([`super::trim`]) and the boost compensation's busy share
-//! ([`super::boost`]); its name, once, for the board's profile ([`super::boards`]).
+//! once a second, for the correction ([`super::correction`]); its name, once, for the board's profile ([`super::boards`]).
 
 /// NVML's utilisation of the GPU with this handle, in percent; `None` where NVML cannot say.
 pub fn utilisation(device: crate::sys::nvml::nvmlDevice_t) -> Option<u32> {

@@ -31,7 +31,7 @@ pub struct Ticket {
     key: u64,
     /// What the estimates planned (GPU time at the clock the kernels run at).
     planned: u64,
-    /// What the bucket was charged (the plan times the boost factor and the trim).
+    /// What the bucket was charged (the plan times the correction and the overlap factor).
     charge: u64,
     region_index: usize,
     /// The limiter planned to measure this launch.

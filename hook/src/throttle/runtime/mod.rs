@@ -26,7 +26,7 @@ use crate::sys::cuda::{CUDA_ERROR_NOT_INITIALIZED, CUresult, CUstream};
 
 pub use admission::{after, before};
 
-/// The unit of the factors charges are scaled by (boost and trim): they are kept in thousandths.
+/// The unit of the factors charges are scaled by (the correction, the overlap): thousandths.
 const FACTOR_UNIT: u32 = 1000;
 
 static RUNTIME: AtomicPtr<Runtime> = AtomicPtr::new(std::ptr::null_mut());
@@ -53,10 +53,8 @@ struct Device {
     /// GPU time charged by this process (estimates plus corrections), for the utilisation it
     /// publishes.
     charged: AtomicI64,
-    /// The boost compensation factor, in thousandths ([`boost`]).
-    boost: AtomicU32,
-    /// NVML's bound on the charges, in thousandths ([`trim`]).
-    trim: AtomicU32,
+    /// The correction's factor, in thousandths ([`super::correction`]).
+    correction: AtomicU32,
     /// Launches admitted by this process.
     launches: AtomicU64,
     /// How much of `charged` (its i64 bits) and of `launches` has been added to the region's
@@ -73,8 +71,7 @@ impl Default for Device {
             estimates: Mutex::new(Estimates::default()),
             sensor: Sensor::default(),
             charged: AtomicI64::new(0),
-            boost: AtomicU32::new(FACTOR_UNIT),
-            trim: AtomicU32::new(FACTOR_UNIT),
+            correction: AtomicU32::new(FACTOR_UNIT),
             launches: AtomicU64::new(0),
             flushed_charged: AtomicU64::new(0),
             flushed_launches: AtomicU64::new(0),
@@ -272,20 +269,17 @@ impl Runtime {
         }
     }
 
-    /// What a measured or planned time is charged, in thousandths of it: the boost factor times
-    /// NVML's trim times the share of the brackets in which the container's kernels overlap on
-    /// the GPU ([`super::overlap`]).
+    /// What a measured or planned time is charged, in thousandths of it: the correction's factor
+    /// times the share of the brackets in which the container's kernels overlap on the GPU
+    /// ([`super::overlap`]).
     fn factor(&self, region_index: usize) -> u64 {
         let unit = u64::from(FACTOR_UNIT);
         self.devices.get(region_index).map_or(unit, |device| {
-            u64::from(device.boost.load(Ordering::Relaxed)) * u64::from(device.trim.load(Ordering::Relaxed)) / unit
-                * device.sensor.overlap_permille()
-                / unit
+            u64::from(device.correction.load(Ordering::Relaxed)) * device.sensor.overlap_permille() / unit
         })
     }
 
-    /// `ns` of GPU time as the sensor measures it, as charged: times the device's boost factor
-    /// and trim.
+    /// `ns` of GPU time as the sensor measures it, as charged: times the device's factor.
     fn scaled(&self, region_index: usize, ns: i64) -> i64 {
         // Saturating in i64: a charge is at most the debt floor (2 s) times a factor of about 1,
         // far inside it; no 128-bit division on every launch.

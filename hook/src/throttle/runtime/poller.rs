@@ -1,6 +1,6 @@
 //! The limiter's background thread: it collects the sampled launches' measurements and corrects
 //! the charges, flushes this process's counters into the region, publishes its utilisation, and
-//! once a second reads NVML (the boost factor, the trim).
+//! once a second has the correction follow NVML's readings.
 
 use std::sync::Once;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -9,10 +9,11 @@ use std::time::Duration;
 use vgpu_region::{ComputeDevice, MAX_DEVICES};
 
 use crate::sys::cuda::CUdevice;
-use crate::throttle::boost::{self, Compensation, PowerReading};
+use crate::throttle::boost::{self, Compensation};
+use crate::throttle::correction::{Correction, Reading};
 use crate::throttle::now_ns;
 use crate::throttle::sensor::Measured;
-use crate::throttle::{boards, nvml_reading, trim};
+use crate::throttle::{boards, nvml_reading};
 
 use super::{Device, FACTOR_UNIT, POLLER_IN_DRIVER, RUNTIME, Runtime, SHUTDOWN, add_signed, at_exit};
 
@@ -23,29 +24,14 @@ const POLL_IDLE: Duration = Duration::from_millis(20);
 /// (4 x 250 ms: the last second).
 const PUBLISH_PERIOD_NS: u64 = 250_000_000;
 const PUBLISH_WINDOW: usize = 4;
-/// How often NVML is read: the trim follows its utilisation ([`trim`]) and the boost factor its
-/// power readings ([`boost`]).
+/// How often NVML is read, for the correction ([`crate::throttle::correction`]).
 const NVML_PERIOD_NS: u64 = 1_000_000_000;
 /// For this long after the poller starts, NVML is read every [`START_NVML_PERIOD_NS`] and the
 /// boost factor takes each reading whole: the factor follows the power as it ramps up, so a
-/// power-hungry job is not run ahead of its share for its whole first second.
+/// power-hungry job is not run ahead of its share for its whole first second. NVML's utilisation
+/// is compared from then on (its figure covers up to a second before it is read).
 const START_PHASE_NS: u64 = 1_500_000_000;
 const START_NVML_PERIOD_NS: u64 = 250_000_000;
-/// The trim follows NVML's utilisation from this long after the poller starts: NVML's figure
-/// covers up to a second before it is read.
-const TRIM_AFTER_NS: u64 = 1_000_000_000;
-/// The most one reading counts for in the trim's window (a poller late to read NVML, say).
-const MAX_TRIM_PERIOD_NS: u64 = 2 * NVML_PERIOD_NS;
-
-/// One step's NVML readings of a device.
-#[derive(Clone, Copy)]
-struct NvmlReading {
-    /// `nvmlDeviceGetUtilizationRates`, in percent.
-    utilisation: Option<u32>,
-    /// The mean of the utilisation samples since the last step, in percent, and their count.
-    samples: Option<(f64, usize)>,
-    power: Option<PowerReading>,
-}
 
 /// The background thread's own state between periods.
 struct PollState {
@@ -55,7 +41,7 @@ struct PollState {
     /// When the poller started (the process's first limited launch).
     started: u64,
     last_nvml: u64,
-    /// Per region device index: the region's counters when the boost factor last followed a
+    /// Per region device index: the region's counters when the correction last followed a
     /// reading.
     seen_at_nvml: [Seen; MAX_DEVICES],
     /// A step has panicked (said once).
@@ -69,15 +55,11 @@ struct Seen {
     charged_ns: u64,
     launches: u64,
     held_ns: u64,
-    /// Readings the boost factor has followed.
-    readings: u32,
-    /// NVML's busy time against the measured one, over the recent readings ([`trim`]).
-    trim_window: trim::Window,
     /// NVML's timestamp of the newest utilisation sample read.
     nvml_sample: u64,
-    /// How the boost factor follows the power: chosen at the device's first reading, by its
-    /// board ([`boards`]).
-    compensation: Option<Compensation>,
+    /// The device's correction: made at its first reading, with the compensation of its board
+    /// ([`boards`]).
+    correction: Option<Correction>,
 }
 
 impl Seen {
@@ -196,54 +178,40 @@ impl Runtime {
         true
     }
 
-    /// Reads NVML for each device in use: the boost factor follows its power, the trim its
-    /// utilisation samples. Marked as inside the driver, and stopped at exit between devices.
+    /// Reads NVML for each device in use and has its correction follow the reading. Marked as
+    /// inside the driver, and stopped at exit between devices.
     fn nvml_step(&self, state: &mut PollState, now: u64, starting: bool) {
         let Some(session) = crate::session::get() else {
             return;
         };
-        // NVML's utilisation covers up to a second before the reading: from then on it covers
-        // only time since the first limited launch.
-        let comparable = now.saturating_sub(state.started) >= TRIM_AFTER_NS;
         for (ordinal, device) in self.devices_in_use(session) {
             POLLER_IN_DRIVER.store(true, Ordering::SeqCst);
             if SHUTDOWN.load(Ordering::SeqCst) {
                 return;
             }
+            let Some(seen) = state.seen_at_nvml.get_mut(device.region_index) else {
+                continue;
+            };
             // One handle lookup per device and step, for every reading.
             let handle = crate::nvml::device_handle(&device.uuid);
-            let utilisation = handle.and_then(nvml_reading::utilisation);
-            let compensation = state.seen_at_nvml.get_mut(device.region_index).map(|seen| {
-                *seen
-                    .compensation
-                    .get_or_insert_with(|| self.choose_compensation(ordinal, handle))
-            });
-            // Without a power model the power readings are not needed.
-            let power = handle
-                .filter(|_| compensation.is_some_and(Compensation::reads_power))
-                .and_then(boost::read);
+            let correction = *seen
+                .correction
+                .get_or_insert_with(|| Correction::new(self.choose_compensation(ordinal, handle)));
             // The first query returns NVML's whole buffer, seconds from before: it only sets
             // where the next one starts.
-            let samples = match (handle, state.seen_at_nvml.get_mut(device.region_index)) {
-                (Some(handle), Some(seen)) => {
-                    let started = seen.nvml_sample != 0;
-                    nvml_reading::utilisation_samples(handle, &mut seen.nvml_sample).filter(|_| started)
-                }
-                _ => None,
+            let started = seen.nvml_sample != 0;
+            let reading = Reading {
+                utilisation: handle
+                    .and_then(nvml_reading::utilisation)
+                    .map(|percent| f64::from(percent) / 100.0),
+                samples: handle
+                    .and_then(|handle| nvml_reading::utilisation_samples(handle, &mut seen.nvml_sample))
+                    .filter(|_| started)
+                    .map(|(mean, count)| (mean / 100.0, count)),
+                // Without a power model the power readings are not needed.
+                power: handle.filter(|_| correction.reads_power()).and_then(boost::read),
             };
-            let nvml = NvmlReading {
-                utilisation,
-                samples,
-                power,
-            };
-            self.follow_nvml(
-                session,
-                ordinal,
-                device,
-                nvml,
-                &mut state.seen_at_nvml,
-                (now, starting, comparable),
-            );
+            self.follow_nvml(session, ordinal, device, reading, seen, (now, starting));
             POLLER_IN_DRIVER.store(false, Ordering::SeqCst);
         }
     }
@@ -292,88 +260,60 @@ impl Runtime {
             .filter(|(_, device)| self.devices.get(device.region_index).is_some_and(Device::touched))
     }
 
-    /// Moves a device's boost factor towards what NVML's power readings call for, given the
-    /// container's share of the device over the last period as the sensor measured it (the
-    /// region's charged time, which every process of the container adds to, divided by the boost
-    /// factor and the trim it was charged at), and adds the period to the trim's window
-    /// ([`trim`]).
+    /// Has a device's correction follow one NVML reading, given the container's share of the
+    /// device over the last period (the region's charged time, which every process of the
+    /// container adds to).
     fn follow_nvml(
         &self,
         session: &'static crate::session::Session,
         ordinal: CUdevice,
         device: &crate::session::DeviceEntry,
-        nvml: NvmlReading,
-        seen_at_nvml: &mut [Seen; MAX_DEVICES],
-        (now, starting, comparable): (u64, bool, bool),
+        reading: Reading,
+        seen: &mut Seen,
+        (now, starting): (u64, bool),
     ) {
         let index = device.region_index;
-        let (Some(compute), Some(seen), Some(factors)) = (
+        let (Some(compute), Some(factors), Some(mut correction)) = (
             session.region().extension().compute.get(index),
-            seen_at_nvml.get_mut(index),
             self.devices.get(index),
+            seen.correction,
         ) else {
             return;
         };
         let last = *seen;
-        let mut next_seen = Seen::now(compute, now, last);
         let period = now.saturating_sub(last.at).max(1);
+        let mut next_seen = Seen::now(compute, now, last);
         let charged = next_seen.charged_ns.saturating_sub(last.charged_ns) as f64 / period as f64;
-        let unit = f64::from(FACTOR_UNIT);
-        let current = f64::from(factors.boost.load(Ordering::Relaxed)) / unit;
-        let trim_now = f64::from(factors.trim.load(Ordering::Relaxed)) / unit;
-        // Samples over the period where NVML keeps them, else its last sample period's figure.
-        let nvml_share = nvml
-            .samples
-            .map(|(mean, _)| mean / 100.0)
-            .or(nvml.utilisation.map(|percent| f64::from(percent) / 100.0));
-        // The container's share as the sensor measured it, before the boost factor and the trim.
-        let measured = charged / current / trim_now;
-        // A device's first reading spans from the poller's start, not from its own first launch;
-        // a reading of a few samples (the first second's 250 ms ones) swings with a job's phases.
-        let enough = match nvml.samples {
-            Some((_, count)) => count >= trim::MIN_SAMPLES,
-            None => !starting,
-        };
-        if comparable && enough && last.readings > 0 {
-            let seconds = period.min(MAX_TRIM_PERIOD_NS) as f64 / 1e9;
-            next_seen.trim_window.add(measured, nvml_share, seconds);
-        }
-        let trim = next_seen.trim_window.trim();
-        factors.trim.store((trim * unit).round() as u32, Ordering::Relaxed);
+        let before = correction.factor();
+        let factor = correction.follow(charged, reading, period as f64 / 1e9, starting);
+        next_seen.correction = Some(correction);
+        *seen = next_seen;
+        factors
+            .correction
+            .store((factor * f64::from(FACTOR_UNIT)).round() as u32, Ordering::Relaxed);
+        let (boost, trim) = correction.parts();
         // What the bucket admitted, period by period: a run's diagnosis compares it with the limit
         // and with NVML (its charges against the GPU's busy time).
         tracing::debug!(
             "compute limiter: device {ordinal} period {} ms: charged {charged:.3} of it, launches waited {:.3} of it, \
-             {} launches, NVML utilisation {}, samples {}, budget {} us, trim {trim:.3}",
+             {} launches, NVML utilisation {}, samples {}, budget {} us, boost {boost:.3}, trim {trim:.3}{}",
             period / 1_000_000,
             next_seen.held_ns.saturating_sub(last.held_ns) as f64 / period as f64,
             next_seen.launches.saturating_sub(last.launches),
-            nvml.utilisation
-                .map_or_else(|| "unknown".to_owned(), |percent| format!("{percent}%")),
-            nvml.samples
-                .map_or_else(|| "none".to_owned(), |(mean, count)| format!("{mean:.1}% of {count}")),
-            compute.budget_ns.load(Ordering::Relaxed) / 1000
+            reading
+                .utilisation
+                .map_or_else(|| "unknown".to_owned(), |share| format!("{:.0}%", share * 100.0)),
+            reading.samples.map_or_else(
+                || "none".to_owned(),
+                |(mean, count)| format!("{:.1}% of {count}", mean * 100.0)
+            ),
+            compute.budget_ns.load(Ordering::Relaxed) / 1000,
+            if (factor - before).abs() >= 0.01 {
+                " (changed)"
+            } else {
+                ""
+            }
         );
-        let gpu = nvml.utilisation.map(|percent| f64::from(percent) / 100.0);
-        let clock_known = nvml.power.is_some_and(|reading| reading.clock.is_some());
-        // The GPU draws its dynamic power while kernels run: the trimmed share, not the brackets'
-        // (they also read the front end's gaps between kernels, which the trim takes out).
-        let trimmed_share = measured * trim;
-        let share = boost::busy_share(trimmed_share, gpu, clock_known);
-        let compensation = last.compensation.unwrap_or(Compensation::TimeShare);
-        let target = compensation.target_factor(nvml.power, share);
-        let next = compensation.smoothed(current, target, starting || last.readings == 0);
-        next_seen.readings = last.readings.saturating_add(1);
-        *seen = next_seen;
-        factors.boost.store((next * unit).round() as u32, Ordering::Relaxed);
-        if (next - current).abs() >= 0.01 {
-            // Both sources of the share, so that a run can tell which one set the factor.
-            tracing::debug!(
-                "compute limiter: device {ordinal} boost factor {next:.3} (busy share {share:.3}: the container's \
-                 {trimmed_share:.3}, NVML's {:.3})",
-                gpu.unwrap_or(0.0)
-            );
-        }
     }
 
     /// A measurement came back: correct the charges it stands for.
