@@ -25,13 +25,13 @@ const POLL_IDLE: Duration = Duration::from_millis(20);
 const PUBLISH_PERIOD_NS: u64 = 250_000_000;
 const PUBLISH_WINDOW: usize = 4;
 /// How often NVML is read, for the correction ([`crate::throttle::correction`]).
-const NVML_PERIOD_NS: u64 = 1_000_000_000;
+pub(in crate::throttle) const NVML_PERIOD_NS: u64 = 1_000_000_000;
 /// For this long after the poller starts, NVML is read every [`START_NVML_PERIOD_NS`] and the
 /// boost factor takes each reading whole: the factor follows the power as it ramps up, so a
 /// power-hungry job is not run ahead of its share for its whole first second. NVML's utilisation
 /// is compared from then on (its figure covers up to a second before it is read).
-const START_PHASE_NS: u64 = 1_500_000_000;
-const START_NVML_PERIOD_NS: u64 = 250_000_000;
+pub(in crate::throttle) const START_PHASE_NS: u64 = 1_500_000_000;
+pub(in crate::throttle) const START_NVML_PERIOD_NS: u64 = 250_000_000;
 
 /// The background thread's own state between periods.
 struct PollState {
