@@ -2,8 +2,10 @@
 //! fake)") is listed with the H200 in `hook/src/throttle/boards.toml`. The fake draws 900 W busy
 //! all the time against a 700 W limit, so at limit 50 the H200's power model charges each kernel
 //! about 1.14 times its time and the kernels take about 44% of the device
-//! (`compute.rs`, `boost_compensation_follows_the_power_readings`); `VGPU_COMPUTE_PROFILE=off`
-//! holds the plain time share, 50%. Each process says once, at info level, which applies and why.
+//! (the simulation, `a_profiled_board_holds_a_share_of_the_work_and_any_other_a_share_of_time`); `VGPU_COMPUTE_PROFILE=off`
+//! holds the plain time share, 50%. A GPU that NVML reports slowed to 1600 MHz, nearer the clock
+//! the heaviest work settles at busy all the time, keeps less of the boost (about 47%): its clock
+//! is read. Each process says once, at info level, which applies and why.
 
 use std::time::{Duration, Instant};
 
@@ -17,8 +19,8 @@ const SETTLE: Duration = Duration::from_millis(3500);
 const WINDOW: Duration = Duration::from_millis(2000);
 
 /// The loop at limit 50 on the power-hungry fake GPU, logging at info level, with
-/// `VGPU_COMPUTE_PROFILE` set to `profile` (or unset).
-fn start(dir: &ScratchDir, profile: Option<&str>) -> Session {
+/// `VGPU_COMPUTE_PROFILE` set to `profile` (or unset) and `env` on top.
+fn start(dir: &ScratchDir, profile: Option<&str>, env: &[(&str, &str)]) -> Session {
     let mut run = Run::new(&compiled_program("compute_loop"))
         .hooked()
         .env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.region())
@@ -28,6 +30,9 @@ fn start(dir: &ScratchDir, profile: Option<&str>) -> Session {
         .env("LIBCUDA_LOG_LEVEL", "3");
     if let Some(profile) = profile {
         run = run.env("VGPU_COMPUTE_PROFILE", profile);
+    }
+    for (key, value) in env {
+        run = run.env(key, value);
     }
     run.args(["kernel", KERNEL, "6.5"]).spawn_ready(Duration::from_secs(30))
 }
@@ -43,8 +48,13 @@ fn log_of(mut session: Session) -> String {
 
 #[test]
 fn off_holds_the_time_share_and_each_process_says_which_applies() {
-    let dirs = ["auto", "off"].map(|name| ScratchDir::new(&format!("board-profile-{name}")));
-    let sessions = [start(&dirs[0], None), start(&dirs[1], Some("off"))];
+    let dirs = ["auto", "off", "1600"].map(|name| ScratchDir::new(&format!("board-profile-{name}")));
+    let slowed = [("FAKE_NVML_SLOWDOWN", "1"), ("FAKE_NVML_SM_MHZ", "1600")];
+    let sessions = [
+        start(&dirs[0], None, &[]),
+        start(&dirs[1], Some("off"), &[]),
+        start(&dirs[2], None, &slowed),
+    ];
     std::thread::sleep(SETTLE);
     let truths = dirs.each_ref().map(ScratchDir::truth);
     let at = Instant::now();
@@ -52,9 +62,12 @@ fn off_holds_the_time_share_and_each_process_says_which_applies() {
     std::thread::sleep(WINDOW);
     let after = truths.each_ref().map(|truth| truth.device(0).busy_ns());
     let elapsed = at.elapsed().as_nanos() as f64;
-    let [profiled, off] = [0, 1].map(|i| (after[i] - before[i]) as f64 * 100.0 / elapsed);
-    let [profiled_log, off_log] = sessions.map(log_of);
-    eprintln!("limit 50 on the 900 W fake: {profiled:.1}% with its profile, {off:.1}% with VGPU_COMPUTE_PROFILE=off");
+    let [profiled, off, at_1600] = [0, 1, 2].map(|i| (after[i] - before[i]) as f64 * 100.0 / elapsed);
+    let [profiled_log, off_log, _] = sessions.map(log_of);
+    eprintln!(
+        "limit 50 on the 900 W fake: {profiled:.1}% with its profile, {off:.1}% with VGPU_COMPUTE_PROFILE=off, \
+         {at_1600:.1}% slowed to 1600 MHz"
+    );
     assert!(
         (46.5..=53.0).contains(&off),
         "VGPU_COMPUTE_PROFILE=off: {off:.1}%, expected the time share, 50%"
@@ -62,6 +75,10 @@ fn off_holds_the_time_share_and_each_process_says_which_applies() {
     assert!(
         profiled < off - 3.0,
         "with the profile {profiled:.1}%, expected about 44% (off: {off:.1}%)"
+    );
+    assert!(
+        at_1600 > profiled + 1.5 && at_1600 < off - 1.0,
+        "slowed to 1600 MHz: {at_1600:.1}%, expected about 47% (profiled {profiled:.1}%, off {off:.1}%)"
     );
     let said = |log: &str, line: &str| log.lines().filter(|logged| logged.contains(line)).count();
     assert_eq!(

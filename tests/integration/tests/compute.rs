@@ -2,8 +2,9 @@
 //! duration launched in a loop take the limit's share of the device's time (the fake's ground
 //! truth counts every launched kernel's duration), through every launch path; two processes of one
 //! region share one budget; HAMi's controls (`GPU_CORE_UTILIZATION_POLICY`, the region's
-//! `utilization_switch` and `recent_kernel`) work; a job below its limit is not slowed; and with no
-//! limit the launch path never waits.
+//! `utilization_switch` and `recent_kernel`) work; and with no limit the launch path never waits.
+//! How closely each job shape holds its limit is the simulation's to check
+//! (`hook/src/throttle/sim.rs`); these are the driver's paths, each in a second or two.
 //!
 //! Every test uses its own folder for the region and the ground truth. A share is measured over a
 //! window in the middle of the run (after a warm-up, so the first measurements have arrived), as
@@ -21,10 +22,10 @@ const KERNEL: &str = "busy_2000us";
 /// Tolerance of a share, in points of percent.
 const TOLERANCE: f64 = 5.0;
 /// Run-up before the measured window, and the window.
-const WARM_UP: Duration = Duration::from_millis(700);
-const WINDOW: Duration = Duration::from_millis(2000);
+const WARM_UP: Duration = Duration::from_millis(500);
+const WINDOW: Duration = Duration::from_millis(1000);
 /// How long each program runs: the warm-up, the window and a margin.
-const RUN_SECONDS: &str = "3.2";
+const RUN_SECONDS: &str = "2.0";
 
 fn program() -> PathBuf {
     compiled_program("compute_loop")
@@ -149,11 +150,6 @@ fn limited_run(limit: u32, path: &str) {
 }
 
 #[test]
-fn limit_20_holds() {
-    limited_run(20, "kernel");
-}
-
-#[test]
 fn limit_50_holds_and_is_published() {
     let dir = ScratchDir::new("compute-limit-50-published");
     let run = compute_loop(
@@ -184,11 +180,6 @@ fn limit_50_holds_and_is_published() {
         "last_kernel_time {last_kernel_time}, now {now}"
     );
     assert_eq!(snapshot.recent_kernel, 2, "launches mark the container active");
-}
-
-#[test]
-fn limit_80_holds() {
-    limited_run(80, "kernel");
 }
 
 /// A compute limit whose region cannot be used (issue 16): cuInit fails, and a program that
@@ -227,15 +218,21 @@ fn launches_under_a_limit_fail_closed_when_the_region_is_unusable() {
 
 #[test]
 fn unlimited_launches_never_wait() {
-    for limit in [None, Some("100"), Some("0")] {
-        let dir = ScratchDir::new("compute-unlimited");
-        let env: Vec<(&str, &str)> = limit.map(|l| ("CUDA_DEVICE_SM_LIMIT", l)).into_iter().collect();
-        let run = compute_loop(&dir, &env, &["kernel", KERNEL, "1.5", "stream"]);
-        let session = start(run);
+    let limits = [None, Some("100"), Some("0")];
+    let dirs = limits.map(|_| ScratchDir::new("compute-unlimited"));
+    let sessions: Vec<Session> = limits
+        .iter()
+        .zip(&dirs)
+        .map(|(limit, dir)| {
+            let env: Vec<(&str, &str)> = limit.map(|l| ("CUDA_DEVICE_SM_LIMIT", l)).into_iter().collect();
+            start(compute_loop(dir, &env, &["kernel", KERNEL, "1.5", "stream"]))
+        })
+        .collect();
+    for ((limit, dir), session) in limits.iter().zip(&dirs).zip(sessions) {
         let done = finish(session);
         // The launch path never went through the limiter: the bucket is untouched.
-        assert_eq!(compute_field(&dir, LAUNCHES_WORD), 0, "limit {limit:?}");
-        assert_eq!(compute_field(&dir, WAIT_NS_WORD), 0, "limit {limit:?}");
+        assert_eq!(compute_field(dir, LAUNCHES_WORD), 0, "limit {limit:?}");
+        assert_eq!(compute_field(dir, WAIT_NS_WORD), 0, "limit {limit:?}");
         let inside = done.get("launch_ns") / (done.get("seconds") * 1e9);
         assert!(
             inside < 0.02,
@@ -343,11 +340,11 @@ fn recent_kernel_minus_one_blocks_launches_until_raised() {
     let run = compute_loop(
         &dir,
         &[("CUDA_DEVICE_SM_LIMIT", "50")],
-        &["kernel", KERNEL, "3.5", "stream"],
+        &["kernel", KERNEL, "2.4", "stream"],
     );
     let session = start(run);
     let truth = dir.truth();
-    std::thread::sleep(Duration::from_millis(500));
+    std::thread::sleep(Duration::from_millis(400));
     let region = hold_region(&dir, 50);
     assert_eq!(region.hami().recent_kernel.load(Ordering::Relaxed), 2);
     region.hami().recent_kernel.store(-1, Ordering::Relaxed);
@@ -364,40 +361,17 @@ fn recent_kernel_minus_one_blocks_launches_until_raised() {
     region.hami().recent_kernel.store(1, Ordering::Relaxed);
     std::thread::sleep(Duration::from_millis(100));
     let before = truth.device(0).busy_ns();
-    std::thread::sleep(Duration::from_millis(700));
+    std::thread::sleep(Duration::from_millis(500));
     let released = truth.device(0).busy_ns() - before;
     let recent_after = region.hami().recent_kernel.load(Ordering::Relaxed);
     let done = finish(session);
     assert_eq!(blocked, 0, "kernels ran while recent_kernel was -1");
     assert!(
-        released as f64 > 0.3 * 700e6,
-        "only {released} ns of kernels in 700 ms after recent_kernel was raised"
+        released as f64 > 0.3 * 500e6,
+        "only {released} ns of kernels in 500 ms after recent_kernel was raised"
     );
     assert_eq!(recent_after, 2, "launches mark the container active again");
     assert!(done.get("max_launch_ns") > 900e6, "no launch was held for the second");
-}
-
-#[test]
-fn a_job_below_its_limit_runs_at_its_natural_rate() {
-    // One 2 ms kernel, then 18 ms of host work: a natural share of about 10%.
-    let rate = |limit: Option<&str>| {
-        let dir = ScratchDir::new("compute-low-demand");
-        let env: Vec<(&str, &str)> = limit.map(|l| ("CUDA_DEVICE_SM_LIMIT", l)).into_iter().collect();
-        let run = compute_loop(&dir, &env, &["kernel", KERNEL, "2.5", "sleep_us", "18000"]);
-        let done = finish(start(run));
-        done.get("launches") / done.get("seconds")
-    };
-    let natural = rate(None);
-    let limited = rate(Some("50"));
-    assert!(
-        limited >= natural * 0.95,
-        "{limited:.1} iterations/s at limit 50 against {natural:.1} unlimited"
-    );
-    let natural_share = natural * 2.0 / 10.0;
-    assert!(
-        (5.0..=15.0).contains(&natural_share),
-        "natural share {natural_share:.1}%"
-    );
 }
 
 #[test]
@@ -473,126 +447,14 @@ fn switching_the_limit_off_releases_a_waiting_launch() {
     let run = compute_loop(
         &dir,
         &[("CUDA_DEVICE_SM_LIMIT", "1")],
-        &["kernel", "busy_20000us", "3.5", "stream"],
+        &["kernel", "busy_20000us", "2.0", "stream"],
     );
     let session = start(run);
     let truth = dir.truth();
-    std::thread::sleep(Duration::from_millis(600));
+    std::thread::sleep(Duration::from_millis(400));
     region.hami().utilization_switch.store(0, Ordering::Relaxed);
     std::thread::sleep(Duration::from_millis(100));
     let share = busy_share(&truth);
     finish(session);
     assert!(share > 90.0, "after the switch went off: busy share {share:.1}");
-}
-
-/// The fake GPU draws 900 W when busy all the time (limit 700 W, idle 120 W): at limit 50 and
-/// its highest clock the boost compensation charges each kernel about 1.14 times its time, so the
-/// kernels take about 44% of the device. A GPU held by its power limit to 1860 MHz keeps the part
-/// of the boost its clock shows (a factor of about 1.13); one at 1600 MHz, nearer the clock the
-/// heaviest work settles at busy all the time (1468 MHz), less (about 1.06); one that reports a
-/// slowdown but no clocks none; and neither does one without clocks whose NVML says it is fully
-/// busy (other containers' work: the power is not all ours, and no clock bounds the factor). With
-/// clocks, NVML's utilisation above the kernels' time does not lower the factor (two processes of
-/// one container on the H200: NVML read 0.55-0.65 for kernels taking 0.47 of the time, and the
-/// pair ran at 57.5% of the unlimited rate under a limit of 50).
-#[test]
-fn boost_compensation_follows_the_power_readings() {
-    let names = [
-        "boost-compensated",
-        "boost-1860",
-        "boost-1600",
-        "boost-no-clock",
-        "boost-shared",
-        "boost-switches",
-    ];
-    let dirs = names.map(|name| ScratchDir::new(&format!("compute-{name}")));
-    let power = [("CUDA_DEVICE_SM_LIMIT", "50"), ("FAKE_NVML_BUSY_WATTS", "900")];
-    let with = |extra: &[(&'static str, &'static str)]| {
-        let mut env = power.to_vec();
-        env.extend_from_slice(extra);
-        env
-    };
-    let slowed = ("FAKE_NVML_SLOWDOWN", "1");
-    let envs = [
-        power.to_vec(),
-        with(&[slowed, ("FAKE_NVML_SM_MHZ", "1860")]),
-        with(&[slowed, ("FAKE_NVML_SM_MHZ", "1600")]),
-        with(&[slowed, ("FAKE_NVML_NO_CLOCKS", "1")]),
-        with(&[("FAKE_NVML_UTILIZATION", "100"), ("FAKE_NVML_NO_CLOCKS", "1")]),
-        with(&[("FAKE_NVML_UTILIZATION", "60")]),
-    ];
-    let sessions: Vec<Session> = dirs
-        .iter()
-        .zip(&envs)
-        .map(|(dir, env)| start(compute_loop(dir, env, &["kernel", KERNEL, "9"])))
-        .collect();
-    // The first reading only starts the share's window; then the factor moves halfway to its
-    // target at each reading, once a second.
-    std::thread::sleep(Duration::from_millis(5500));
-    let truths = dirs.each_ref().map(ScratchDir::truth);
-    let at = Instant::now();
-    let before = truths.each_ref().map(|truth| truth.device(0).busy_ns());
-    std::thread::sleep(WINDOW);
-    let after = truths.each_ref().map(|truth| truth.device(0).busy_ns());
-    let elapsed = at.elapsed().as_nanos() as f64;
-    sessions.into_iter().for_each(|session| {
-        finish(session);
-    });
-    let [compensated, at_1860, at_1600, no_clock, shared, switches] =
-        [0, 1, 2, 3, 4, 5].map(|i| (after[i] - before[i]) as f64 * 100.0 / elapsed);
-    eprintln!(
-        "boost compensation: {compensated:.1}% compensated, {at_1860:.1}% slowed at 1860 MHz, \
-         {at_1600:.1}% at 1600 MHz, {no_clock:.1}% slowed without clocks, {shared:.1}% shared \
-         without clocks, {switches:.1}% with NVML reading 60%"
-    );
-    assert!(
-        (41.0..=47.0).contains(&compensated),
-        "compensated share {compensated:.1}%, expected about 44%"
-    );
-    assert!(
-        (41.0..=47.5).contains(&at_1860),
-        "slowed to 1860 MHz: {at_1860:.1}%, expected about 44%"
-    );
-    assert!(
-        (45.5..=48.2).contains(&at_1600) && at_1600 > at_1860 + 2.0,
-        "slowed to 1600 MHz: {at_1600:.1}%, expected about 47.3% (49.0 with the floor at 1549 MHz; at 1860 MHz: {at_1860:.1}%)"
-    );
-    assert!(
-        no_clock > compensated + 3.0,
-        "slowed without clocks: {no_clock:.1}%, expected the plain time share (compensated: {compensated:.1}%)"
-    );
-    assert_share("power-capped GPU without clocks at limit 50", no_clock, 50.0);
-    assert_share("GPU busy with others at limit 50, no clocks", shared, 50.0);
-    assert!(
-        (41.0..=47.0).contains(&switches),
-        "NVML reading 60% at the highest clock: {switches:.1}%, expected about 44% like the compensated one"
-    );
-}
-
-/// Two processes of one region at limit 50 on the fake GPU that draws 900 W busy: both read the
-/// same power and the region's common share, so together they are held like one process (about
-/// 44%, a factor of 1.14), not each charged at its own factor.
-#[test]
-fn two_processes_share_the_boost_compensation() {
-    let dir = ScratchDir::new("compute-two-boost");
-    let env = [("CUDA_DEVICE_SM_LIMIT", "50"), ("FAKE_NVML_BUSY_WATTS", "900")];
-    let sessions: Vec<Session> = (0..2)
-        .map(|_| start(compute_loop(&dir, &env, &["kernel", KERNEL, "9", "stream"])))
-        .collect();
-    // As in the single-process test: the factor settles over the first readings.
-    std::thread::sleep(Duration::from_millis(5500));
-    let truth = dir.truth();
-    let at = Instant::now();
-    let before = truth.device(0).busy_ns();
-    std::thread::sleep(WINDOW);
-    let after = truth.device(0).busy_ns();
-    let share = (after - before) as f64 * 100.0 / at.elapsed().as_nanos() as f64;
-    sessions.into_iter().for_each(|session| {
-        finish(session);
-    });
-    eprintln!("two processes with the boost compensation: {share:.1}%");
-    assert!(
-        (41.0..=47.0).contains(&share),
-        "two processes at limit 50 with a 900 W GPU: {share:.1}%, expected about 44%"
-    );
 }
