@@ -12,13 +12,12 @@ its estimate (until 2026-12-01 a settled key's measurement counted for at most 5
 estimate, so that excess was not charged; see docs/compute-limit.md, "Long measurements"). The
 first measurements of a key are charged the 1 ms prior; they are left out of the charged/measured
 ratio. Where the lines say whether the stream had work queued when the sample began, what a
-queued stream adds is shown too, and so is what the pairs (hook/src/throttle/sensor.rs) measured
-a bracket on a queued stream to add. The boost factor's changes (a line each when it moves by 0.01 or
-more; charges are the plan times the factor, so a factor above 1 holds a job under its time
-share) are summarised too, and so are the per-period lines (about one a second): the share of wall
+queued stream adds is shown too, and so is what the pairs of libraries before 2026-12-06 measured
+a bracket on a queued stream to add. The boost factor's changes (by 0.01 or more; charges are the
+plan times the factor, so a factor above 1 holds a job under its time share) are summarised too, and so are the per-period lines (about one a second): the share of wall
 time the bucket charged, against NVML's utilisation, so that a job held under its limit shows
 whether its charges exceed the GPU's busy time or the bucket admitted less than the limit, and the
-trim NVML's utilisation sets on the charges (hook/src/throttle/trim.rs).
+trim NVML's utilisation sets on the charges (hook/src/throttle/correction.rs).
 """
 import re
 import sys
@@ -30,7 +29,8 @@ LINE = re.compile(
 PAIR = re.compile(r"device index (\d+) pair .* measured (\d+) ns, alone (\d+)\+(\d+) ns; queued bracket overhead now (\d+) ns")
 PERIOD = re.compile(
     r"device (\d+) period (\d+) ms: charged ([\d.]+) of it, launches waited ([\d.]+) of it, (\d+) launches, "
-    r"NVML utilisation (\d+|unknown)%?, (?:samples (?:([\d.]+)% of \d+|none), )?budget (-?\d+) us(?:, trim ([\d.]+))?"
+    r"NVML utilisation (\d+|unknown)%?, (?:samples (?:([\d.]+)% of \d+|none), )?budget (-?\d+) us(?:, boost ([\d.]+))?"
+    r"(?:, trim ([\d.]+))?"
 )
 BOOST = re.compile(r"device (\d+) boost factor ([\d.]+) \(busy share ([\d.]+)")
 # As in hook/src/throttle/estimates.rs: PRIOR_NS.
@@ -109,8 +109,19 @@ def pair_line(paths):
 
 
 def boosts(paths):
-    """The boost factor's logged changes, in order: [(device, factor, busy share)]."""
-    return [(int(match.group(1)), float(match.group(2)), float(match.group(3))) for match in matches(paths, BOOST)]
+    """The boost factor's changes, in order: [(device, factor, busy share or None)]. Libraries since
+    2026-12-06 give the factor on every period line (the correction: boost and trim); older ones a
+    line of its own at each change, with the busy share."""
+    changes = [(int(match.group(1)), float(match.group(2)), float(match.group(3))) for match in matches(paths, BOOST)]
+    last = {}
+    for match in matches(paths, PERIOD):
+        if match.group(9) is None:
+            continue
+        device, factor = int(match.group(1)), float(match.group(9))
+        if abs(factor - last.get(device, 1.0)) >= 0.01:
+            changes.append((device, factor, None))
+        last[device] = factor
+    return changes
 
 
 def boost_line(changes):
@@ -118,11 +129,9 @@ def boost_line(changes):
     if not changes:
         return "boost factor: no change logged (1.000 throughout)"
     factors = [factor for _, factor, _ in changes]
-    shares = [share for _, _, share in changes]
-    return (
-        f"boost factor: {len(changes)} changes, {min(factors):.3f}-{max(factors):.3f}, last {factors[-1]:.3f}"
-        f" (busy share {min(shares):.3f}-{max(shares):.3f})"
-    )
+    shares = [share for _, _, share in changes if share is not None]
+    known = f" (busy share {min(shares):.3f}-{max(shares):.3f})" if shares else ""
+    return f"boost factor: {len(changes)} changes, {min(factors):.3f}-{max(factors):.3f}, last {factors[-1]:.3f}{known}"
 
 
 def period_lines(paths):
@@ -134,7 +143,7 @@ def period_lines(paths):
         if int(match.group(2)) >= 500:
             rate = None if match.group(6) == "unknown" else float(match.group(6))
             nvml = float(match.group(7)) if match.group(7) else rate
-            trim = float(match.group(9)) if match.group(9) else None
+            trim = float(match.group(10)) if match.group(10) else None
             devices[int(match.group(1))].append((float(match.group(3)), float(match.group(4)), nvml, trim))
     lines = []
     for device, periods in sorted(devices.items()):
