@@ -226,8 +226,12 @@ mod tests {
             max_factor: 1.25,
         };
         assert_eq!(h200, Some(fitted));
-        // The H100's are the H200's until the H100 report refits them.
-        assert_eq!(find(&boards, "NVIDIA H100 80GB HBM3"), Some(fitted));
+        // The H100's are the H200's but for the heaviest work, which its own GEMM set.
+        let h100 = Profile {
+            heaviest_work: 1.45,
+            ..fitted
+        };
+        assert_eq!(find(&boards, "NVIDIA H100 80GB HBM3"), Some(h100));
         // The fake driver's GPU models the H200.
         assert_eq!(find(&boards, "NVIDIA H200 (vgpu fake)"), Some(fitted));
     }
