@@ -4,9 +4,11 @@
 `cargo test` runs its test binaries one after another, and most of them spend their time waiting
 for the programs they start (the integration tests' CPU use is about a third of the machine's), so
 here the binaries run two at a time, each through a `cargo test` of its own (cargo holds its lock
-only while it checks the build, and runs the binary as it always does). The compute limiter's binaries (`ALONE`), which hold GPU-time
-shares against the wall clock, still run alone, first. Within a binary the tests that measure waits
-or shares take turns (`one_at_a_time` in tests/integration), across binaries too (a file lock).
+only while it checks the build, and runs the binary as it always does). The compute limiter's
+binaries (`FIRST_TOGETHER`), which hold GPU-time shares against the wall clock, run first, together
+and with nothing else; their tests mostly wait for the programs they start, so `compute`'s run
+several at once (`TEST_THREADS`). Within a binary the tests that measure waits or shares take turns
+(`one_at_a_time` in tests/integration), across binaries too (a file lock).
 
     scripts/run-tests.py [cargo test arguments...]   (default: --workspace)
 
@@ -24,8 +26,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# The integration tests that hold shares of GPU time against the wall clock: alone, as cargo ran them.
-ALONE = {"compute", "compute_jobs", "board_profile"}
+# The integration tests that hold shares of GPU time against the wall clock: first, together, with
+# nothing else beside them.
+FIRST_TOGETHER = {"compute", "compute_jobs", "board_profile"}
+# Test threads of binaries whose tests mostly wait (cargo's default is one per CPU).
+TEST_THREADS = {"compute": 6}
 AT_ONCE = 2
 # The longest of the others start first, so that the two lanes end close together.
 FIRST = ["unit tests", "hami", "gpu_suite", "monitor", "memory", "region_attacks", "foundation"]
@@ -62,7 +67,9 @@ def run(binary: dict, test_arguments: list[str], cargo: str, logs: Path) -> tupl
     """Runs one test binary through `cargo test` (which finds it built, and runs it with the
     environment and folder it gives tests); returns (passed, seconds, log)."""
     log = logs / (binary["name"].replace(" ", "_").replace("(", "").replace(")", "") + ".log")
-    command = [cargo, "test", *binary["selection"], "--", *test_arguments]
+    threads = TEST_THREADS.get(binary["name"])
+    extra = ["--test-threads", str(threads)] if threads and "--test-threads" not in test_arguments else []
+    command = [cargo, "test", *binary["selection"], "--", *extra, *test_arguments]
     start = time.monotonic()
     with open(log, "w") as output:
         status = subprocess.call(command, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
@@ -93,11 +100,14 @@ def main() -> int:
             if not passed:
                 print(log.read_text(errors="replace"), flush=True)
 
-    for binary in [b for b in binaries if b["name"] in ALONE]:
-        record(binary)
+    together = [threading.Thread(target=record, args=(b,)) for b in binaries if b["name"] in FIRST_TOGETHER]
+    for thread in together:
+        thread.start()
+    for thread in together:
+        thread.join()
     rank = {name: index for index, name in enumerate(FIRST)}
     queue = sorted(
-        (b for b in binaries if b["name"] not in ALONE),
+        (b for b in binaries if b["name"] not in FIRST_TOGETHER),
         key=lambda binary: rank.get(binary["name"], len(FIRST)),
     )
     queue_lock = threading.Lock()

@@ -83,10 +83,15 @@ fn finish(mut session: Session) -> Fields {
 
 /// Busy share of physical device 0 in percent over a window of `WINDOW` starting now.
 fn busy_share(truth: &truth::Truth) -> f64 {
-    let (busy, at) = (truth.device(0).busy_ns(), Instant::now());
+    busy_shares([truth])[0]
+}
+
+/// Busy shares of physical device 0 of several truths over one window of `WINDOW` starting now.
+fn busy_shares<const N: usize>(truths: [&truth::Truth; N]) -> [f64; N] {
+    let (busy, at) = (truths.each_ref().map(|truth| truth.device(0).busy_ns()), Instant::now());
     std::thread::sleep(WINDOW);
-    let (busy_after, elapsed) = (truth.device(0).busy_ns(), at.elapsed());
-    (busy_after - busy) as f64 * 100.0 / elapsed.as_nanos() as f64
+    let (after, elapsed) = (truths.each_ref().map(|truth| truth.device(0).busy_ns()), at.elapsed());
+    std::array::from_fn(|i| (after[i] - busy[i]) as f64 * 100.0 / elapsed.as_nanos() as f64)
 }
 
 /// Runs programs side by side and measures the device's busy share in the middle of their runs.
@@ -392,19 +397,31 @@ fn policy_disable_never_limits() {
 
 #[test]
 fn switch_off_lifts_the_limit_unless_forced() {
-    for (policy, expected) in [(None, None), (Some("force"), Some(20.0))] {
-        let dir = ScratchDir::new("compute-switch");
-        let region = hold_region(&dir, 20);
-        region.hami().utilization_switch.store(0, Ordering::Relaxed);
-        let mut env = vec![("CUDA_DEVICE_SM_LIMIT", "20")];
-        if let Some(policy) = policy {
-            env.push(("GPU_CORE_UTILIZATION_POLICY", policy));
-        }
-        let run = compute_loop(&dir, &env, &["kernel", KERNEL, RUN_SECONDS, "stream"]);
-        let (share, _) = measure(&dir, vec![run]);
+    let cases = [(None, None), (Some("force"), Some(20.0))];
+    let dirs = cases.map(|_| ScratchDir::new("compute-switch"));
+    let regions = dirs.each_ref().map(|dir| hold_region(dir, 20));
+    let sessions: Vec<Session> = cases
+        .iter()
+        .zip(dirs.iter().zip(&regions))
+        .map(|((policy, _), (dir, region))| {
+            region.hami().utilization_switch.store(0, Ordering::Relaxed);
+            let mut env = vec![("CUDA_DEVICE_SM_LIMIT", "20")];
+            if let Some(policy) = policy {
+                env.push(("GPU_CORE_UTILIZATION_POLICY", policy));
+            }
+            start(compute_loop(dir, &env, &["kernel", KERNEL, RUN_SECONDS, "stream"]))
+        })
+        .collect();
+    std::thread::sleep(WARM_UP);
+    let truths = dirs.each_ref().map(ScratchDir::truth);
+    let shares = busy_shares(truths.each_ref());
+    sessions.into_iter().for_each(|session| {
+        finish(session);
+    });
+    for (((_, expected), region), share) in cases.iter().zip(&regions).zip(shares) {
         assert_eq!(region.hami().utilization_switch.load(Ordering::Relaxed), 0);
         match expected {
-            Some(limit) => assert_share("force with the switch off, limit 20", share, limit),
+            Some(limit) => assert_share("force with the switch off, limit 20", share, *limit),
             None => assert!(share > 90.0, "switch off, default policy: busy share {share:.1}"),
         }
     }
@@ -417,18 +434,29 @@ fn switch_off_lifts_the_limit_unless_forced() {
 fn the_share_is_published_while_the_switch_is_off() {
     // The limit from the process's variable, and from the region alone (set by `vgpu-smi set` or
     // HAMi before the process started, its variables naming none).
-    for env in [&[("CUDA_DEVICE_SM_LIMIT", "20")][..], &[]] {
-        let dir = ScratchDir::new("compute-switch-published");
-        let region = hold_region(&dir, 20);
-        region.hami().utilization_switch.store(0, Ordering::Relaxed);
-        let run = compute_loop(&dir, env, &["kernel", KERNEL, RUN_SECONDS, "stream"]);
-        let session = start(run);
-        let pid = session.pid() as i32;
-        let truth = dir.truth();
-        std::thread::sleep(WARM_UP);
-        let share = busy_share(&truth);
-        let (_, published) = published_share(&dir, pid);
+    let envs: [&[(&str, &str)]; 2] = [&[("CUDA_DEVICE_SM_LIMIT", "20")], &[]];
+    let dirs = envs.map(|_| ScratchDir::new("compute-switch-published"));
+    let regions = dirs.each_ref().map(|dir| hold_region(dir, 20));
+    let sessions: Vec<Session> = envs
+        .iter()
+        .zip(dirs.iter().zip(&regions))
+        .map(|(env, (dir, region))| {
+            region.hami().utilization_switch.store(0, Ordering::Relaxed);
+            start(compute_loop(dir, env, &["kernel", KERNEL, RUN_SECONDS, "stream"]))
+        })
+        .collect();
+    std::thread::sleep(WARM_UP);
+    let truths = dirs.each_ref().map(ScratchDir::truth);
+    let shares = busy_shares(truths.each_ref());
+    let published: Vec<u64> = sessions
+        .iter()
+        .zip(&dirs)
+        .map(|(session, dir)| published_share(dir, session.pid() as i32).1)
+        .collect();
+    sessions.into_iter().for_each(|session| {
         finish(session);
+    });
+    for ((env, share), published) in envs.iter().zip(shares).zip(published) {
         assert!(share > 90.0, "switch off, {env:?}: busy share {share:.1}");
         assert!(
             published >= 85,

@@ -97,6 +97,11 @@ fn finish(mut session: Session) -> Report {
     report
 }
 
+/// Runs a job that measures nothing against the wall clock, without waiting for its turn.
+fn run_apart(run: Run) -> Report {
+    finish(run.spawn(Duration::from_secs(60)))
+}
+
 /// Runs jobs side by side (so that they share the machine's load) and waits for all of them.
 /// One measurement at a time in this file: these jobs are host-paced, and on a 2-core machine the
 /// other tests' jobs, running in parallel, would take turns with them unevenly (a 250 ms window of
@@ -246,7 +251,7 @@ fn a_bracket_that_adds_2500_ns_is_trimmed_to_nvml() {
 fn a_capture_after_queued_launches_is_never_invalidated() {
     let dir = ScratchDir::new("compute-jobs-capture");
     let env = [("CUDA_DEVICE_SM_LIMIT", "50")];
-    let [report] = run_together([job(&dir, &env, "capture seconds=3 us=20 per_iteration=2")]);
+    let report = run_apart(job(&dir, &env, "capture seconds=2 us=20 per_iteration=2"));
     let done = report.done();
     eprintln!("capture after queued launches: {done:?}");
     assert!(
@@ -270,8 +275,8 @@ fn a_capture_after_queued_launches_is_never_invalidated() {
 fn a_global_capture_survives_limited_launches_on_another_thread() {
     let dir = ScratchDir::new("compute-jobs-capture-other-thread");
     let env = [("CUDA_DEVICE_SM_LIMIT", "50")];
-    let args = "capture seconds=3 us=20 per_iteration=2 hold_us=2000 other_thread=1";
-    let [report] = run_together([job(&dir, &env, args)]);
+    let args = "capture seconds=2 us=20 per_iteration=2 hold_us=2000 other_thread=1";
+    let report = run_apart(job(&dir, &env, args));
     let done = report.done();
     eprintln!("global capture beside another thread's launches: {done:?}");
     assert!(
