@@ -1,10 +1,9 @@
 # Common tasks. `make demo` builds and runs the demo, `make test` runs every check CI runs.
 CARGO ?= cargo
-FAULT_DIR := target/fault-injection
 # Each step of `make test` says how long it took (scripts/timed.sh).
 TIMED := scripts/timed.sh
 
-.PHONY: headers build programs release demo test versions lint fault-build cross-test dist bench-callgrind fuzz clean
+.PHONY: headers build programs release demo test versions lint cross-test dist bench-callgrind fuzz clean
 
 headers:
 	scripts/fetch-headers.sh
@@ -20,9 +19,6 @@ release: headers
 	$(CARGO) build --release -p vgpu-hook -p vgpu-monitor
 	cp vulkan-layer/hami.json target/release/hami.json
 
-fault-build: headers
-	$(TIMED) fault-build $(CARGO) build -p vgpu-hook --features fault-injection --target-dir $(FAULT_DIR)
-
 demo: headers
 	scripts/demo.sh
 
@@ -34,7 +30,7 @@ lint: headers
 # tests), then the default build and every test (scripts/run-tests.py: `cargo test --workspace`,
 # its test binaries two at a time, with the time each took), then the default library on an older
 # fake driver.
-test: fault-build versions programs lint
+test: versions programs lint
 	$(TIMED) tests env CARGO=$(CARGO) python3 scripts/run-tests.py --workspace
 	$(TIMED) versions-cross scripts/test-versions.sh cross
 	# fuzzing needs nightly: `make fuzz` (see fuzz/README.md)

@@ -4,6 +4,13 @@
 use std::path::PathBuf;
 
 fn main() {
+    // Test-only fault injection (VGPU_FAULT_PANIC, VGPU_FAULT_LOCK_TIMEOUT_FILE) is compiled into
+    // builds with debug assertions, which the tests use, and never into a release build: one
+    // build serves the tests that inject faults and those that do not.
+    println!("cargo:rustc-check-cfg=cfg(fault_injection)");
+    if std::env::var_os("CARGO_CFG_DEBUG_ASSERTIONS").is_some() {
+        println!("cargo:rustc-cfg=fault_injection");
+    }
     let manifest_dir = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").unwrap_or_default());
     let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").unwrap_or_default());
     let root = vgpu_codegen::headers::workspace_root(&manifest_dir);

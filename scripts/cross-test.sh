@@ -41,9 +41,7 @@ cargo test -p vgpu-test-spawn
 # the driver structs its handlers read as bindgen lays them out for aarch64 (memory), HAMi's own C
 # reader built for aarch64 against the region (hami_reader; it also sees a slot freed at exit), and
 # the aarch64 Vulkan loader (vulkan). Not run here: monitor.rs, hami.rs and region_attacks.rs
-# (vgpu-smi, HAMi's protocol and hostile writers: logic with no architecture-dependent part), and
-# the fault-injection tests, whose library would be a second aarch64 build of every dependency for
-# what is plain Rust logic.
+# (vgpu-smi, HAMi's protocol and hostile writers: logic with no architecture-dependent part).
 # Left out under emulation as well, each for its reason (all pass natively in `make test`):
 # - compute.rs, compute_jobs.rs, board_profile.rs (whole files): they hold GPU-time shares against
 #   wall-clock time, and qemu slows the host side of each launch unevenly (tens of times), so they
@@ -65,10 +63,7 @@ cargo test -p vgpu-integration --test foundation --test memory --test hami_reade
   --skip kill_storm_never_blocks_survivors_and_leaves_no_charge \
   --skip context_charges_are_exact_while_other_processes_churn \
   --skip a_flood_of_failing_calls_gives_few_lines_and_counts_the_rest \
-  --skip contexts_created_together_never_pass_the_limit \
-  --skip injected_panic_becomes_an_error_code \
-  --skip updates_made_while_the_lock_times_out_are_applied_once_it_works \
-  --skip a_release_queued_by_a_process_that_calls_no_more_is_applied_in_the_background
+  --skip contexts_created_together_never_pass_the_limit
 
 # The region crate's own tests, whose workers are this test binary run again (through the runner,
 # tests/common): every process under qemu also preloads real_own_stat (see above), so a slot's

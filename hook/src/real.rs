@@ -216,7 +216,7 @@ pub enum Unresolved {
 #[inline(never)]
 pub fn resolve_guarded(export: &Export) -> Result<*mut c_void, Unresolved> {
     match catch_unwind(AssertUnwindSafe(|| {
-        #[cfg(feature = "fault-injection")]
+        #[cfg(fault_injection)]
         fault_injection::maybe_panic(export.name.to_str().unwrap_or_default());
         export.real_address()
     })) {
@@ -244,7 +244,7 @@ fn log_panic(name: &str, payload: &(dyn std::any::Any + Send)) {
 #[inline(always)]
 pub fn guard<R>(name: &'static str, on_panic: R, body: impl FnOnce() -> R) -> R {
     match catch_unwind(AssertUnwindSafe(|| {
-        #[cfg(feature = "fault-injection")]
+        #[cfg(fault_injection)]
         fault_injection::maybe_panic(name);
         body()
     })) {
@@ -256,7 +256,7 @@ pub fn guard<R>(name: &'static str, on_panic: R, body: impl FnOnce() -> R) -> R 
     }
 }
 
-#[cfg(feature = "fault-injection")]
+#[cfg(fault_injection)]
 mod fault_injection {
     use std::sync::OnceLock;
 

@@ -493,7 +493,7 @@ impl Accounting {
         bytes: u64,
         limit: Option<u64>,
     ) -> Result<(), ChargeError> {
-        #[cfg(feature = "fault-injection")]
+        #[cfg(fault_injection)]
         if fault_injection::lock_times_out() {
             return Err(ChargeError::Region(self.fault_timeout()));
         }
@@ -501,7 +501,7 @@ impl Accounting {
     }
 
     fn region_uncharge(&self, slot: &Slot, device: usize, kind: MemoryKind, bytes: u64) -> Result<u64, RegionError> {
-        #[cfg(feature = "fault-injection")]
+        #[cfg(fault_injection)]
         if fault_injection::lock_times_out() {
             return Err(self.fault_timeout());
         }
@@ -517,7 +517,7 @@ impl Accounting {
         Some(self.own.ledger.held())
     }
 
-    #[cfg(feature = "fault-injection")]
+    #[cfg(fault_injection)]
     fn fault_timeout(&self) -> RegionError {
         RegionError::LockTimeout {
             path: self.region().path().to_owned(),
@@ -525,7 +525,7 @@ impl Accounting {
     }
 }
 
-#[cfg(feature = "fault-injection")]
+#[cfg(fault_injection)]
 mod fault_injection {
     use std::path::PathBuf;
     use std::sync::OnceLock;

@@ -3,8 +3,8 @@
 //!
 //! The libraries are cdylibs and `vgpu-smi` a binary of another package, which cargo cannot hand
 //! to a test as dependencies, so the harness builds them (the first time a test of the process asks
-//! for one, with the cargo that runs the tests: nothing when they are up to date), and the
-//! fault-injection library (into `target/fault-injection`) when a test asks for it. A plain
+//! for one, with the cargo that runs the tests: nothing when they are up to date); the debug build
+//! of the hook has the test-only fault injection compiled in (`hook/build.rs`). A plain
 //! `cargo test --workspace` in a fresh clone therefore tests what the sources say; a failed build
 //! is a test failure with cargo's own words.
 //!
@@ -136,22 +136,6 @@ pub fn fake_icd_library() -> PathBuf {
 /// The monitor, `vgpu-smi`.
 pub fn vgpu_smi() -> PathBuf {
     built("vgpu-smi")
-}
-
-/// The hook built with the test-only `fault-injection` feature, in a target folder of its own (a
-/// cdylib's file name carries no hash of its features: in the same folder, the two builds would
-/// overwrite each other's `libvgpu.so` while cargo took either for up to date).
-pub fn fault_injection_hook_library() -> PathBuf {
-    let target = target_dir().join("fault-injection");
-    let target_arg = target.to_string_lossy().into_owned();
-    cargo_build(
-        &["vgpu-hook"],
-        &["--features", "fault-injection", "--target-dir", &target_arg],
-    );
-    require(
-        with_build_target(target).join(profile()).join("libvgpu.so"),
-        "cargo build -p vgpu-hook --features fault-injection --target-dir target/fault-injection",
-    )
 }
 
 /// A folder holding `libcuda.so.1` and `libnvidia-ml.so.1` (and the unversioned link names), all

@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 use std::process::Command;
 
-use vgpu_integration::{Run, ScratchDir, c_program, fault_injection_hook_library, hook_library};
+use vgpu_integration::{Run, ScratchDir, c_program, hook_library};
 
 const CUDA_SUCCESS: &str = "0";
 const CUDA_ERROR_INVALID_VALUE: &str = "1";
@@ -387,7 +387,7 @@ fn injected_panic_becomes_an_error_code() {
         ),
     ] {
         let output = Run::new(&program)
-            .preload(&[fault_injection_hook_library().as_path()])
+            .preload(&[hook_library().as_path()])
             .env("VGPU_FAULT_PANIC", target)
             .args(["init", first, first, "count"])
             .output();

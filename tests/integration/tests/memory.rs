@@ -17,9 +17,7 @@ use std::time::{Duration, Instant};
 use vgpu_codegen::table::{Class, Table};
 use vgpu_integration::answer_number as number;
 use vgpu_integration::answer_status as status;
-use vgpu_integration::{
-    Run, ScratchDir, Session, cuda_version, fault_injection_hook_library, one_at_a_time, truth, workspace_root,
-};
+use vgpu_integration::{Run, ScratchDir, Session, cuda_version, hook_library, one_at_a_time, truth, workspace_root};
 use vgpu_region::{
     EXTENSION_OFFSET, InitParams, MemoryUsage, OpenKind, REGION_FILE_SIZE, Region, SLOT_LIVE, Snapshot, read_snapshot,
 };
@@ -1915,13 +1913,13 @@ fn hostile_sizes_get_the_drivers_answer_and_change_nothing() {
 }
 
 /// A release, or a context's after-the-fact charge, made while the region's lock times out is
-/// queued and written once the lock works again, never dropped (issue 16). The fault-injection
-/// build fails every region update as a lock timeout while the fault file exists.
+/// queued and written once the lock works again, never dropped (issue 16). The debug build's fault
+/// injection fails every region update as a lock timeout while the fault file exists.
 #[test]
 fn updates_made_while_the_lock_times_out_are_applied_once_it_works() {
     let dir = ScratchDir::new("memory-lock-timeout");
     let fault = dir.join("lock-timeout");
-    let hook = fault_injection_hook_library();
+    let hook = hook_library();
     let mut session = setup(Run::new(&program("mem_ops")).preload(&[hook.as_path()]), &dir)
         .env("FAKE_CUDA_MEMORY", "4g")
         .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
@@ -2161,7 +2159,7 @@ fn a_call_behind_a_queued_update_waits_for_the_lock_once() {
 fn a_release_queued_by_a_process_that_calls_no_more_is_applied_in_the_background() {
     let dir = ScratchDir::new("memory-queued-idle");
     let fault = dir.join("lock-timeout");
-    let hook = fault_injection_hook_library();
+    let hook = hook_library();
     let mut session = setup(Run::new(&program("mem_ops")).preload(&[hook.as_path()]), &dir)
         .env("FAKE_CUDA_MEMORY", "4g")
         .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
