@@ -287,7 +287,10 @@ impl Accounting {
         session::keep_region_path_now_and_then(self.session);
         // The queue's lock error stands for this charge too: one wait for the lock per call.
         let charged = match self.apply_pending(own, slot) {
-            Ok(()) => self.region_try_charge(slot, device.region_index, kind, bytes, None),
+            Ok(()) => self
+                .region_for_update()
+                .map_err(ChargeError::Region)
+                .and_then(|region| region.try_charge(slot, device.region_index, kind, bytes, None)),
             Err(error) => Err(ChargeError::Region(error)),
         };
         match charged {
@@ -324,7 +327,10 @@ impl Accounting {
         };
         session::keep_region_path_now_and_then(self.session);
         let charged = match self.apply_pending(own, slot) {
-            Ok(()) => self.region_try_charge(slot, device.region_index, kind, bytes, limit),
+            Ok(()) => self
+                .region_for_update()
+                .map_err(ChargeError::Region)
+                .and_then(|region| region.try_charge(slot, device.region_index, kind, bytes, limit)),
             Err(error) => Err(ChargeError::Region(error)),
         };
         match charged {
@@ -357,7 +363,9 @@ impl Accounting {
         // The region's path is looked after from the calls that charge (and the tick): a release
         // cannot take the container past its limit.
         let released = match self.apply_pending(own, slot) {
-            Ok(()) => self.region_uncharge(slot, charge.region_index, charge.kind, charge.bytes),
+            Ok(()) => self
+                .region_for_update()
+                .and_then(|region| region.uncharge(slot, charge.region_index, charge.kind, charge.bytes)),
             Err(error) => Err(error),
         };
         match released {
@@ -452,9 +460,13 @@ impl Accounting {
                         continue;
                     }
                     let result = if release {
-                        self.region_uncharge(slot, device, kind, bytes).map(|_| ())
+                        self.region_for_update()
+                            .and_then(|region| region.uncharge(slot, device, kind, bytes))
+                            .map(|_| ())
                     } else {
-                        self.region_try_charge(slot, device, kind, bytes, None)
+                        self.region_for_update()
+                            .map_err(ChargeError::Region)
+                            .and_then(|region| region.try_charge(slot, device, kind, bytes, None))
                             .map_err(|error| match error {
                                 ChargeError::Region(error) => error,
                                 // Without a limit only a total past 64 bits is refused.
@@ -485,27 +497,16 @@ impl Accounting {
         stopped.map_or(Ok(()), Err)
     }
 
-    fn region_try_charge(
-        &self,
-        slot: &Slot,
-        device: usize,
-        kind: MemoryKind,
-        bytes: u64,
-        limit: Option<u64>,
-    ) -> Result<(), ChargeError> {
+    /// The region for an update, or (the debug build's fault injection) the error of a lock that
+    /// timed out.
+    fn region_for_update(&self) -> Result<&'static Region, RegionError> {
         #[cfg(fault_injection)]
         if fault_injection::lock_times_out() {
-            return Err(ChargeError::Region(self.fault_timeout()));
+            return Err(RegionError::LockTimeout {
+                path: self.region().path().to_owned(),
+            });
         }
-        self.region().try_charge(slot, device, kind, bytes, limit)
-    }
-
-    fn region_uncharge(&self, slot: &Slot, device: usize, kind: MemoryKind, bytes: u64) -> Result<u64, RegionError> {
-        #[cfg(fault_injection)]
-        if fault_injection::lock_times_out() {
-            return Err(self.fault_timeout());
-        }
-        self.region().uncharge(slot, device, kind, bytes)
+        Ok(self.region())
     }
 
     /// What this process holds by its own account; `None` while updates wait in its queue (the
@@ -515,13 +516,6 @@ impl Accounting {
             return None;
         }
         Some(self.own.ledger.held())
-    }
-
-    #[cfg(fault_injection)]
-    fn fault_timeout(&self) -> RegionError {
-        RegionError::LockTimeout {
-            path: self.region().path().to_owned(),
-        }
     }
 }
 
