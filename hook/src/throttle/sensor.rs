@@ -67,6 +67,12 @@ pub const LONG_CALL_NS: u64 = 500_000;
 /// measurement, never more than a third of it (docs/compute-limit.md, "The bracket's own time").
 pub const BRACKET_OVERHEAD_NS: u64 = 1_000;
 
+/// What a bracket's reading says of its launch: the reading less [`BRACKET_OVERHEAD_NS`], never
+/// less than two thirds of it.
+pub fn without_bracket_overhead(reading_ns: u64) -> u64 {
+    reading_ns - BRACKET_OVERHEAD_NS.min(reading_ns / 3)
+}
+
 /// Cleared when the driver refuses a stream wait: holds are not tried again.
 static HOLDS_WORK: AtomicBool = AtomicBool::new(true);
 
@@ -817,7 +823,7 @@ impl Sensor {
             }
             match polled {
                 Poll::Done(elapsed) => {
-                    let elapsed = elapsed - BRACKET_OVERHEAD_NS.min(elapsed / 3);
+                    let elapsed = without_bracket_overhead(elapsed);
                     let gpu = if sample.host_gap_ns > 0 {
                         // Never below a quarter of what the events saw: a host thread descheduled
                         // right after its launch must not make the kernel look free.

@@ -29,7 +29,7 @@ use super::estimates::Estimates;
 use super::overlap;
 use super::runtime::admission::{MAX_WAIT_NS, MIN_WAIT_NS};
 use super::runtime::poller::{NVML_PERIOD_NS, POLL_BUSY, START_NVML_PERIOD_NS, START_PHASE_NS};
-use super::sensor::BRACKET_OVERHEAD_NS;
+use super::sensor::{BRACKET_OVERHEAD_NS, without_bracket_overhead};
 
 /// Host time of a launch call.
 const LAUNCH_CALL_NS: u64 = 3_000;
@@ -60,33 +60,38 @@ pub struct Process {
     pub gpu: usize,
 }
 
-/// A GPU whose clock its power limit sets: at full load it would draw `busy_watts` at its highest
-/// clock; its dynamic power grows as the clock to the power `alpha`, a kernel's time shrinks as the
-/// clock to the power `beta`. It settles at the highest clock whose power, at the share of its
-/// time kernels took over the last 100 ms, stays within `limit_watts`.
+/// A GPU whose clock its power limit sets, as a board's `profile` models it: at full load it would
+/// draw `busy_watts` at its highest clock, with the profile's idle power (a share of
+/// `limit_watts`, its default limit here too); its dynamic power grows as the clock to the power
+/// `alpha`, a kernel's time shrinks as the clock to the power `beta`. It settles at the highest
+/// clock whose power, at the share of its time kernels took over the last 100 ms, stays within
+/// `limit_watts`.
 #[derive(Clone, Copy)]
 pub struct GpuPower {
-    pub idle_watts: f64,
+    pub profile: Profile,
     pub busy_watts: f64,
     pub limit_watts: f64,
     pub max_mhz: f64,
-    pub alpha: f64,
-    pub beta: f64,
 }
 
 impl GpuPower {
+    fn idle_watts(&self) -> f64 {
+        self.profile.idle_share * self.limit_watts
+    }
+
     /// The clock as a share of the highest, at a busy share `busy`.
     fn clock(&self, busy: f64) -> f64 {
-        let needed = busy.max(0.01) * (self.busy_watts - self.idle_watts);
-        ((self.limit_watts - self.idle_watts) / needed)
-            .powf(1.0 / self.alpha)
+        let needed = busy.max(0.01) * (self.busy_watts - self.idle_watts());
+        ((self.limit_watts - self.idle_watts()) / needed)
+            .powf(1.0 / self.profile.alpha)
             .min(1.0)
     }
 
     /// NVML's reading over a period in which kernels took `busy` of the GPU's time, at `clock`.
     fn reading(&self, busy: f64, clock: f64) -> PowerReading {
+        let dynamic = busy * (self.busy_watts - self.idle_watts()) * clock.powf(self.profile.alpha);
         PowerReading {
-            watts: self.idle_watts + busy * (self.busy_watts - self.idle_watts) * clock.powf(self.alpha),
+            watts: self.idle_watts() + dynamic,
             limit_watts: self.limit_watts,
             rated_watts: Some(self.limit_watts),
             slowed: clock < 1.0,
@@ -94,17 +99,6 @@ impl GpuPower {
                 sm_mhz: clock * self.max_mhz,
                 max_sm_mhz: self.max_mhz,
             }),
-        }
-    }
-
-    /// The board profile that describes this GPU, as `boards.toml` would.
-    fn profile(&self) -> Profile {
-        Profile {
-            idle_share: self.idle_watts / self.limit_watts,
-            alpha: self.alpha,
-            beta: self.beta,
-            heaviest_work: 1.3,
-            max_factor: 1.25,
         }
     }
 }
@@ -202,12 +196,17 @@ struct Gpu {
     charged: Vec<i64>,
 }
 
-/// The share of `from..to` in which the kernels of `containers` (on one GPU) ran: their union.
-fn busy_share(gpu: &Gpu, containers: &[usize], from: u64, to: u64) -> f64 {
+/// The share of `from..to` in which the kernels of `containers` (on one GPU) ran: the union of
+/// their intervals there, of every interval, or of each container's `latest` (the clock's look at
+/// the last 100 ms, on every launch, as [`streams_beside`] looks).
+fn busy_share(gpu: &Gpu, containers: &[usize], from: u64, to: u64, latest: Option<usize>) -> f64 {
     let mut spans: Vec<(i64, i64)> = containers
         .iter()
-        .flat_map(|&c| gpu.intervals[c].iter().rev().take_while(move |&&(_, e, _)| e > from))
-        .filter(|&&(s, _, _)| s < to)
+        .flat_map(|&c| {
+            let intervals = &gpu.intervals[c];
+            &intervals[latest.map_or(0, |latest| intervals.len().saturating_sub(latest))..]
+        })
+        .filter(|&&(s, e, _)| e > from && s < to)
         .map(|&(s, e, _)| (s.max(from) as i64, e.min(to) as i64))
         .collect();
     overlap::union_and_sum(&mut spans).0 as f64 / to.saturating_sub(from).max(1) as f64
@@ -256,7 +255,7 @@ pub fn run(job: &Job) -> Outcome {
         charged: vec![0; containers],
     };
     let compensation = match job.power {
-        Some(power) if job.profiled => Compensation::Modelled(power.profile()),
+        Some(power) if job.profiled => Compensation::Modelled(power.profile),
         _ => Compensation::TimeShare,
     };
     let mut processes: Vec<ProcessState> = job
@@ -295,13 +294,19 @@ pub fn run(job: &Job) -> Outcome {
         if job.power.is_none() && job.boost == 0.0 {
             return 1.0;
         }
-        let busy = busy_share(gpu, &neighbours[container], now.saturating_sub(100_000_000), now);
+        let busy = busy_share(
+            gpu,
+            &neighbours[container],
+            now.saturating_sub(100_000_000),
+            now,
+            Some(4096),
+        );
         match job.power {
             Some(power) => power.clock(busy),
             None => 1.0 / (1.0 - job.boost * (1.0 - busy)),
         }
     };
-    let beta = job.power.map_or(1.0, |power| power.beta);
+    let beta = job.power.map_or(1.0, |power| power.profile.beta);
     while let Some(Reverse((now, actor))) = queue.pop() {
         if now >= end {
             continue;
@@ -313,7 +318,7 @@ pub fn run(job: &Job) -> Outcome {
             let (ready, later): (Vec<_>, Vec<_>) = process.samples.drain(..).partition(|s| s.ready <= now);
             process.samples = later;
             for sample in ready {
-                let measured = sample.reading - BRACKET_OVERHEAD_NS.min(sample.reading / 3);
+                let measured = without_bracket_overhead(sample.reading);
                 let correction = process.estimates.measured(sample.key, sample.planned, measured);
                 let scaled = (correction as f64 * process.factor()) as i64;
                 bucket::add(&buckets[container], -scaled);
@@ -326,7 +331,7 @@ pub fn run(job: &Job) -> Outcome {
             let starting = now - start < START_PHASE_NS;
             let period = if starting { START_NVML_PERIOD_NS } else { NVML_PERIOD_NS };
             if now - process.last_nvml >= period {
-                let busy = busy_share(&gpu, &neighbours[container], process.last_nvml, now);
+                let busy = busy_share(&gpu, &neighbours[container], process.last_nvml, now, None);
                 let reading = Reading {
                     utilisation: job.nvml_utilisation.then_some(busy),
                     samples: job.nvml_utilisation.then_some((busy, 6)),
@@ -431,7 +436,7 @@ pub fn run(job: &Job) -> Outcome {
         let per_second: Vec<f64> = (0..job.seconds)
             .map(|n| {
                 let from = start + n * 1_000_000_000;
-                busy_share(&gpu, &[container], from, from + 1_000_000_000) * 100.0
+                busy_share(&gpu, &[container], from, from + 1_000_000_000, None) * 100.0
             })
             .collect();
         outcome.mean.push(per_second.iter().sum::<f64>() / job.seconds as f64);
@@ -445,7 +450,10 @@ pub fn run(job: &Job) -> Outcome {
 
 #[cfg(test)]
 mod tests {
+    use vgpu_config::ComputeProfile;
+
     use super::*;
+    use crate::throttle::boards;
 
     fn one_thread(kernels: Vec<(u64, u64)>, per_iteration: u32, gap_ns: u64, pause_ns: u64, sync_every: u32) -> Thread {
         Thread {
@@ -700,16 +708,18 @@ mod tests {
         );
     }
 
-    /// The H200-like GPU of the fake driver: 900 W busy all the time at its highest clock against a
-    /// 700 W limit.
+    /// The fake driver's GPU (`FAKE_NVML_BUSY_WATTS=900` against its 700 W limit, 1980 MHz at
+    /// most), modelled with its own board profile from `boards.toml`.
     fn power_limited() -> GpuPower {
+        let choice = boards::choose(ComputeProfile::Auto, Some("NVIDIA H200 (vgpu fake)"));
+        let Compensation::Modelled(profile) = choice.compensation else {
+            panic!("the fake driver's GPU has no board profile: {}", choice.why);
+        };
         GpuPower {
-            idle_watts: 119.0,
+            profile,
             busy_watts: 900.0,
             limit_watts: 700.0,
             max_mhz: 1980.0,
-            alpha: 1.5,
-            beta: 0.66,
         }
     }
 

@@ -284,7 +284,6 @@ impl Runtime {
         let period = now.saturating_sub(last.at).max(1);
         let mut next_seen = Seen::now(compute, now, last);
         let charged = next_seen.charged_ns.saturating_sub(last.charged_ns) as f64 / period as f64;
-        let before = correction.factor();
         let factor = correction.follow(charged, reading, period as f64 / 1e9, starting);
         next_seen.correction = Some(correction);
         *seen = next_seen;
@@ -296,7 +295,7 @@ impl Runtime {
         // and with NVML (its charges against the GPU's busy time).
         tracing::debug!(
             "compute limiter: device {ordinal} period {} ms: charged {charged:.3} of it, launches waited {:.3} of it, \
-             {} launches, NVML utilisation {}, samples {}, budget {} us, boost {boost:.3}, trim {trim:.3}{}",
+             {} launches, NVML utilisation {}, samples {}, budget {} us, boost {boost:.3}, trim {trim:.3}",
             period / 1_000_000,
             next_seen.held_ns.saturating_sub(last.held_ns) as f64 / period as f64,
             next_seen.launches.saturating_sub(last.launches),
@@ -307,12 +306,7 @@ impl Runtime {
                 || "none".to_owned(),
                 |(mean, count)| format!("{:.1}% of {count}", mean * 100.0)
             ),
-            compute.budget_ns.load(Ordering::Relaxed) / 1000,
-            if (factor - before).abs() >= 0.01 {
-                " (changed)"
-            } else {
-                ""
-            }
+            compute.budget_ns.load(Ordering::Relaxed) / 1000
         );
     }
 
