@@ -23,6 +23,22 @@ pub(super) fn charged(
     family: Family,
     key_of: impl FnOnce() -> Option<u64>,
 ) -> CUresult {
+    charged_or(ordinal, kind, bytes, call, |status| status, family, key_of)
+}
+
+/// As [`charged`]; an allocation the driver refused is handed to `refused` with the driver's
+/// answer (elastic memory serves it from host memory there), and a success of `refused` is
+/// charged as the driver's would be. Only a failure takes that branch: an allocation that works
+/// runs exactly as in [`charged`].
+pub(super) fn charged_or(
+    ordinal: Option<CUdevice>,
+    kind: MemoryKind,
+    bytes: u64,
+    call: impl FnOnce() -> CUresult,
+    refused: impl FnOnce(CUresult) -> CUresult,
+    family: Family,
+    key_of: impl FnOnce() -> Option<u64>,
+) -> CUresult {
     let Some(accounting) = accounting() else {
         return unaccounted(call);
     };
@@ -36,7 +52,10 @@ pub(super) fn charged(
         Ok(charge) => charge,
         Err(status) => return status,
     };
-    let result = call();
+    let result = match call() {
+        CUDA_SUCCESS => CUDA_SUCCESS,
+        status => refused(status),
+    };
     match (charge, result == CUDA_SUCCESS, key_of()) {
         (Some(charge), true, Some(key)) => accounting.ledger().insert_owned(family, key, charge, owner_of(family)),
         (Some(charge), _, _) => accounting.release(charge),

@@ -6,7 +6,7 @@ use std::ffi::c_uint;
 use vgpu_region::MemoryKind;
 
 use super::accounting::{accounting, unaccounted};
-use super::charge::{charged, current_context, released};
+use super::charge::{charged, charged_or, current_context, released, released_after};
 use super::ledger::{Charge, Family};
 use super::location::device_of;
 use super::pool_sync::{charge_or_refuse, sync_pool};
@@ -23,25 +23,22 @@ pub fn alloc<P: DriverInt, S: DriverInt>(call: impl FnOnce() -> CUresult, dptr: 
         return call();
     }
     let bytes = bytesize.to_u64();
-    let call = || or_spilled(call(), dptr, bytes);
+    let refused = |status| spilled_into(status, dptr, bytes);
     // SAFETY: the driver (or the spill) wrote the pointer on success.
-    charged(None, MemoryKind::Data, bytes, call, Family::Pointer, || {
+    charged_or(None, MemoryKind::Data, bytes, call, refused, Family::Pointer, || {
         unsafe { read(dptr) }.map(P::to_u64)
     })
 }
 
-/// The driver's answer to an allocation the limit allowed, or, when it was out of memory and
-/// elastic memory is on, a pointer to host-backed memory written through `dptr` ([`spill`]).
-#[inline]
-fn or_spilled<P: DriverInt>(status: CUresult, dptr: *mut P, bytes: u64) -> CUresult {
+/// An allocation the limit allowed and the driver refused: when it was out of memory and elastic
+/// memory is on, a pointer to host-backed memory written through `dptr` ([`spill`]); otherwise
+/// the driver's answer.
+#[cold]
+#[inline(never)]
+fn spilled_into<P: DriverInt>(status: CUresult, dptr: *mut P, bytes: u64) -> CUresult {
     if status != CUDA_ERROR_OUT_OF_MEMORY || !P::WIDE {
         return status;
     }
-    spilled_into(status, dptr, bytes)
-}
-
-#[cold]
-fn spilled_into<P: DriverInt>(status: CUresult, dptr: *mut P, bytes: u64) -> CUresult {
     let (Some(accounting), Some(ordinal)) = (accounting(), current_ordinal()) else {
         return status;
     };
@@ -149,18 +146,25 @@ pub fn alloc_managed(call: impl FnOnce() -> CUresult, dptr: *mut CUdeviceptr, by
 // reserved against the limit.
 
 /// Frees a pointer: from a pool (the pool's charge follows its reserved memory) or charged itself.
-pub(super) fn free_pointer(call: impl FnOnce() -> CUresult, pointer: u64) -> CUresult {
+fn free_pointer(call: impl FnOnce() -> CUresult, pointer: u64) -> CUresult {
     let Some(accounting) = accounting() else { return call() };
-    if accounting.spills().holds(pointer) {
-        let result = released(Family::Pointer, pointer, call);
-        if result == CUDA_SUCCESS {
+    match accounting.ledger().take_pool_of(pointer) {
+        Some(pool) => free_pooled(accounting, call, pointer, pool),
+        // A spilled pointer is charged as a pointer of its own, never a pool's.
+        None => released_after(Family::Pointer, pointer, call, |accounting| {
             spill::forget(accounting, pointer);
-        }
-        return result;
+        }),
     }
-    let Some(pool) = accounting.ledger().take_pool_of(pointer) else {
-        return released(Family::Pointer, pointer, call);
-    };
+}
+
+/// Frees a pointer of `pool`'s, taken out of the ledger's pool map: the pool's charge follows its
+/// reserved memory, or the pointer goes back to the map when the free failed.
+pub(super) fn free_pooled(
+    accounting: super::accounting::Accounting,
+    call: impl FnOnce() -> CUresult,
+    pointer: u64,
+    pool: u64,
+) -> CUresult {
     let result = call();
     let ordinal = accounting.ledger().pool_device(pool).unwrap_or(0);
     if result == CUDA_SUCCESS {

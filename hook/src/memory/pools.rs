@@ -4,8 +4,8 @@
 use vgpu_region::MemoryKind;
 
 use super::accounting::{accounting, unaccounted};
-use super::charge::current_context;
-use super::data::{alloc, free_pointer};
+use super::charge::{current_context, released};
+use super::data::{alloc, free_pooled};
 use super::graphs::captured_alloc;
 use super::ledger::Family;
 use super::pool_sync::{POOL_GROWTH_GRANULARITY, charge_or_refuse, device_pool, pool_attribute, sync_pool, sync_pools};
@@ -72,15 +72,14 @@ fn pooled_alloc(
     if let Some(charge) = provisional {
         accounting.release(charge);
     }
-    if result == CUDA_ERROR_OUT_OF_MEMORY && spill::enabled() {
-        return spilled_from_pool(accounting, result, ordinal, dptr, size as u64);
-    }
     if result == CUDA_SUCCESS {
         // SAFETY: the driver wrote the pointer on success.
         if let Some(pointer) = unsafe { read(dptr) } {
             accounting.ledger().set_pool_of(pointer, pool as u64, ordinal);
         }
         sync_pool(accounting, pool as u64, ordinal);
+    } else if result == CUDA_ERROR_OUT_OF_MEMORY && spill::enabled() {
+        return spilled_from_pool(accounting, result, ordinal, dptr, size as u64);
     }
     result
 }
@@ -161,9 +160,13 @@ pub fn free_async(
     h_stream: CUstream,
     per_thread: bool,
 ) -> CUresult {
-    if let Some(accounting) = accounting()
-        && accounting.spills().holds(dptr)
-    {
+    let Some(accounting) = accounting() else { return call() };
+    if let Some(pool) = accounting.ledger().take_pool_of(dptr) {
+        return free_pooled(accounting, call, dptr, pool);
+    }
+    // Not a pool's: a pointer of cuMemAlloc's, or a spill, which the driver's stream-ordered free
+    // does not take.
+    if accounting.spills().holds(dptr) {
         let stream = if h_stream.is_null() && per_thread {
             crate::capture::STREAM_PER_THREAD as CUstream
         } else {
@@ -171,7 +174,7 @@ pub fn free_async(
         };
         return spill::free_when_reached(accounting, dptr, stream);
     }
-    free_pointer(call, dptr)
+    released(Family::Pointer, dptr, call)
 }
 
 /// `cuMemPoolTrimTo`: the pool's charge follows what it still holds.

@@ -162,21 +162,26 @@ pub(super) fn cannot_spill(what: &str, status: CUresult) {
     }
 }
 
-/// Before a spilled pointer is freed with `cuMemFree`: forgets it, and its host-backed bytes.
-/// False when the pointer is not a spill.
-pub(super) fn forget(accounting: Accounting, pointer: u64) -> bool {
-    let spills = accounting.spills();
-    if !spills.any.load(Ordering::Acquire) {
-        return false;
+/// After a pointer was freed with `cuMemFree`: when it was a spill, forgets it and its
+/// host-backed bytes. Inlined: without spills it is one load on every free.
+#[inline(always)]
+pub(super) fn forget(accounting: Accounting, pointer: u64) {
+    if accounting.spills().any.load(Ordering::Acquire) {
+        forget_spill(accounting, pointer);
     }
+}
+
+#[cold]
+#[inline(never)]
+fn forget_spill(accounting: Accounting, pointer: u64) {
+    let spills = accounting.spills();
     let Some(spill) = spills.live.lock().remove(&pointer) else {
-        return false;
+        return;
     };
     if spill.on_host {
         record_host_backed(accounting, spill.region_index, spill.bytes, false);
     }
     spills.note_any();
-    true
 }
 
 /// `cuMemFreeAsync` of a spilled pointer: freed once `stream` reaches this point. The stream's
