@@ -333,9 +333,11 @@ fn four_streams() -> [(f64, f64); 2] {
 /// beside them (a window of brackets on the other streams says how many), and run side by side
 /// under the limit (bursts): four streams at limit 50 keep the device busy half the time and do
 /// close to half the work they do unlimited. Charged the sum of their brackets and admitted one
-/// by one, they ran one after another and did an eighth of it. Bursts that begin after a hold
-/// overlap less than the window saw, so the streams run a few points under the limit, more on a
-/// loaded machine: the bound below the limit is wider than above it.
+/// by one, they ran one after another and did an eighth of it. The windows read a little more
+/// than the time the streams occupy the GPU together, which NVML's trim takes out only once it
+/// compares readings (from the 2nd second, over seconds): in a 3 s run the streams stay a few
+/// points under the limit, more on a loaded machine, so the bound below the limit is wider than
+/// above it.
 #[test]
 fn kernels_of_four_streams_side_by_side_are_charged_for_their_overlap() {
     let [(unlimited, unlimited_summed), (occupied, summed)] = four_streams();
