@@ -115,6 +115,24 @@ pub fn union_and_sum(spans: &mut [(i64, i64)]) -> (u64, u64) {
     (union, sum)
 }
 
+/// How many of the container's streams had work during a bracket of `reading` ns: 1 for its own,
+/// plus for each other stream the part of the bracket its spans cover (`(stream, (from, to))`, in
+/// ns from the bracket's start; clipped to the bracket, overlapping spans of a stream counted
+/// once).
+pub fn streams_busy(reading: u64, spans: &mut [(usize, (i64, i64))]) -> f64 {
+    let reading = reading.max(1) as i64;
+    for (_, span) in spans.iter_mut() {
+        *span = (span.0.clamp(0, reading), span.1.clamp(0, reading));
+    }
+    spans.sort_unstable();
+    let mut others = 0u64;
+    for group in spans.chunk_by(|a, b| a.0 == b.0) {
+        let mut intervals: Vec<(i64, i64)> = group.iter().map(|&(_, span)| span).collect();
+        others += union_and_sum(&mut intervals).0;
+    }
+    1.0 + others as f64 / reading as f64
+}
+
 /// The factor over recent samples: the time they occupied the GPU together over their brackets,
 /// both averaged over the first [`SMOOTHING`] samples, then decaying.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -164,6 +182,20 @@ mod tests {
         let mut spans = [(-50, 50), (20, 10), (40, 60)];
         assert_eq!(union_and_sum(&mut spans), (110, 120));
         assert_eq!(union_and_sum(&mut []), (0, 0));
+    }
+
+    #[test]
+    fn streams_busy_counts_each_other_stream_once_within_the_bracket() {
+        // A bracket of 100 ns; stream 7 busy for 0-50 twice over and 40-60 (60 of it), stream 9
+        // from before the bracket to after it (all 100).
+        let mut spans = [(7, (0, 50)), (9, (-20, 130)), (7, (0, 50)), (7, (40, 60))];
+        assert!((streams_busy(100, &mut spans) - 2.6).abs() < 1e-9);
+        assert_eq!(streams_busy(100, &mut []), 1.0, "alone");
+        assert_eq!(
+            streams_busy(0, &mut [(3, (0, 10))]),
+            2.0,
+            "an empty bracket reads as 1 ns"
+        );
     }
 
     #[test]

@@ -51,7 +51,7 @@ use crate::sys::cuda::{
 pub const MAX_PENDING: usize = 64;
 /// A window's leader waits this long at most for its probes and members to complete; then those
 /// not complete count as covering the rest of its bracket.
-const WINDOW_TIMEOUT_NS: u64 = 200_000_000;
+pub const WINDOW_TIMEOUT_NS: u64 = 200_000_000;
 /// Events a context's pool may create (two per sample in flight).
 const MAX_EVENTS_PER_POOL: usize = 2 * MAX_PENDING;
 /// Contexts with pools; the least recently used pool is forgotten beyond.
@@ -683,18 +683,16 @@ impl Sensor {
         members: &[MemberEvents],
         wait: bool,
     ) -> Option<f64> {
-        let reading = reading.max(1) as i64;
-        let clip = |from: i64, to: i64| (from.clamp(0, reading), to.clamp(0, reading));
         let mut spans: Vec<(usize, (i64, i64))> = Vec::new();
         for &(stream, probe) in probes {
             if complete(probe) {
                 if let Some(end) = offset(start, probe) {
-                    spans.push((stream, clip(0, end)));
+                    spans.push((stream, (0, end)));
                 }
             } else if wait {
                 return None;
             } else {
-                spans.push((stream, (0, reading)));
+                spans.push((stream, (0, reading as i64)));
             }
         }
         for &(stream, from, to) in members {
@@ -705,16 +703,10 @@ impl Sensor {
                 continue;
             }
             if let (Some(from), Some(to)) = (offset(start, from), offset(start, to)) {
-                spans.push((stream, clip(from, to)));
+                spans.push((stream, (from, to)));
             }
         }
-        spans.sort_unstable();
-        let mut others = 0u64;
-        for stream_spans in spans.chunk_by(|a, b| a.0 == b.0) {
-            let mut intervals: Vec<(i64, i64)> = stream_spans.iter().map(|&(_, span)| span).collect();
-            others += overlap::union_and_sum(&mut intervals).0;
-        }
-        let streams = 1.0 + others as f64 / reading as f64;
+        let streams = overlap::streams_busy(reading, &mut spans);
         tracing::debug!(
             "compute limiter: {} probes and {} members: {streams:.2} streams busy during a bracket of {reading} ns",
             probes.len(),

@@ -4,7 +4,11 @@
 //! ([`Correction`], with the boost compensation of a board's profile). What it stands in for is
 //! the driver and NVML: kernels run on the simulated GPU, a sampled launch's bracket is its
 //! kernel's time on it (plus what the events add, less the sensor's
-//! [`BRACKET_OVERHEAD_NS`]), and NVML reports the GPU's busy share, power and clock. Admission
+//! [`BRACKET_OVERHEAD_NS`]), and NVML reports the GPU's busy share, power and clock. The
+//! overlap of several streams is read as the sensor reads it: the same [`overlap::RecentStreams`]
+//! say which streams are active, windows open and take members by the sensor's rules, a probe
+//! completes when the work queued on its stream has run, and [`overlap::streams_busy`] counts
+//! them. Admission
 //! follows `runtime::admission` (charge the estimate times the factors, sleep the refill's time
 //! clamped to its bounds, retry), the background thread `runtime::poller` (its period, NVML's
 //! every second, every 250 ms in the start phase). The same job gives the same result, and every
@@ -29,7 +33,8 @@ use super::estimates::Estimates;
 use super::overlap;
 use super::runtime::admission::{MAX_WAIT_NS, MIN_WAIT_NS};
 use super::runtime::poller::{NVML_PERIOD_NS, POLL_BUSY, START_NVML_PERIOD_NS, START_PHASE_NS};
-use super::sensor::{BRACKET_OVERHEAD_NS, without_bracket_overhead};
+use super::sensor::{BRACKET_OVERHEAD_NS, WINDOW_TIMEOUT_NS, without_bracket_overhead};
+use crate::sys::cuda::CUstream;
 
 /// Host time of a launch call.
 const LAUNCH_CALL_NS: u64 = 3_000;
@@ -153,23 +158,52 @@ struct Planned {
     planned: u64,
     charge: u64,
     sample: bool,
+    /// When the launch came to the limiter (before any wait): the time its notes and its window
+    /// are taken at, as `runtime::admission` takes them.
+    entered: u64,
 }
 
 /// A sample in flight: when it can be read, its key, what was planned for it, its bracket's
-/// reading, its stream and the bracket's ends on the GPU.
+/// reading and where it began on the GPU, and its part in the overlap windows.
 struct Sample {
     ready: u64,
     key: u64,
     planned: u64,
     reading: u64,
-    stream: usize,
     from: u64,
-    to: u64,
+    overlap: SampleOverlap,
+}
+
+/// A sample's part in measuring the overlap of the streams, by the sensor's rules
+/// (`sensor::Sensor::open_window`, `begin_member`).
+enum SampleOverlap {
+    /// No other stream was active: it counts in full.
+    Alone,
+    /// Others were active and another window was open: it says nothing.
+    Unseen,
+    /// It leads window `window`; each probe is the other stream's and completes when the work
+    /// queued there at the launch has run.
+    Leads { window: u64, probes: Vec<(usize, u64)> },
+}
+
+/// A window of the simulated sensor: its leader's stream, when it opened and until when it takes
+/// members, and its members' brackets on the GPU `(stream, from, to)`.
+struct SimWindow {
+    id: u64,
+    leader: usize,
+    opened: u64,
+    until: u64,
+    members: Vec<(usize, u64, u64)>,
 }
 
 struct ProcessState {
     estimates: Estimates,
     window: overlap::Window,
+    /// The sensor's view of the streams: which launched lately, and its windows.
+    recent: overlap::RecentStreams,
+    windows: Vec<SimWindow>,
+    window_opened: u64,
+    window_until: u64,
     correction: Correction,
     loaded: HashSet<u64>,
     samples: Vec<Sample>,
@@ -198,7 +232,7 @@ struct Gpu {
 
 /// The share of `from..to` in which the kernels of `containers` (on one GPU) ran: the union of
 /// their intervals there, of every interval, or of each container's `latest` (the clock's look at
-/// the last 100 ms, on every launch, as [`streams_beside`] looks).
+/// the last 100 ms, on every launch).
 fn busy_share(gpu: &Gpu, containers: &[usize], from: u64, to: u64, latest: Option<usize>) -> f64 {
     let mut spans: Vec<(i64, i64)> = containers
         .iter()
@@ -212,24 +246,92 @@ fn busy_share(gpu: &Gpu, containers: &[usize], from: u64, to: u64, latest: Optio
     overlap::union_and_sum(&mut spans).0 as f64 / to.saturating_sub(from).max(1) as f64
 }
 
-/// The time the other streams of a container had kernels during `from..to`, summed over those
-/// streams, over `to - from`: what the overlap windows measure on a GPU.
-fn streams_beside(intervals: &[(u64, u64, usize)], stream: usize, from: u64, to: u64) -> f64 {
-    let span = to.saturating_sub(from).max(1);
-    let mut by_stream: Vec<(usize, (i64, i64))> = intervals
-        .iter()
-        .rev()
-        .take(4096)
-        .filter(|&&(start, end, s)| s != stream && end > from && start < to)
-        .map(|&(start, end, s)| (s, (start.max(from) as i64, end.min(to) as i64)))
+/// A stream of the simulation as the sensor's notes name it (past the default streams' handles).
+fn sim_stream(stream: usize) -> CUstream {
+    (stream + 16) as CUstream
+}
+
+/// A sampled launch on `stream` that came to the limiter at `entered`: alone when no other stream
+/// launched lately, else the leader of a new window (a probe on each other active stream, which
+/// completes when the work queued there by now has run) unless a window is open or opened less
+/// than the spacing ago.
+fn open_window(process: &mut ProcessState, stream: usize, entered: u64, stream_end: &[u64]) -> SampleOverlap {
+    let others: Vec<usize> = process
+        .recent
+        .others(sim_stream(stream), entered)
+        .map(|other| other as usize - 16)
         .collect();
-    by_stream.sort_unstable();
-    let mut covered = 0u64;
-    for group in by_stream.chunk_by(|a, b| a.0 == b.0) {
-        let mut spans: Vec<(i64, i64)> = group.iter().map(|&(_, span)| span).collect();
-        covered += overlap::union_and_sum(&mut spans).0;
+    if others.is_empty() {
+        return SampleOverlap::Alone;
     }
-    1.0 + covered as f64 / span as f64
+    let spaced = entered.saturating_sub(process.window_opened) >= overlap::WINDOW_SPACING_NS;
+    if entered < process.window_until || !spaced {
+        return SampleOverlap::Unseen;
+    }
+    let id = process.windows.last().map_or(1, |w| w.id + 1);
+    let until = entered + overlap::WINDOW_NS;
+    process.windows.push(SimWindow {
+        id,
+        leader: stream,
+        opened: entered,
+        until,
+        members: Vec::new(),
+    });
+    (process.window_opened, process.window_until) = (entered, until);
+    let probes = others.into_iter().map(|other| (other, stream_end[other])).collect();
+    SampleOverlap::Leads { window: id, probes }
+}
+
+/// A launch not sampled, on `stream`, that came to the limiter at `entered` and ran `bracket` on
+/// the GPU: a member of the open window when it is another stream's and the window has room.
+fn join_window(process: &mut ProcessState, stream: usize, entered: u64, bracket: (u64, u64)) {
+    if entered >= process.window_until {
+        return;
+    }
+    if let Some(window) = process.windows.iter_mut().rev().find(|w| entered < w.until)
+        && window.leader != stream
+        && window.members.len() < overlap::MAX_MEMBERS
+    {
+        window.members.push((stream, bracket.0, bracket.1));
+    }
+}
+
+enum WindowReading {
+    /// Members or probes are not complete yet.
+    Wait,
+    Busy(f64),
+}
+
+/// The streams busy during the bracket of `sample`, which leads `window`, read at `now` as the
+/// sensor reads them: once the window has closed and its probes and members are complete, or
+/// after the window's timeout with what is complete (a probe not complete covers the bracket).
+fn window_busy(
+    windows: &[SimWindow],
+    window: u64,
+    sample: &Sample,
+    probes: &[(usize, u64)],
+    now: u64,
+) -> WindowReading {
+    let found = windows.iter().find(|w| w.id == window);
+    let members = found.map_or(&[][..], |w| w.members.as_slice());
+    let expired = found.is_none_or(|w| now.saturating_sub(w.opened) >= WINDOW_TIMEOUT_NS);
+    let closed = found.is_none_or(|w| now >= w.until);
+    let complete = probes.iter().all(|&(_, end)| end <= now) && members.iter().all(|&(_, _, end)| end <= now);
+    if !(expired || closed && complete) {
+        return WindowReading::Wait;
+    }
+    let at = |time: u64| time as i64 - sample.from as i64;
+    let mut spans: Vec<(usize, (i64, i64))> = probes
+        .iter()
+        .map(|&(stream, end)| (stream, (0, if end <= now { at(end) } else { sample.reading as i64 })))
+        .chain(
+            members
+                .iter()
+                .filter(|&&(_, _, end)| end <= now)
+                .map(|&(stream, from, to)| (stream, (at(from), at(to)))),
+        )
+        .collect();
+    WindowReading::Busy(overlap::streams_busy(sample.reading, &mut spans))
 }
 
 /// Runs `job` from every thread's first launch (at 1 s on the virtual clock) for its seconds.
@@ -264,6 +366,10 @@ pub fn run(job: &Job) -> Outcome {
         .map(|_| ProcessState {
             estimates: Estimates::default(),
             window: overlap::Window::default(),
+            recent: overlap::RecentStreams::default(),
+            windows: Vec::new(),
+            window_opened: 0,
+            window_until: 0,
             correction: Correction::new(compensation),
             loaded: HashSet::new(),
             samples: Vec::new(),
@@ -318,15 +424,32 @@ pub fn run(job: &Job) -> Outcome {
             let (ready, later): (Vec<_>, Vec<_>) = process.samples.drain(..).partition(|s| s.ready <= now);
             process.samples = later;
             for sample in ready {
+                let busy = match &sample.overlap {
+                    SampleOverlap::Alone => Some(1.0),
+                    SampleOverlap::Unseen => None,
+                    SampleOverlap::Leads { window, probes } => {
+                        match window_busy(&process.windows, *window, &sample, probes, now) {
+                            WindowReading::Wait => {
+                                process.samples.push(sample);
+                                continue;
+                            }
+                            WindowReading::Busy(busy) => {
+                                process.windows.retain(|w| w.id != *window);
+                                Some(busy)
+                            }
+                        }
+                    }
+                };
                 let measured = without_bracket_overhead(sample.reading);
                 let correction = process.estimates.measured(sample.key, sample.planned, measured);
                 let scaled = (correction as f64 * process.factor()) as i64;
                 bucket::add(&buckets[container], -scaled);
                 gpu.charged[container] += scaled;
-                let beside = streams_beside(&gpu.intervals[container], sample.stream, sample.from, sample.to);
-                process
-                    .window
-                    .add((sample.reading as f64 / beside) as u64, sample.reading);
+                if let Some(busy) = busy {
+                    process
+                        .window
+                        .add((sample.reading as f64 / busy) as u64, sample.reading);
+                }
             }
             let starting = now - start < START_PHASE_NS;
             let period = if starting { START_NVML_PERIOD_NS } else { NVML_PERIOD_NS };
@@ -355,6 +478,7 @@ pub fn run(job: &Job) -> Outcome {
             Some(waiting) => waiting,
             None => {
                 let (key, duration) = thread.kernels[state.next % thread.kernels.len()];
+                process.recent.note(sim_stream(thread.stream), now);
                 let plan = process.estimates.plan(key, now);
                 Planned {
                     key,
@@ -362,6 +486,7 @@ pub fn run(job: &Job) -> Outcome {
                     planned: plan.charge,
                     charge: (plan.charge as f64 * process.factor()) as u64,
                     sample: plan.sample,
+                    entered: now,
                 }
             }
         };
@@ -378,6 +503,7 @@ pub fn run(job: &Job) -> Outcome {
             duration,
             planned,
             sample,
+            entered,
             ..
         } = launch;
         let mut host = now + LAUNCH_CALL_NS;
@@ -391,6 +517,11 @@ pub fn run(job: &Job) -> Outcome {
             .map(|&c| gpu.container_end[c])
             .max()
             .unwrap_or(0);
+        let overlap = if sample {
+            Some(open_window(process, thread.stream, entered, &gpu.stream_end[container]))
+        } else {
+            None
+        };
         let queued = gpu.stream_end[container][thread.stream].max(host);
         // Another container's kernel in flight runs first (the contexts take turns).
         let kernel_start = queued.max(if others_end > queued { others_end } else { 0 });
@@ -400,18 +531,20 @@ pub fn run(job: &Job) -> Outcome {
         gpu.stream_end[container][thread.stream] = kernel_end + extra;
         gpu.container_end[container] = gpu.container_end[container].max(kernel_end);
         gpu.intervals[container].push((kernel_start, kernel_end, thread.stream));
-        if sample {
-            // The bracket reads the kernel's own time and its events': the hold keeps its start
-            // event next to the kernel, and the other context's turns are short beside it.
-            process.samples.push(Sample {
-                ready: kernel_end + extra,
-                key,
-                planned,
-                reading: ((kernel_end - kernel_start) as f64 * job.sensor_scale) as u64 + extra,
-                stream: thread.stream,
-                from: kernel_start,
-                to: kernel_end,
-            });
+        match overlap {
+            Some(overlap) => {
+                // The bracket reads the kernel's own time and its events': the hold keeps its
+                // start event next to the kernel, and the other context's turns are short beside it.
+                process.samples.push(Sample {
+                    ready: kernel_end + extra,
+                    key,
+                    planned,
+                    reading: ((kernel_end - kernel_start) as f64 * job.sensor_scale) as u64 + extra,
+                    from: kernel_start,
+                    overlap,
+                });
+            }
+            None => join_window(process, thread.stream, entered, (queued, kernel_end)),
         }
         state.next += 1;
         state.launched_in_iteration += 1;
