@@ -9,7 +9,10 @@
 //! run. The part of the bracket before a probe completes is time that stream had work too. The
 //! bracket over the number of streams with work is the sample's share of the time they occupied
 //! the GPU together; accumulated over recent samples against the brackets, it is the factor every
-//! charge of the device is scaled by. A sample with no other stream active counts in full.
+//! charge of the device is scaled by. A sample opens a window even with no other stream active
+//! (the other streams of a burst that begins after the limiter's pause start launching during its
+//! bracket, as members); one with no other stream active that cannot open a window counts in
+//! full.
 //!
 //! A stream whose queued work waits on another stream (an event wait) counts as having work while
 //! it waits; the limit is then looser than the share, by at most that stream's waiting time.

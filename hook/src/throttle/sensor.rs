@@ -257,9 +257,11 @@ pub struct Sensor {
     /// before the first sample: 1).
     overlap: Mutex<overlap::Window>,
     overlap_permille: AtomicU64,
-    /// Until when (ns) the open window takes members; when the last one opened.
+    /// Until when (ns) the open window takes members; when the last one opened, and its leader's
+    /// stream (whose launches are never its members: a process of one stream takes no lock).
     window_until: AtomicU64,
     window_opened: AtomicU64,
+    window_leader: AtomicUsize,
 }
 
 /// The unique id of `context` (0 when the driver predates `cuCtxGetId`).
@@ -547,10 +549,13 @@ impl Sensor {
         state.pools.iter_mut().find(|p| (p.context, p.id) == pool)?.take_event()
     }
 
-    /// After a sample's start was recorded, when other streams of the device launched recently:
-    /// opens a window ([`overlap`]) unless one is open or opened less than
-    /// [`overlap::WINDOW_SPACING_NS`] ago, with an event on each of those streams (a probe, which
-    /// completes when the work queued there now has run). Streams being captured are left alone
+    /// After a sample's start was recorded: opens a window ([`overlap`]) unless one is open or
+    /// opened less than [`overlap::WINDOW_SPACING_NS`] ago, with an event on each other stream of
+    /// the device that launched recently (a probe, which completes when the work queued there now
+    /// has run). With no such stream the window has no probes: the streams that start launching
+    /// during its bracket are its members (a burst after a pause begins with one stream). A
+    /// sample that opens no window counts in full when no other stream was active, else not at
+    /// all. Streams being captured are left alone
     /// (an event recorded there would join the capture), and so are the default streams (the
     /// legacy one waits for every stream; the per-thread one is the calling thread's own).
     pub fn open_window(&self, launch: &mut InFlight, now: u64) {
@@ -563,12 +568,13 @@ impl Sensor {
             .others(launch.stream, now)
             .filter(|&other| !overlap::is_default_stream(other))
             .collect();
-        if others.is_empty() {
+        let spaced = now.saturating_sub(self.window_opened.load(Ordering::Relaxed)) >= overlap::WINDOW_SPACING_NS;
+        let can_open = spaced && now >= self.window_until.load(Ordering::Relaxed);
+        if others.is_empty() && !can_open {
             return;
         }
         launch.overlap = Overlap::Unseen;
-        let spaced = now.saturating_sub(self.window_opened.load(Ordering::Relaxed)) >= overlap::WINDOW_SPACING_NS;
-        if now < self.window_until.load(Ordering::Relaxed) || !spaced {
+        if !can_open {
             return;
         }
         let mut probes = Vec::new();
@@ -598,6 +604,7 @@ impl Sensor {
             members: Vec::new(),
         });
         self.window_opened.store(now, Ordering::Relaxed);
+        self.window_leader.store(launch.stream as usize, Ordering::Relaxed);
         self.window_until
             .store(now.saturating_add(overlap::WINDOW_NS), Ordering::Relaxed);
         launch.overlap = Overlap::Leads { window, probes };
@@ -607,7 +614,10 @@ impl Sensor {
     /// window when it is another stream's and the window has room (its start recorded now; end it
     /// with [`Self::end_member`]). Never on a stream being captured.
     pub fn begin_member(&self, stream: CUstream, now: u64) -> Option<Member> {
-        if now >= self.window_until.load(Ordering::Relaxed) || overlap::is_default_stream(stream) {
+        if now >= self.window_until.load(Ordering::Relaxed)
+            || overlap::is_default_stream(stream)
+            || self.window_leader.load(Ordering::Relaxed) == stream as usize
+        {
             return None;
         }
         // The window's own checks first (no driver call): the leader's stream and a full window
