@@ -35,11 +35,11 @@ job=$!
 wait_for "$work/job.txt" "^step 3 " || log "the job did not reach step 3"
 log "card used before: $(used) MiB"
 start=$(date +%s.%N); "$smi" suspend --release --region "$work/region.cache" 2>&1 | tee -a "$report"
-log "release took $(echo "$(date +%s.%N) - $start" | bc) s; card used during: $(used) MiB"
+log "release took $(awk -v end="$(date +%s.%N)" -v start="$start" 'BEGIN { printf "%.2f", end - start }') s; card used during: $(used) MiB"
 "$smi" --region "$work/region.cache" | tee -a "$report"
 python3 tests/gpu/hold_memory.py $(( gib * 1024 - 2048 )) 3 2>&1 | sed 's/^/second job: /' | tee -a "$report"
 start=$(date +%s.%N); "$smi" resume --region "$work/region.cache" 2>&1 | tee -a "$report"
-log "resume took $(echo "$(date +%s.%N) - $start" | bc) s; card used after: $(used) MiB"
+log "resume took $(awk -v end="$(date +%s.%N)" -v start="$start" 'BEGIN { printf "%.2f", end - start }') s; card used after: $(used) MiB"
 failed=0
 for cycle in $(seq "$cycles"); do
   "$smi" suspend --release --region "$work/region.cache" > "$work/cycle.txt" 2>&1 || failed=$((failed + 1))
