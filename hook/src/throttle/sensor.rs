@@ -717,11 +717,15 @@ impl Sensor {
             }
         }
         let streams = overlap::streams_busy(reading, &mut spans);
-        tracing::debug!(
-            "compute limiter: {} probes and {} members: {streams:.2} streams busy during a bracket of {reading} ns",
-            probes.len(),
-            members.len()
-        );
+        // A window that saw no other stream (a process of one stream opens one every spacing)
+        // says nothing worth a line.
+        if !spans.is_empty() {
+            tracing::debug!(
+                "compute limiter: {} probes and {} members: {streams:.2} streams busy during a bracket of {reading} ns",
+                probes.len(),
+                members.len()
+            );
+        }
         Some(streams)
     }
 
