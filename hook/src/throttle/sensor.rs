@@ -555,9 +555,9 @@ impl Sensor {
     /// has run). With no such stream the window has no probes: the streams that start launching
     /// during its bracket are its members (a burst after a pause begins with one stream). A
     /// sample that opens no window counts in full when no other stream was active, else not at
-    /// all. Streams being captured are left alone
-    /// (an event recorded there would join the capture), and so are the default streams (the
-    /// legacy one waits for every stream; the per-thread one is the calling thread's own).
+    /// all. Streams being captured are left alone (an event recorded there would join the
+    /// capture), and so are the default streams (the legacy one waits for every stream; the
+    /// per-thread one is the calling thread's own).
     pub fn open_window(&self, launch: &mut InFlight, now: u64) {
         let Some(_shared) = super::runtime::probing() else {
             launch.overlap = Overlap::Unseen; // a stream is being destroyed

@@ -177,7 +177,7 @@ struct Sample {
 /// A sample's part in measuring the overlap of the streams, by the sensor's rules
 /// (`sensor::Sensor::open_window`, `begin_member`).
 enum SampleOverlap {
-    /// No other stream was active: it counts in full.
+    /// No other stream was active, and no window could open: it counts in full.
     Alone,
     /// Others were active and another window was open: it says nothing.
     Unseen,
