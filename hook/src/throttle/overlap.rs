@@ -95,6 +95,31 @@ pub fn is_default_stream(stream: CUstream) -> bool {
     matches!(stream as usize, 0..=2)
 }
 
+/// What a sample does about the overlap windows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WindowChoice {
+    /// It leads a new window.
+    Open,
+    /// It counts in full: no other stream was active, and no window could open.
+    Alone,
+    /// It says nothing: other streams were active and a window was open or opened too lately.
+    Unseen,
+}
+
+/// The rule of a sample taken at `now`, when the last window opened at `opened` and takes members
+/// until `until`: it opens a window unless one is open or opened less than [`WINDOW_SPACING_NS`]
+/// ago, also with no other stream active (a burst after the limiter's pause begins with one
+/// stream, and the others join during its bracket); otherwise it counts in full when no other
+/// stream was active (`others_active`), and not at all when some were.
+pub fn window_choice(others_active: bool, now: u64, opened: u64, until: u64) -> WindowChoice {
+    let can_open = now.saturating_sub(opened) >= WINDOW_SPACING_NS && now >= until;
+    match (can_open, others_active) {
+        (true, _) => WindowChoice::Open,
+        (false, false) => WindowChoice::Alone,
+        (false, true) => WindowChoice::Unseen,
+    }
+}
+
 /// The union and the sum of brackets, each given as its start and end (ns) on one timeline.
 pub fn union_and_sum(spans: &mut [(i64, i64)]) -> (u64, u64) {
     spans.sort_unstable();
@@ -198,6 +223,25 @@ mod tests {
             streams_busy(0, &mut [(3, (0, 10))]),
             2.0,
             "an empty bracket reads as 1 ns"
+        );
+    }
+
+    #[test]
+    fn a_sample_opens_a_window_when_it_can_alone_or_not() {
+        let (opened, until) = (1_000_000_000, 1_000_000_000 + WINDOW_NS);
+        let later = opened + WINDOW_SPACING_NS;
+        assert_eq!(window_choice(true, later, opened, until), WindowChoice::Open);
+        assert_eq!(window_choice(false, later, opened, until), WindowChoice::Open);
+        assert_eq!(
+            window_choice(true, until, opened, until),
+            WindowChoice::Unseen,
+            "too soon"
+        );
+        assert_eq!(window_choice(false, until, opened, until), WindowChoice::Alone);
+        assert_eq!(
+            window_choice(true, opened + 1, opened, until),
+            WindowChoice::Unseen,
+            "open"
         );
     }
 

@@ -38,7 +38,7 @@ use std::ffi::{c_uint, c_void};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use super::now_ns;
-use super::overlap::{self, RecentStreams};
+use super::overlap::{self, RecentStreams, WindowChoice};
 use crate::capture::in_relaxed_capture_mode;
 use crate::hooks::real;
 use crate::sys::cuda::{
@@ -549,15 +549,13 @@ impl Sensor {
         state.pools.iter_mut().find(|p| (p.context, p.id) == pool)?.take_event()
     }
 
-    /// After a sample's start was recorded: opens a window ([`overlap`]) unless one is open or
-    /// opened less than [`overlap::WINDOW_SPACING_NS`] ago, with an event on each other stream of
-    /// the device that launched recently (a probe, which completes when the work queued there now
-    /// has run). With no such stream the window has no probes: the streams that start launching
-    /// during its bracket are its members (a burst after a pause begins with one stream). A
-    /// sample that opens no window counts in full when no other stream was active, else not at
-    /// all. Streams being captured are left alone (an event recorded there would join the
-    /// capture), and so are the default streams (the legacy one waits for every stream; the
-    /// per-thread one is the calling thread's own).
+    /// After a sample's start was recorded: opens a window ([`overlap`]) when
+    /// [`overlap::window_choice`] says so, with an event on each other stream of the device that
+    /// launched recently (a probe, which completes when the work queued there now has run); with
+    /// no such stream the window has no probes, and the streams that start launching during its
+    /// bracket are its members. Streams being captured are left alone (an event recorded there
+    /// would join the capture), and so are the default streams (the legacy one waits for every
+    /// stream; the per-thread one is the calling thread's own).
     pub fn open_window(&self, launch: &mut InFlight, now: u64) {
         let Some(_shared) = super::runtime::probing() else {
             launch.overlap = Overlap::Unseen; // a stream is being destroyed
@@ -568,13 +566,17 @@ impl Sensor {
             .others(launch.stream, now)
             .filter(|&other| !overlap::is_default_stream(other))
             .collect();
-        let spaced = now.saturating_sub(self.window_opened.load(Ordering::Relaxed)) >= overlap::WINDOW_SPACING_NS;
-        let can_open = spaced && now >= self.window_until.load(Ordering::Relaxed);
-        if others.is_empty() && !can_open {
+        let choice = overlap::window_choice(
+            !others.is_empty(),
+            now,
+            self.window_opened.load(Ordering::Relaxed),
+            self.window_until.load(Ordering::Relaxed),
+        );
+        if choice == WindowChoice::Alone {
             return;
         }
         launch.overlap = Overlap::Unseen;
-        if !can_open {
+        if choice == WindowChoice::Unseen {
             return;
         }
         let mut probes = Vec::new();
