@@ -5,7 +5,10 @@
 # and the loop's losses are compared, bitwise, with an uninterrupted run of the same seed; then
 # CYCLES (default 20) release/resume cycles under the running loop, and the same release and
 # restore through the bare API (checkpoint_bare.py) for the baseline; the host link's bandwidth
-# (a pinned 4 GiB copy each way). Run from the repository root with .device/ prepared
+# (a pinned 4 GiB copy each way); then the same loop under CUDA_IDLE_RELEASE=IDLE (default 5s),
+# idle for IDLE_GAP (default 20) seconds after its 5th step: the card's memory while it idles and
+# how long its next step takes (the restore it waits for) against the steps before it. Run from
+# the repository root with .device/ prepared
 # (scripts/gpu-prepare.sh). Report in $OUT/release.txt.
 set -u
 root=$(pwd)
@@ -60,4 +63,21 @@ python3 tests/gpu/checkpoint_bare.py "$bare" release 2>&1 | sed 's/^/bare: /' | 
 log "bare: card used while checkpointed: $(used) MiB"
 python3 tests/gpu/checkpoint_bare.py "$bare" restore 2>&1 | sed 's/^/bare: /' | tee -a "$report"
 wait "$bare"; log "bare job exit $?"
+# Idle release: the library releases the idle loop by itself; its next step waits for the restore.
+idle="${IDLE:-5s}"; gap="${IDLE_GAP:-20}"
+env "${env_run[@]}" CUDA_DEVICE_MEMORY_SHARED_CACHE="$work/idle.cache" CUDA_IDLE_RELEASE="$idle" \
+  VGPU_SMI="$smi" python3 tests/gpu/release_train.py "$gib" 10 0.05 4 "$gap" > "$work/idle.txt" 2>&1 &
+idler=$!
+wait_for "$work/idle.txt" "^idle " || log "idle: the loop did not reach its idle time"
+log "idle: card used as the loop starts idling: $(used) MiB"
+sleep $(( gap - 3 ))
+log "idle: card used after $(( gap - 3 )) s idle (CUDA_IDLE_RELEASE=$idle): $(used) MiB"
+"$smi" --region "$work/idle.cache" | tee -a "$report"
+wait "$idler"; log "idle job exit $?"
+grep '^step\|^idle' "$work/idle.txt" | sed 's/^/idle: /' | tee -a "$report"
+if diff <(grep '^step' "$work/reference.txt" | head -10) <(grep '^step' "$work/idle.txt" | sed 's/ took .*//') > /dev/null; then
+  log "idle: losses bitwise equal to the uninterrupted run's first 10 steps"
+else
+  log "idle: losses differ from the uninterrupted run's first 10 steps"
+fi
 rm -rf "$work"
