@@ -6,7 +6,7 @@
 # CYCLES (default 20) release/resume cycles under the running loop, and the same release and
 # restore through the bare API (checkpoint_bare.py) for the baseline; the host link's bandwidth
 # (a pinned 4 GiB copy each way); then the same loop under CUDA_IDLE_RELEASE=IDLE (default 5s),
-# idle for IDLE_GAP (default 20) seconds after its 5th step: the card's memory while it idles and
+# idle for IDLE_GAP (default 30: longer than IDLE plus the checkpoint of GIB) seconds after its 5th step: the card's memory while it idles and
 # how long its next step takes (the restore it waits for) against the steps before it. Run from
 # the repository root with .device/ prepared
 # (scripts/gpu-prepare.sh). Report in $OUT/release.txt.
@@ -64,7 +64,7 @@ log "bare: card used while checkpointed: $(used) MiB"
 python3 tests/gpu/checkpoint_bare.py "$bare" restore 2>&1 | sed 's/^/bare: /' | tee -a "$report"
 wait "$bare"; log "bare job exit $?"
 # Idle release: the library releases the idle loop by itself; its next step waits for the restore.
-idle="${IDLE:-5s}"; gap="${IDLE_GAP:-20}"
+idle="${IDLE:-5s}"; gap="${IDLE_GAP:-30}"
 env "${env_run[@]}" CUDA_DEVICE_MEMORY_SHARED_CACHE="$work/idle.cache" CUDA_IDLE_RELEASE="$idle" \
   VGPU_SMI="$smi" python3 tests/gpu/release_train.py "$gib" 10 0.05 4 "$gap" > "$work/idle.txt" 2>&1 &
 idler=$!
