@@ -6,9 +6,9 @@
 # CYCLES (default 20) release/resume cycles under the running loop, and the same release and
 # restore through the bare API (checkpoint_bare.py) for the baseline; the host link's bandwidth
 # (a pinned 4 GiB copy each way); then the same loop under CUDA_IDLE_RELEASE=IDLE (default 5s),
-# idle for IDLE_GAP (default 30: longer than IDLE plus the checkpoint of GIB) seconds after its 5th step: the card's memory while it idles and
-# how long its next step takes (the restore it waits for) against the steps before it. Run from
-# the repository root with .device/ prepared
+# idle for IDLE_GAP seconds after its 5th step (default 30: longer than IDLE and the checkpoint of
+# 20 GiB together): the card's memory while it idles and how long its next step takes (the restore
+# it waits for) against the steps before it. Run from the repository root with .device/ prepared
 # (scripts/gpu-prepare.sh). Report in $OUT/release.txt.
 set -u
 root=$(pwd)
