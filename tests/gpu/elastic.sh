@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
-# Elastic memory (CUDA_OVERSUBSCRIBE, issue 31) as a user meets it, with PyTorch: a process with no
-# library holds all of the GPU but FREE_GIB (default 8); a bf16 AdamW training loop sized to
-# about 1.25, 1.5 and 2 times that (weights, gradients and optimizer state; activations on top)
-# then runs under a limit of that size with CUDA_OVERSUBSCRIBE=true, and once without it; each
-# from its first step, against the same loop on the card alone. Prints per-step times, the
-# host-backed bytes vgpu-smi saw during the run, and the card's memory (nvidia-smi); then a loop
-# during which the other process exits (the spills move back). Run from the
-# repository root with .device/ prepared (scripts/gpu-prepare.sh). Report in $OUT/elastic.txt.
+# Elastic memory (CUDA_OVERSUBSCRIBE, issue 31) as a user meets it: a process with no library holds
+# all of the GPU but FREE_GIB (default 8), and jobs run beside it, each from its first step, with
+# their per-step times against the same job on the card alone, the host-backed bytes vgpu-smi saw
+# during the run and the card's memory (nvidia-smi). PARTS (default all of them) picks:
+# - torch: a bf16 AdamW training loop of about 1.25, 1.5 and 2 times FREE_GIB (FACTORS) under a
+#   limit of that size with CUDA_OVERSUBSCRIBE=true, and at 1.5 without it (PyTorch's
+#   out-of-memory error expected);
+# - cupy, jax: the same with tests/gpu/elastic_cupy.py (1 GiB arrays, each step reads and writes
+#   all of them) and tests/gpu/elastic_jax.py (JAX with its defaults, sized to 70% of the limit);
+# - cold: a CuPy job that allocates 2x FREE_GIB, cold arrays first, and touches 0.8x FREE_GIB a
+#   step, under the library and as naive unified memory (no library);
+# - hot: a CuPy job that touches 1.5x FREE_GIB every step, under the library and as unified memory
+#   three ways (no advice, mapped where it is, preferring host memory);
+# - moves: the training loop at 1.5, during which the other process exits (the spills move back).
+# Run from the repository root with .device/ prepared (scripts/gpu-prepare.sh). Report in
+# $OUT/elastic.txt.
 set -u
 root=$(pwd)
 out="${OUT:-/tmp/vgpu-out}"; mkdir -p "$out"
@@ -14,21 +22,32 @@ report="$out/elastic.txt"; : > "$report"
 free_gib="${FREE_GIB:-8}"
 steps="${STEPS:-6}"
 factors="${FACTORS:-1.25 1.5 2}"
+parts="${PARTS:-torch cupy jax cold hot moves}"
 library="$root/.device/libvgpu.so"; smi="$root/.device/vgpu-smi"
 export PYTHONUNBUFFERED=1
 log() { echo "$@" | tee -a "$report"; }
 card() { nvidia-smi --query-gpu=memory.used,memory.total --format=csv,noheader,nounits | head -1; }
+part() { [[ " $parts " == *" $1 "* ]]; }
+gib_of() { python3 -c "print(round($free_gib * $1 + $2, 2))"; }
+# JAX preallocates 75% of the memory the device reports (the limit) and serves its arrays from that:
+# its job is sized to 70% of the limit.
+jax_share() { python3 -c "print($1 * 0.7)"; }
+limit_of() { echo "$(python3 -c "print(int($free_gib * $1 * 1024))")m"; }
 log "# elastic memory, $(date -u '+%F %T') UTC, $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
-log "# the other process leaves $free_gib GiB free; $steps steps a run"
-# job NAME GIB LIMIT OVERSUBSCRIBE [STEPS RELEASE]: runs the loop, samples vgpu-smi, prints a
-# summary line; with RELEASE, the other process exits once the loop has done that many steps.
+log "# the other process leaves $free_gib GiB free; $steps steps a run; parts: $parts"
+# job NAME LIMIT OVERSUBSCRIBE RELEASE PROGRAM ARGS...: runs PROGRAM under the library (LIMIT
+# none: no limit; OVERSUBSCRIBE unset: no variable; LIBRARY=none in the environment: without the
+# library), samples vgpu-smi, prints a summary line and the program's output; with RELEASE, the
+# other process exits once the program has printed that step.
 job() {
-  local name=$1 gib=$2 limit=$3 over=$4 count=${5:-$steps} release=${6:-} work
+  local name=$1 limit=$2 over=$3 release=$4 work
+  shift 4
   work=$(mktemp -d /tmp/vgpu-elastic.XXXXXX)
-  local env=(CUDA_DEVICE_MEMORY_SHARED_CACHE="$work/region.cache" LD_PRELOAD="$library")
+  local env=(CUDA_DEVICE_MEMORY_SHARED_CACHE="$work/region.cache")
+  [ "${LIBRARY:-}" != none ] && env+=(LD_PRELOAD="$library")
   [ "$limit" != none ] && env+=(CUDA_DEVICE_MEMORY_LIMIT="$limit")
   [ "$over" != unset ] && env+=(CUDA_OVERSUBSCRIBE="$over")
-  env "${env[@]}" timeout 120 python3 tests/gpu/elastic_train.py "$gib" "$count" > "$work/job.txt" 2>&1 &
+  env "${env[@]}" timeout 180 python3 "$@" > "$work/job.txt" 2>&1 &
   local pid=$! host=0
   while kill -0 "$pid" 2>/dev/null; do
     sample=$("$smi" --region "$work/region.cache" --json 2>/dev/null \
@@ -40,14 +59,19 @@ job() {
     sleep 0.5
   done
   wait "$pid"; local status=$?
-  log "== $name: loop of $gib GiB, limit $limit, CUDA_OVERSUBSCRIBE=$over: exit $status, peak host-backed $((host >> 20)) MiB, card used/total MiB now $(card)"
-  sed 's/^/   /' "$work/job.txt" | grep -v "^   *$" | tail -n $((count + 3)) | tee -a "$report"
+  log "== $name: $(basename "$1") ${*:2}, library ${LIBRARY:-yes}, limit $limit, CUDA_OVERSUBSCRIBE=$over: exit $status, peak host-backed $((host >> 20)) MiB, card used/total MiB now $(card)"
+  sed 's/^/   /' "$work/job.txt" | grep -v "^   *$" | tail -n 40 | tee -a "$report"
   rm -rf "$work"
 }
+train=tests/gpu/elastic_train.py; cupy=tests/gpu/elastic_cupy.py; jax=tests/gpu/elastic_jax.py
+# The card alone: each job's reference.
 for factor in $factors; do
-  gib=$(python3 -c "print(round($free_gib * $factor - 2, 2))")
-  job "alone x$factor" "$gib" none unset
+  part torch && job "alone x$factor" none unset "" "$train" "$(gib_of "$factor" -2)" "$steps"
+  part cupy && job "alone x$factor" none unset "" "$cupy" device "$(gib_of "$factor" -1)" 0 "$steps"
+  part jax && job "alone x$factor" none unset "" "$jax" "$(gib_of "$(jax_share "$factor")" 0)" "$steps"
 done
+part cold && job "cold alone" none unset "" "$cupy" device "$(gib_of 0.8 0)" "$(gib_of 1.2 0)" "$steps"
+part hot && job "hot alone" none unset "" "$cupy" device "$(gib_of 1.5 0)" 0 "$steps"
 total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 hold_mib=$((total_mib - free_gib * 1024 - 600))
 python3 tests/gpu/hold_memory.py "$hold_mib" 100000 > "$out/hold.txt" 2>&1 &
@@ -55,14 +79,24 @@ holder=$!
 for _ in $(seq 60); do grep -q holding "$out/hold.txt" 2>/dev/null && break; sleep 1; done
 log "# the other process holds $hold_mib MiB: card used/total MiB $(card)"
 for factor in $factors; do
-  gib=$(python3 -c "print(round($free_gib * $factor - 2, 2))")
-  limit="$(python3 -c "print(int($free_gib * $factor * 1024))")m"
-  job "shared x$factor" "$gib" "$limit" true
+  part torch && job "shared x$factor" "$(limit_of "$factor")" true "" "$train" "$(gib_of "$factor" -2)" "$steps"
+  part cupy && job "shared x$factor" "$(limit_of "$factor")" true "" "$cupy" device "$(gib_of "$factor" -1)" 0 "$steps"
+  part jax && job "shared x$factor" "$(limit_of "$factor")" true "" "$jax" "$(gib_of "$(jax_share "$factor")" 0)" "$steps"
 done
-factor=1.5
-gib=$(python3 -c "print(round($free_gib * $factor - 2, 2))")
-job "shared x$factor, no variable" "$gib" "$(python3 -c "print(int($free_gib * $factor * 1024))")m" unset
+part torch && job "shared x1.5, no variable" "$(limit_of 1.5)" unset "" "$train" "$(gib_of 1.5 -2)" "$steps"
+part cupy && job "shared x1.5, no variable" "$(limit_of 1.5)" unset "" "$cupy" device "$(gib_of 1.5 -1)" 0 "$steps"
+part jax && job "shared x1.5, no variable" "$(limit_of 1.5)" unset "" "$jax" "$(gib_of "$(jax_share 1.5)" 0)" "$steps"
+if part cold; then
+  job "cold shared" "$(limit_of 2.1)" true "" "$cupy" device "$(gib_of 0.8 0)" "$(gib_of 1.2 0)" "$steps"
+  LIBRARY=none job "cold shared, naive unified memory" none unset "" "$cupy" managed "$(gib_of 0.8 0)" "$(gib_of 1.2 0)" "$steps"
+fi
+if part hot; then
+  job "hot shared" "$(limit_of 1.6)" true "" "$cupy" device "$(gib_of 1.5 0)" 0 "$steps"
+  for mode in managed managed-accessed-by managed-host; do
+    LIBRARY=none job "hot shared, unified memory ($mode)" none unset "" "$cupy" "$mode" "$(gib_of 1.5 0)" 0 "$steps"
+  done
+fi
 # Moves back: the other process exits while the loop runs; its steps should return to the
 # card-alone time once the library has moved its spills onto the device.
-job "shared x$factor, the other exits" "$gib" "$(python3 -c "print(int($free_gib * $factor * 1024))")m" true 24 4
+part moves && job "shared x1.5, the other exits" "$(limit_of 1.5)" true 4 "$train" "$(gib_of 1.5 -2)" 24
 kill "$holder" 2>/dev/null; wait "$holder" 2>/dev/null
