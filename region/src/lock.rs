@@ -6,11 +6,12 @@
 //! It has two stages:
 //!
 //! 1. **Threads of one process** queue at a [`ThreadGate`]: a word taken with one compare-exchange
-//!    when free; waiters sleep on a std condition variable, and a release with waiters hands the
-//!    gate straight to one of them (woken in order), so a thread looping on the lock cannot
-//!    starve the others. Open-file-description locks do not exclude threads that share the
-//!    description, hence this stage. (Not `parking_lot`: its global table of waiters could be
-//!    left locked in a forked child by a thread the child does not have.)
+//!    when free; waiters queue in arrival order and park, a release wakes the head of the queue,
+//!    and one whose head has waited [`GATE_FAIR_AFTER`] hands the gate straight to it, so threads
+//!    looping on the lock cannot starve the others, even thousands of them. Open-file-description
+//!    locks do not exclude threads that share the description, hence this stage. (Not
+//!    `parking_lot`: its global table of waiters could be left locked in a forked child by a
+//!    thread the child does not have.)
 //! 2. **Processes** take a write lock on the byte at [`FILE_LOCK_OFFSET`] with `F_OFD_SETLK`, each
 //!    on an open file description of its own. The kernel holds that lock outside the file and
 //!    releases it when the description's last descriptor closes, so a holder killed with SIGKILL
@@ -57,7 +58,7 @@ use std::os::fd::{IntoRawFd, RawFd};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex, PoisonError};
+use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::layout::{FAVOUR_LOCK_OFFSET, FILE_LOCK_OFFSET, LockWords};
@@ -512,16 +513,23 @@ fn random_token() -> u64 {
     hasher.finish() | 1
 }
 
-/// The threads of one process, one at a time, in arrival order when they queue. Uncontended,
-/// one compare-exchange in and one out; contended, the waiters sleep on a condition variable and
-/// a thread leaving hands the gate to one of them.
+/// A waiter of the [`ThreadGate`] that has waited this long is handed the gate at the next way
+/// out, ahead of any thread that comes running.
+const GATE_FAIR_AFTER: Duration = Duration::from_millis(1);
+
+/// The threads of one process, one at a time. Uncontended, one compare-exchange in and one out.
+/// Contended, the waiters queue and park. A thread leaving wakes the waiter at the head of the
+/// queue; it takes the gate if no running thread took it first (handing over at every way out would
+/// cost a context switch each time). Once the head has waited [`GATE_FAIR_AFTER`], the thread
+/// leaving hands the gate to it directly, so a thread that leaves and comes straight back (running,
+/// where the waiters sleep) can no longer take it: under a storm of threads the gate goes round in
+/// arrival order.
 #[derive(Default)]
 struct ThreadGate {
     /// [`GATE_FREE`], [`GATE_HELD`] or [`GATE_CONTENDED`] (held, and the way out goes through
     /// `waiters`).
     state: AtomicU32,
     waiters: Mutex<Waiters>,
-    turn: Condvar,
 }
 
 const GATE_FREE: u32 = 0;
@@ -530,10 +538,24 @@ const GATE_CONTENDED: u32 = 2;
 
 #[derive(Default)]
 struct Waiters {
-    /// Threads waiting in [`ThreadGate::enter`].
-    count: u32,
-    /// The last thread out left the gate held for a waiter: the first waiter to look takes it.
-    handed_over: bool,
+    /// Threads waiting in [`ThreadGate::enter`], in arrival order.
+    queue: std::collections::VecDeque<Waiter>,
+    /// The ticket of the next thread to queue.
+    next_ticket: u64,
+    /// The ticket the last thread out handed the gate to, until that thread takes it.
+    handed_to: Option<u64>,
+}
+
+struct Waiter {
+    ticket: u64,
+    thread: std::thread::Thread,
+    since: Instant,
+}
+
+impl Waiters {
+    fn leave_queue(&mut self, ticket: u64) {
+        self.queue.retain(|waiter| waiter.ticket != ticket);
+    }
 }
 
 impl ThreadGate {
@@ -550,21 +572,29 @@ impl ThreadGate {
     #[inline(never)]
     fn wait(&self, clock: &mut Clock) -> bool {
         let mut waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
-        waiters.count += 1;
-        let entered = loop {
+        let ticket = waiters.next_ticket;
+        waiters.next_ticket += 1;
+        waiters.queue.push_back(Waiter {
+            ticket,
+            thread: std::thread::current(),
+            since: Instant::now(),
+        });
+        loop {
             // A handover is taken even by a waiter whose deadline just passed: someone must.
-            if waiters.handed_over {
-                waiters.handed_over = false;
-                break true;
+            if waiters.handed_to == Some(ticket) {
+                waiters.handed_to = None;
+                return true;
             }
             match self.state.load(Ordering::Acquire) {
+                // Taken contended: the way out must look at the queue this thread leaves behind.
                 GATE_FREE => {
                     if self
                         .state
                         .compare_exchange(GATE_FREE, GATE_CONTENDED, Ordering::Acquire, Ordering::Relaxed)
                         .is_ok()
                     {
-                        break true;
+                        waiters.leave_queue(ticket);
+                        return true;
                     }
                     continue;
                 }
@@ -579,18 +609,17 @@ impl ThreadGate {
                 }
                 _ => {}
             }
-            let Some(left) = clock.left() else { break false };
-            waiters = self
-                .turn
-                .wait_timeout(waiters, left)
-                .unwrap_or_else(PoisonError::into_inner)
-                .0;
-        };
-        waiters.count -= 1;
-        entered
+            let Some(left) = clock.left() else {
+                waiters.leave_queue(ticket);
+                return false;
+            };
+            drop(waiters);
+            std::thread::park_timeout(left);
+            waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
+        }
     }
 
-    /// Leaves the gate, handing it to a waiter if there is one.
+    /// Leaves the gate, waking or handing it to a waiter if there is one.
     #[inline]
     fn leave(&self) {
         if self
@@ -606,14 +635,21 @@ impl ThreadGate {
     #[inline(never)]
     fn hand_over(&self) {
         let mut waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
-        if waiters.count > 0 {
-            // The gate stays held (contended) for the waiter that takes the handover.
-            waiters.handed_over = true;
-            drop(waiters);
-            self.turn.notify_one();
+        let Some(head) = waiters.queue.front() else {
+            self.state.store(GATE_FREE, Ordering::Release);
+            return;
+        };
+        let thread = head.thread.clone();
+        if head.since.elapsed() >= GATE_FAIR_AFTER {
+            // The gate stays held (contended) for the head, which no longer queues.
+            let ticket = head.ticket;
+            waiters.queue.pop_front();
+            waiters.handed_to = Some(ticket);
         } else {
             self.state.store(GATE_FREE, Ordering::Release);
         }
+        drop(waiters);
+        thread.unpark();
     }
 }
 
@@ -650,6 +686,35 @@ mod tests {
         // SAFETY: every thread has ended.
         assert_eq!(unsafe { *counter.0.get() }, 160_000);
         assert_eq!(gate.state.load(Ordering::Acquire), GATE_FREE);
+    }
+
+    #[test]
+    fn a_waiter_that_has_waited_is_handed_the_gate_before_the_thread_leaving_can_come_back() {
+        let gate = Arc::new(ThreadGate::default());
+        let order = Arc::new(Mutex::new(Vec::new()));
+        assert!(gate.enter(&mut Clock::default()));
+        let waiter = {
+            let (gate, order) = (Arc::clone(&gate), Arc::clone(&order));
+            std::thread::spawn(move || {
+                assert!(gate.enter(&mut Clock::default()));
+                order.lock().unwrap().push("waiter");
+                std::thread::sleep(Duration::from_millis(1));
+                gate.leave();
+            })
+        };
+        while gate.waiters.lock().unwrap().queue.is_empty() {
+            std::thread::yield_now();
+        }
+        std::thread::sleep(GATE_FAIR_AFTER * 5);
+        // Leaving and coming straight back: the waiter, asleep, must still go first.
+        gate.leave();
+        assert!(gate.enter(&mut Clock::default()));
+        order.lock().unwrap().push("the thread that left");
+        gate.leave();
+        waiter.join().unwrap();
+        assert_eq!(*order.lock().unwrap(), ["waiter", "the thread that left"]);
+        assert_eq!(gate.state.load(Ordering::Acquire), GATE_FREE);
+        assert!(gate.waiters.lock().unwrap().queue.is_empty());
     }
 
     #[test]
