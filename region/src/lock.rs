@@ -51,6 +51,7 @@
 //! a description and a gate of its own (the parent's gate may be held by a thread the child does
 //! not have). Descriptions are opened `O_CLOEXEC`, so `exec` closes them too.
 
+use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
 use std::hash::{BuildHasher, Hasher};
 use std::io;
@@ -59,6 +60,7 @@ use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
+use std::thread::Thread;
 use std::time::{Duration, Instant};
 
 use crate::layout::{FAVOUR_LOCK_OFFSET, FILE_LOCK_OFFSET, LockWords};
@@ -539,7 +541,7 @@ const GATE_CONTENDED: u32 = 2;
 #[derive(Default)]
 struct Waiters {
     /// Threads waiting in [`ThreadGate::enter`], in arrival order.
-    queue: std::collections::VecDeque<Waiter>,
+    queue: VecDeque<Waiter>,
     /// The ticket of the next thread to queue.
     next_ticket: u64,
     /// The ticket the last thread out handed the gate to, until that thread takes it.
@@ -548,7 +550,7 @@ struct Waiters {
 
 struct Waiter {
     ticket: u64,
-    thread: std::thread::Thread,
+    thread: Thread,
     since: Instant,
 }
 
