@@ -6,7 +6,7 @@
 //! It has two stages:
 //!
 //! 1. **Threads of one process** queue at a [`ThreadGate`]: a word taken with one compare-exchange
-//!    when free; waiters queue in arrival order and park, a release wakes the head of the queue,
+//!    when free; waiters queue in arrival order and sleep, a release wakes the head of the queue,
 //!    and one whose head has waited [`GATE_FAIR_AFTER`] hands the gate straight to it, so threads
 //!    looping on the lock cannot starve the others, even thousands of them. Open-file-description
 //!    locks do not exclude threads that share the description, hence this stage. (Not
@@ -59,8 +59,7 @@ use std::os::fd::{IntoRawFd, RawFd};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
-use std::thread::Thread;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use crate::layout::{FAVOUR_LOCK_OFFSET, FILE_LOCK_OFFSET, LockWords};
@@ -520,12 +519,12 @@ fn random_token() -> u64 {
 const GATE_FAIR_AFTER: Duration = Duration::from_millis(1);
 
 /// The threads of one process, one at a time. Uncontended, one compare-exchange in and one out.
-/// Contended, the waiters queue and park. A thread leaving wakes the waiter at the head of the
-/// queue; it takes the gate if no running thread took it first (handing over at every way out would
-/// cost a context switch each time). Once the head has waited [`GATE_FAIR_AFTER`], the thread
-/// leaving hands the gate to it directly, so a thread that leaves and comes straight back (running,
-/// where the waiters sleep) can no longer take it: under a storm of threads the gate goes round in
-/// arrival order.
+/// Contended, the waiters queue and sleep, each on a futex word of its own. A thread leaving wakes
+/// the waiter at the head of the queue, which takes the gate if no running thread took it first
+/// (handing over at every way out would cost a context switch each time). Once the head has waited
+/// [`GATE_FAIR_AFTER`], the thread leaving hands the gate to it directly, so a thread that leaves
+/// and comes straight back (running, where the waiters sleep) can no longer take it: under a storm
+/// of threads the gate goes round in arrival order.
 #[derive(Default)]
 struct ThreadGate {
     /// [`GATE_FREE`], [`GATE_HELD`] or [`GATE_CONTENDED`] (held, and the way out goes through
@@ -550,7 +549,9 @@ struct Waiters {
 
 struct Waiter {
     ticket: u64,
-    thread: Thread,
+    /// Set to 1 (and woken) when the waiter should look again; its own futex word, not a
+    /// `Thread` handle, as a thread in its last thread-local destructors may still free memory.
+    wake: Arc<AtomicU32>,
     since: Instant,
 }
 
@@ -576,12 +577,15 @@ impl ThreadGate {
         let mut waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
         let ticket = waiters.next_ticket;
         waiters.next_ticket += 1;
+        let wake = Arc::new(AtomicU32::new(0));
         waiters.queue.push_back(Waiter {
             ticket,
-            thread: std::thread::current(),
+            wake: Arc::clone(&wake),
             since: Instant::now(),
         });
         loop {
+            // Cleared under the queue's lock: a wake-up from now on is seen by the wait below.
+            wake.store(0, Ordering::Relaxed);
             // A handover is taken even by a waiter whose deadline just passed: someone must.
             if waiters.handed_to == Some(ticket) {
                 waiters.handed_to = None;
@@ -616,7 +620,7 @@ impl ThreadGate {
                 return false;
             };
             drop(waiters);
-            std::thread::park_timeout(left);
+            sys::futex_wait(&wake, 0, left);
             waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
         }
     }
@@ -641,7 +645,7 @@ impl ThreadGate {
             self.state.store(GATE_FREE, Ordering::Release);
             return;
         };
-        let thread = head.thread.clone();
+        let wake = Arc::clone(&head.wake);
         if head.since.elapsed() >= GATE_FAIR_AFTER {
             // The gate stays held (contended) for the head, which no longer queues.
             let ticket = head.ticket;
@@ -650,8 +654,9 @@ impl ThreadGate {
         } else {
             self.state.store(GATE_FREE, Ordering::Release);
         }
+        wake.store(1, Ordering::Relaxed);
         drop(waiters);
-        thread.unpark();
+        sys::futex_wake(&wake, 1);
     }
 }
 
