@@ -556,8 +556,11 @@ struct Waiter {
 }
 
 impl Waiters {
+    /// Takes a waiter out of the queue (usually its head: the one woken).
     fn leave_queue(&mut self, ticket: u64) {
-        self.queue.retain(|waiter| waiter.ticket != ticket);
+        if let Some(index) = self.queue.iter().position(|waiter| waiter.ticket == ticket) {
+            self.queue.remove(index);
+        }
     }
 }
 
@@ -615,6 +618,8 @@ impl ThreadGate {
                 }
                 _ => {}
             }
+            // Only now, with the gate seen held: whoever holds it leaves through the queue and
+            // wakes the next waiter, so giving up here strands nobody.
             let Some(left) = clock.left() else {
                 waiters.leave_queue(ticket);
                 return false;
