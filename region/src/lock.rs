@@ -729,6 +729,60 @@ mod tests {
         assert!(gate.waiters.lock().unwrap().queue.is_empty());
     }
 
+    /// The gate and what the exiting thread's wait returned, for the key's destructor.
+    static EXITING: Mutex<Option<(Arc<ThreadGate>, Option<bool>)>> = Mutex::new(None);
+    static EXITING_KEY: std::sync::OnceLock<libc::pthread_key_t> = std::sync::OnceLock::new();
+
+    /// A key destructor that runs twice: the second time, after the first round of destructors
+    /// (Rust's own thread data among them) has run, it waits for the gate.
+    extern "C" fn enter_while_exiting(value: *mut libc::c_void) {
+        if value.addr() == 1 {
+            if let Some(key) = EXITING_KEY.get() {
+                // SAFETY: a non-null value makes the destructor run again in the next round.
+                unsafe { libc::pthread_setspecific(*key, std::ptr::without_provenance::<u8>(2).cast()) };
+            }
+            return;
+        }
+        let gate = EXITING.lock().unwrap().as_ref().map(|(gate, _)| Arc::clone(gate));
+        let entered = gate.map(|gate| {
+            let entered = gate.enter(&mut Clock::default());
+            if entered {
+                gate.leave();
+            }
+            entered
+        });
+        if let Some((_, result)) = EXITING.lock().unwrap().as_mut() {
+            *result = entered;
+        }
+    }
+
+    #[test]
+    fn a_thread_in_its_last_destructors_waits_for_the_gate_like_any_other() {
+        let gate = Arc::new(ThreadGate::default());
+        *EXITING.lock().unwrap() = Some((Arc::clone(&gate), None));
+        let key = *EXITING_KEY.get_or_init(|| {
+            let mut key: libc::pthread_key_t = 0;
+            // SAFETY: creates a key whose destructor is a plain function of this test.
+            let created = unsafe { libc::pthread_key_create(&mut key, Some(enter_while_exiting)) };
+            assert_eq!(created, 0);
+            key
+        });
+        assert!(gate.enter(&mut Clock::default()));
+        let exiting = std::thread::spawn(move || {
+            // The thread has Rust thread data of its own to tear down before the key's second round.
+            let _ = std::thread::current();
+            // SAFETY: a non-null value makes the destructor run when the thread exits.
+            unsafe { libc::pthread_setspecific(key, std::ptr::without_provenance::<u8>(1).cast()) };
+        });
+        while gate.waiters.lock().unwrap().queue.is_empty() {
+            std::thread::yield_now();
+        }
+        gate.leave();
+        exiting.join().unwrap();
+        let result = EXITING.lock().unwrap().take().and_then(|(_, result)| result);
+        assert_eq!(result, Some(true));
+    }
+
     #[test]
     fn a_thread_waiting_behind_a_stuck_one_gives_up_after_the_timeout() {
         let gate = Arc::new(ThreadGate::default());
