@@ -9,9 +9,10 @@
 # - cupy, jax: the same with tests/gpu/elastic_cupy.py (1 GiB arrays, each step reads and writes
 #   all of them) and tests/gpu/elastic_jax.py (JAX with its defaults, sized to 70% of the limit);
 # - cold: a CuPy job that allocates 2x FREE_GIB, cold arrays first, and touches 0.8x FREE_GIB a
-#   step, under the library and as naive unified memory (no library);
+#   step, under the library and as unified memory (no library): no advice, and preferring the
+#   device while mapped wherever it is;
 # - hot: a CuPy job that touches 1.5x FREE_GIB every step, under the library and as unified memory
-#   three ways (no advice, mapped where it is, preferring host memory);
+#   four ways (no advice, mapped where it is, preferring the device, preferring host memory);
 # - moves: the training loop at 1.5, during which the other process exits (the spills move back).
 # Run from the repository root with .device/ prepared (scripts/gpu-prepare.sh). Report in
 # $OUT/elastic.txt.
@@ -88,11 +89,13 @@ part cupy && job "shared x1.5, no variable" "$(limit_of 1.5)" unset "" "$cupy" d
 part jax && job "shared x1.5, no variable" "$(limit_of 1.5)" unset "" "$jax" "$(gib_of "$(jax_share 1.5)" 0)" "$steps"
 if part cold; then
   job "cold shared" "$(limit_of 2.1)" true "" "$cupy" device "$(gib_of 0.8 0)" "$(gib_of 1.2 0)" "$steps"
-  LIBRARY=none job "cold shared, naive unified memory" none unset "" "$cupy" managed "$(gib_of 0.8 0)" "$(gib_of 1.2 0)" "$steps"
+  for mode in managed managed-device; do
+    LIBRARY=none job "cold shared, unified memory ($mode)" none unset "" "$cupy" "$mode" "$(gib_of 0.8 0)" "$(gib_of 1.2 0)" "$steps"
+  done
 fi
 if part hot; then
   job "hot shared" "$(limit_of 1.6)" true "" "$cupy" device "$(gib_of 1.5 0)" 0 "$steps"
-  for mode in managed managed-accessed-by managed-host; do
+  for mode in managed managed-accessed-by managed-device managed-host; do
     LIBRARY=none job "hot shared, unified memory ($mode)" none unset "" "$cupy" "$mode" "$(gib_of 1.5 0)" 0 "$steps"
   done
 fi

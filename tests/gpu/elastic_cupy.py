@@ -8,6 +8,8 @@ MODE says where the arrays live:
 - device: CuPy's default allocator (cudaMalloc), the path that libvgpu.so's elastic memory serves;
 - managed: unified memory with no advice (naive oversubscription: pages migrate on demand);
 - managed-accessed-by: unified memory that the GPU maps wherever it is (no preferred location);
+- managed-device: unified memory that prefers the device and that the GPU maps wherever it is
+  (pages the device has no room for stay in host memory, read in place);
 - managed-host: unified memory that prefers host memory and that the GPU reads in place, as the
   library's spills are advised.
 
@@ -18,7 +20,7 @@ import time
 
 import cupy
 
-MODES = ("device", "managed", "managed-accessed-by", "managed-host")
+MODES = ("device", "managed", "managed-accessed-by", "managed-device", "managed-host")
 mode, hot_gib, cold_gib, steps = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
 if mode not in MODES:
     sys.exit(f"elastic_cupy.py: MODE {mode}: expected one of {', '.join(MODES)}")
@@ -44,7 +46,9 @@ def managed(size):
     memory = cupy.cuda.memory.malloc_managed(size)
     if mode == "managed-host":
         advise(memory.ptr, size, ADVISE_PREFERRED_LOCATION, Location(LOCATION_HOST, 0))
-    if mode in ("managed-host", "managed-accessed-by"):
+    if mode == "managed-device":
+        advise(memory.ptr, size, ADVISE_PREFERRED_LOCATION, Location(LOCATION_DEVICE, 0))
+    if mode != "managed":
         advise(memory.ptr, size, ADVISE_ACCESSED_BY, Location(LOCATION_DEVICE, 0))
     return memory
 
