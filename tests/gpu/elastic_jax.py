@@ -2,7 +2,8 @@
 arrays, each step multiplying every array in place (a jitted function that donates its input).
 JAX runs with its defaults (it preallocates a share of the memory the device reports). Prints one
 line per step with its time, then 'done' with the mean step time after the first; 'oom' and
-status 3 on an out-of-memory error. Usage: elastic_jax.py GIB STEPS"""
+status 3 on an out-of-memory error, status 4 when JAX did not start on the GPU. Usage:
+elastic_jax.py GIB STEPS"""
 import functools
 import sys
 import time
@@ -19,6 +20,10 @@ def scale(array):
     return array * 1.0001
 
 
+# JAX falls back to the CPU when the GPU backend cannot start: that is a failure here, not a run.
+if jax.default_backend() != "gpu":
+    print(f"not on the GPU: JAX's backend is {jax.default_backend()}", flush=True)
+    sys.exit(4)
 try:
     start = time.time()
     arrays, left = [], int(gib * CHUNK)
