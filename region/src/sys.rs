@@ -140,16 +140,19 @@ pub(crate) fn ofd_lock_held_elsewhere(fd: RawFd, offset: u64) -> io::Result<bool
     Ok(range.l_type != libc::F_UNLCK as libc::c_short)
 }
 
-/// Sleeps while `word` holds `expected`, at most `timeout`, until a [`futex_wake`] on it (any
-/// process mapping the same file). Returns early on any change, signal or error: callers loop.
+/// Sleeps while `word` holds `expected`, at most `timeout`, until a [`futex_wake`] on it: from
+/// any process mapping the same file for a word of the region, from this process for a word of
+/// its own memory (the thread gate's waiters). Returns early on any change, signal or error:
+/// callers loop.
 pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     let timeout = libc::timespec {
         tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
         tv_nsec: libc::c_long::from(timeout.subsec_nanos()),
     };
-    // SAFETY: FUTEX_WAIT (shared, keyed by the mapped file page) only reads the aligned word, which
-    // lives in the mapping for the duration of the call; the timeout outlives the call. The kernel
-    // compares the word and sleeps; no value makes it do anything else.
+    // SAFETY: FUTEX_WAIT (shared: keyed by the mapped file page, or by this process's page) only
+    // reads the aligned word, which the reference keeps alive for the duration of the call; the
+    // timeout outlives the call. The kernel compares the word and sleeps; no value makes it do
+    // anything else.
     unsafe {
         libc::syscall(
             libc::SYS_futex,
@@ -163,8 +166,8 @@ pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     };
 }
 
-/// Wakes up to `count` processes sleeping in [`futex_wait`] on `word` (the longest sleeping
-/// first); returns how many it woke.
+/// Wakes up to `count` sleepers in [`futex_wait`] on `word` (the longest sleeping first); returns
+/// how many it woke.
 pub(crate) fn futex_wake(word: &AtomicU32, count: i32) -> usize {
     // SAFETY: FUTEX_WAKE only uses the word's address as a key; nothing is read or written.
     let woken = unsafe {
