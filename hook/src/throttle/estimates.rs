@@ -31,12 +31,15 @@ pub const KEY_RESAMPLE_NS: u64 = 50_000_000;
 /// A key whose measurements deviate from its estimate by this share (in percent) on average or
 /// less is sampled every [`KEY_RESAMPLE_NS`].
 pub const STEADY_DEVIATION_PERCENT: u64 = 10;
-/// Samples over which the deviation and mean that set a key's sampling rate mostly follow a
-/// change: slow, because a rate that follows the latest measurements makes the launches charged at a
-/// high estimate fewer than those charged at a low one, or the reverse (docs/compute-limit.md).
+/// Samples over which a slow running figure mostly follows a change: the deviation and mean that
+/// set a key's sampling rate (slow, because a rate that follows the latest measurements makes the
+/// launches charged at a high estimate fewer than those charged at a low one, or the reverse:
+/// docs/compute-limit.md), and a key's recent high returning to its estimate when no long
+/// measurement recurs.
 pub const SLOW_SMOOTHING: u64 = 64;
-/// Samples over which the launch rate that sets a key's sampling stride mostly follows a change.
-pub const RATE_SMOOTHING: u64 = 16;
+/// Samples over which a quick running figure mostly follows a change: a key's launch rate (which
+/// sets its sampling stride) and a device's overlap of streams ([`super::overlap`]).
+pub const QUICK_SMOOTHING: u64 = 16;
 /// How many times as often a key whose time varies most is sampled.
 pub const VARYING_SAMPLE_BOOST: u64 = 16;
 /// What a measurement counts for at most: the most debt the bucket holds. The event pair's time
@@ -58,9 +61,6 @@ pub const GLOBAL_SAMPLE_INTERVAL_NS: u64 = 1_000_000;
 pub const HIGH_BOUND: u64 = 2;
 /// A key's recent high is at most this many times its estimate.
 pub const HIGH_CEILING: u64 = 16;
-/// Samples over which a key's recent high mostly returns to its estimate when no long measurement
-/// recurs (a share of 1/HIGH_DECAY of the gap per sample).
-pub const HIGH_DECAY: u64 = 64;
 /// The charge of a key never measured, before any measurement at all: high, so that a burst of
 /// new work cannot run ahead of the first measurements (an over-charge is refunded within
 /// milliseconds; an under-charge becomes debt).
@@ -134,7 +134,7 @@ impl Entry {
             .max(self.estimate)
             .min(self.estimate.saturating_mul(HIGH_CEILING));
         let counted = measured_ns.min(high.saturating_mul(HIGH_BOUND));
-        self.high = counted.max(high - (high - self.estimate) / HIGH_DECAY);
+        self.high = counted.max(high - (high - self.estimate) / SLOW_SMOOTHING);
         counted
     }
 }
@@ -247,7 +247,7 @@ impl Estimates {
         if sample {
             // About KEY_RESAMPLE_NS worth of launches at the key's rate (at least
             // MIN_SAMPLE_STRIDE), spread uniformly over half to one and a half times that. The
-            // rate is smoothed over RATE_SMOOTHING samples: a limited key runs faster while its
+            // rate is smoothed over QUICK_SMOOTHING samples: a limited key runs faster while its
             // estimate is low, and a stride following the latest rate gave the launches charged
             // at a low estimate the longer batches (an under-charge of a key whose time varies:
             // results/2026-12-02-fake-varying-key-spread.txt). The stride at most doubles from one sample to the next: the young samples
@@ -256,7 +256,7 @@ impl Estimates {
             let elapsed = now.saturating_sub(entry.last_sample_ns).max(1);
             if entry.issued > 0 {
                 let gap = elapsed / u64::from(entry.since_sample.max(1));
-                let weight = u64::from(entry.issued).min(RATE_SMOOTHING);
+                let weight = u64::from(entry.issued).min(QUICK_SMOOTHING);
                 // A key that slowed down by half or more is followed at once: sampled too rarely,
                 // its estimate would lag; sampled too often, it only costs event records.
                 entry.launch_gap_ns = if entry.launch_gap_ns == 0 || gap / 2 >= entry.launch_gap_ns {

@@ -19,6 +19,7 @@
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
+use super::estimates::QUICK_SMOOTHING;
 use crate::sys::cuda::CUstream;
 
 /// Streams of a device remembered as recently active.
@@ -32,8 +33,6 @@ pub const WINDOW_NS: u64 = 2_000_000;
 pub const WINDOW_SPACING_NS: u64 = 10_000_000;
 /// The most launches a window brackets.
 pub const MAX_MEMBERS: usize = 16;
-/// Samples over which the factor mostly follows a change of the job's overlap.
-pub const SMOOTHING: f64 = 16.0;
 /// The lowest factor: at most this many streams' kernels are taken to share the GPU at once.
 pub const MIN_FACTOR: f64 = 1.0 / 16.0;
 
@@ -180,7 +179,7 @@ impl Window {
         // The plain mean of the first samples, then decaying: a job's first second is charged
         // from its first samples, and a steady job is not moved much by one sample.
         self.samples = self.samples.saturating_add(1);
-        let keep = 1.0 - 1.0 / SMOOTHING.min(f64::from(self.samples));
+        let keep = 1.0 - 1.0 / (QUICK_SMOOTHING as f64).min(f64::from(self.samples));
         self.union = self.union * keep + union.min(sum) as f64;
         self.sum = self.sum * keep + sum as f64;
     }
@@ -255,7 +254,7 @@ mod tests {
         assert!((window.factor() - 0.25).abs() < 1e-9);
         // Back to one stream: samples with no other stream take the factor back to 1 within a few
         // times the smoothing.
-        for _ in 0..(4 * SMOOTHING as usize) {
+        for _ in 0..(4 * QUICK_SMOOTHING) {
             window.add(1000, 1000);
         }
         assert!(window.factor() > 0.95, "{}", window.factor());

@@ -52,8 +52,6 @@ pub const MAX_PENDING: usize = 64;
 /// A window's leader waits this long at most for its probes and members to complete; then those
 /// not complete count as covering the rest of its bracket.
 pub const WINDOW_TIMEOUT_NS: u64 = 200_000_000;
-/// Events a context's pool may create (two per sample in flight).
-const MAX_EVENTS_PER_POOL: usize = 2 * MAX_PENDING;
 /// Contexts with pools; the least recently used pool is forgotten beyond.
 const MAX_POOLS: usize = 16;
 /// A hold on a stream is released by the background thread after this long at the latest.
@@ -227,7 +225,8 @@ impl Pool {
     fn take_event(&mut self) -> Option<usize> {
         match self.free.pop() {
             Some(event) => Some(event),
-            None if self.created < MAX_EVENTS_PER_POOL => {
+            // Two events per sample in flight.
+            None if self.created < 2 * MAX_PENDING => {
                 let event = create_event()?;
                 self.created += 1;
                 Some(event)
