@@ -1,22 +1,26 @@
 //! Elastic memory (`CUDA_OVERSUBSCRIBE=true`): an allocation that the container's limit allows but
 //! the device cannot back (the driver answers out of memory: other containers hold the rest) is
-//! served from unified memory that lives in host memory and that the device reaches in place,
-//! instead of failing the job.
+//! served from unified memory, its part the device has no room for in host memory that the device
+//! reaches in place, instead of failing the job.
 //!
 //! - **Device memory first.** Only an allocation the driver refused for lack of memory spills; the
 //!   charge against the limit was made before the driver was asked, so a spilled allocation is
 //!   charged like any other, and nothing spills past the limit.
-//! - **Host-resident, device-mapped.** The memory prefers the host and the device is given access
-//!   to it (`SET_PREFERRED_LOCATION` host, `SET_ACCESSED_BY` the device): kernels read it over
-//!   the bus instead of migrating pages back and forth, which is what makes naive unified memory
-//!   crawl once a pass touches more than the device has free.
-//! - **Seen.** The bytes are recorded as host-backed in the process's slot (the region's
+//! - **Split where the device ends.** The spill's head, as much as the device still has room for
+//!   (beyond the headroom, in whole large pages), is placed on the device (preferred location the
+//!   device, prefetched); only its tail lives in host memory. One large allocation (JAX's and
+//!   TensorFlow's arenas, a KV cache) is thus mostly device memory when it is a little too big.
+//! - **Host-resident, device-mapped.** The tail prefers the host and the device is given access
+//!   to all of it (`SET_PREFERRED_LOCATION` host, `SET_ACCESSED_BY` the device): kernels read it
+//!   over the bus instead of migrating pages back and forth, which is what makes naive unified
+//!   memory crawl once a pass touches more than the device has free.
+//! - **Seen.** The tail's bytes are recorded as host-backed in the process's slot (the region's
 //!   `host_backed` table), which the monitor shows.
-//! - **Moves back.** When the device has room again, a spilled allocation is moved onto it
-//!   (preferred location the device, prefetched on a stream of the library's own) and is device
-//!   memory from then on; the oldest spill goes first (allocated first, it is likely the longest
-//!   lived: weights and optimiser state rather than scratch). Looked for at the memory calls and
-//!   from the library's tick ([`tick`]).
+//! - **Moves back.** When the device has room again, the tails move onto it (preferred location the
+//!   device, prefetched on a stream of the library's own), as much of each as there is room for,
+//!   and are device memory from then on; the oldest spill goes first (allocated first, it is
+//!   likely the longest lived: weights and optimiser state rather than scratch). Looked for at the
+//!   memory calls and from the library's tick ([`tick`]).
 //! - **Stream-ordered frees.** `cuMemFreeAsync` of a spilled pointer is not the pool's to free:
 //!   an event is recorded on the stream and the memory freed once the stream has passed it.
 //!
@@ -37,9 +41,13 @@ use crate::hooks::real;
 use crate::session;
 use crate::sys::cuda::*;
 
-/// Free device memory a move back leaves beside what it moves: the driver, other processes and
-/// the application's next allocations need room too.
-const HEADROOM_PER_MILLE: u64 = 50;
+/// Free device memory a spill's head or a move back leaves: the driver, the application's next
+/// small allocations (library workspaces) and other processes need room too. At most a sixteenth
+/// of a device (a small one).
+const HEADROOM_BYTES: u64 = 1 << 30;
+
+/// The unit a spill is split and moved in: the driver's large page of unified memory.
+const LARGE_PAGE: u64 = 2 << 20;
 
 /// How often the device's free memory is looked at for a move back, at most.
 const MOVE_BACK_PERIOD_NS: u64 = 500_000_000;
@@ -50,8 +58,8 @@ struct Spill {
     bytes: u64,
     ordinal: CUdevice,
     region_index: usize,
-    /// Still in host memory (false once moved back to the device).
-    on_host: bool,
+    /// The bytes at the end of the allocation that are in host memory (the rest is on the device).
+    host_bytes: u64,
 }
 
 /// A stream-ordered free of a spilled pointer, waiting for its stream.
@@ -100,8 +108,9 @@ pub fn enabled() -> bool {
 }
 
 /// After the driver answered `status` to an allocation of `bytes` on `ordinal` that the limit
-/// allowed: when that is out of memory and elastic memory is on, unified memory in host memory,
-/// mapped for the device, recorded as spilled. `None` leaves the driver's answer.
+/// allowed: when that is out of memory and elastic memory is on, unified memory, as much of it on
+/// the device as has room and the rest in host memory mapped for the device, recorded as spilled.
+/// `None` leaves the driver's answer.
 pub(super) fn serve(accounting: Accounting, status: CUresult, ordinal: CUdevice, bytes: u64) -> Option<u64> {
     if status != CUDA_ERROR_OUT_OF_MEMORY || bytes == 0 || !enabled() {
         return None;
@@ -118,8 +127,17 @@ pub(super) fn serve(accounting: Accounting, status: CUresult, ordinal: CUdevice,
         );
         return None;
     }
-    advise(pointer, bytes, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, host());
     advise(pointer, bytes, CU_MEM_ADVISE_SET_ACCESSED_BY, on_device(ordinal));
+    // The driver's free memory is the current context's device's (a pool's allocation may be
+    // another device's: then all of it stays in host memory).
+    let room = (session::current_ordinal() == Some(ordinal))
+        .then(device_room)
+        .flatten();
+    let head = room.map_or(0, |room| onto_device(pointer, bytes, room, ordinal));
+    let host_bytes = bytes - head;
+    if host_bytes > 0 {
+        advise(pointer + head, host_bytes, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, host());
+    }
     let spills = accounting.spills();
     spills.live.lock().insert(
         pointer,
@@ -127,20 +145,21 @@ pub(super) fn serve(accounting: Accounting, status: CUresult, ordinal: CUdevice,
             bytes,
             ordinal,
             region_index: device.region_index,
-            on_host: true,
+            host_bytes,
         },
     );
     spills.any.store(true, Ordering::Release);
     spills.context.store(current_context(), Ordering::Relaxed);
-    record_host_backed(accounting, device.region_index, bytes, true);
+    record_host_backed(accounting, device.region_index, host_bytes, true);
     static SAID: AtomicBool = AtomicBool::new(false);
     if !SAID.swap(true, Ordering::Relaxed) {
         tracing::warn!(
-            "device {ordinal} has no room for {bytes} bytes within the container's limit: served from host memory \
-             the GPU reads in place (CUDA_OVERSUBSCRIBE), slower; `vgpu-smi` shows the host-backed bytes"
+            "device {ordinal} has no room for {bytes} bytes within the container's limit: {host_bytes} of them served \
+             from host memory the GPU reads in place (CUDA_OVERSUBSCRIBE), slower; `vgpu-smi` shows the host-backed \
+             bytes"
         );
     } else {
-        tracing::debug!("device {ordinal}: {bytes} bytes served from host memory");
+        tracing::debug!("device {ordinal}: {host_bytes} of {bytes} bytes served from host memory");
     }
     Some(pointer)
 }
@@ -178,8 +197,8 @@ fn forget_spill(accounting: Accounting, pointer: u64) {
     let Some(spill) = spills.live.lock().remove(&pointer) else {
         return;
     };
-    if spill.on_host {
-        record_host_backed(accounting, spill.region_index, spill.bytes, false);
+    if spill.host_bytes > 0 {
+        record_host_backed(accounting, spill.region_index, spill.host_bytes, false);
     }
     spills.note_any();
 }
@@ -299,8 +318,8 @@ fn free_now(accounting: Accounting, pointer: u64) -> CUresult {
     status
 }
 
-/// Moves the oldest spills of the current device that fit back onto it (the driver's free memory
-/// is the current context's device's).
+/// Moves the tails of the current device's spills back onto it, oldest first, as much of each as
+/// the device has room for (the driver's free memory is the current context's device's).
 fn move_back(accounting: Accounting) {
     let Some(current) = session::current_ordinal() else {
         return;
@@ -310,41 +329,52 @@ fn move_back(accounting: Accounting) {
         .live
         .lock()
         .iter()
-        .filter(|(_, spill)| spill.on_host && spill.ordinal == current)
+        .filter(|(_, spill)| spill.host_bytes > 0 && spill.ordinal == current)
         .map(|(pointer, spill)| (*pointer, *spill))
         .collect();
-    let mut free_now_by_device: BTreeMap<CUdevice, u64> = BTreeMap::new();
+    if on_host.is_empty() {
+        return;
+    }
+    let Some(mut room) = device_room() else {
+        return;
+    };
     for (pointer, spill) in on_host {
-        let free = match free_now_by_device.get(&spill.ordinal) {
-            Some(free) => *free,
-            None => {
-                let Some(free) = device_room() else {
-                    continue;
-                };
-                free
-            }
-        };
-        if free < spill.bytes {
-            free_now_by_device.insert(spill.ordinal, free);
+        let tail = pointer + (spill.bytes - spill.host_bytes);
+        let moved = onto_device(tail, spill.host_bytes, room, spill.ordinal);
+        if moved == 0 {
             continue;
         }
-        let device = on_device(spill.ordinal);
-        advise(pointer, spill.bytes, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, device);
-        if !prefetch(pointer, spill.bytes, device) {
-            advise(pointer, spill.bytes, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, host());
-            free_now_by_device.insert(spill.ordinal, free);
-            continue;
-        }
-        free_now_by_device.insert(spill.ordinal, free - spill.bytes);
+        room -= moved;
         if let Some(live) = spills.live.lock().get_mut(&pointer) {
-            live.on_host = false;
+            live.host_bytes -= moved;
         }
-        record_host_backed(accounting, spill.region_index, spill.bytes, false);
+        record_host_backed(accounting, spill.region_index, moved, false);
         tracing::info!(
-            "device {}: {} bytes moved back from host memory to the device",
-            spill.ordinal,
-            spill.bytes
+            "device {}: {moved} bytes moved back from host memory to the device",
+            spill.ordinal
         );
+    }
+}
+
+/// Places the start of the managed range `[pointer, pointer + bytes)` on device `ordinal`: all
+/// of it when `room` holds it, else as many whole large pages as `room` holds. Returns the bytes
+/// placed (0 when the driver would not prefetch them: they stay where they were).
+fn onto_device(pointer: u64, bytes: u64, room: u64, ordinal: CUdevice) -> u64 {
+    let placed = if bytes <= room {
+        bytes
+    } else {
+        room / LARGE_PAGE * LARGE_PAGE
+    };
+    if placed == 0 {
+        return 0;
+    }
+    let device = on_device(ordinal);
+    advise(pointer, placed, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, device);
+    if prefetch(pointer, placed, device) {
+        placed
+    } else {
+        advise(pointer, placed, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, host());
+        0
     }
 }
 
@@ -356,7 +386,7 @@ fn device_room() -> Option<u64> {
     if unsafe { get_info(&mut free, &mut total) } != CUDA_SUCCESS {
         return None;
     }
-    let headroom = (total as u64) / 1000 * HEADROOM_PER_MILLE;
+    let headroom = HEADROOM_BYTES.min(total as u64 / 16);
     Some((free as u64).saturating_sub(headroom))
 }
 

@@ -1,14 +1,16 @@
-//! Unified (managed) memory: where each managed allocation lives, and the calls that move it.
+//! Unified (managed) memory: where each page of a managed allocation lives, and the calls that
+//! move it.
 //!
 //! A managed allocation lives on its device when the device has room for it at allocation time
 //! (charged to the truth's `used`, as device memory is), and in host memory otherwise (charged to
 //! the process's host-resident bytes instead): the real driver oversubscribes a device with
-//! managed memory instead of failing. Residence is per allocation, not per page:
-//! - `cuMemAdvise_v2` `SET_PREFERRED_LOCATION` to the host moves a device-resident allocation to
-//!   the host; other advice is checked and recorded nowhere.
-//! - `cuMemPrefetchAsync_v2` to a device moves a host-resident allocation there when the device
-//!   has room for all of it (the real driver would evict other pages; the fake leaves it on the
-//!   host and still succeeds); to the host, it moves it there.
+//! managed memory instead of failing. Residence is per page of [`PAGE`] bytes (the driver's large
+//! page); a call on a range moves every page the range touches:
+//! - `cuMemAdvise_v2` `SET_PREFERRED_LOCATION` to the host moves the range's device-resident
+//!   pages to the host; other advice is checked and recorded nowhere.
+//! - `cuMemPrefetchAsync_v2` to a device moves the range's host-resident pages there while the
+//!   device has room (the real driver would evict other pages; the fake leaves the rest on the
+//!   host and still succeeds); to the host, it moves them there.
 
 use std::ffi::c_uint;
 
@@ -17,11 +19,33 @@ use crate::ffi::{CuResult, cu, put};
 use crate::memory::Alloc;
 use crate::state::{Current, State, initialised};
 
-/// Where a managed allocation's bytes are.
+/// The unit managed memory moves in.
+pub const PAGE: u64 = 2 << 20;
+
+/// Where a managed page's bytes are.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Residence {
     Device,
     Host,
+}
+
+/// Where each page of one managed allocation lives.
+#[derive(Clone, Debug)]
+pub struct Pages(Vec<Residence>);
+
+impl Pages {
+    fn host_bytes(&self, size: u64) -> u64 {
+        (0..self.0.len())
+            .filter(|page| self.0[*page] == Residence::Host)
+            .map(|page| page_bytes(size, page))
+            .sum()
+    }
+}
+
+/// The bytes of page `page` of an allocation of `size` bytes (the last one may be short).
+fn page_bytes(size: u64, page: usize) -> u64 {
+    let start = page as u64 * PAGE;
+    size.saturating_sub(start).min(PAGE)
 }
 
 impl State {
@@ -42,50 +66,68 @@ impl State {
         if residence == Residence::Host {
             self.record_host(size, true);
         }
-        self.managed.insert(ptr, residence);
+        self.managed
+            .insert(ptr, Pages(vec![residence; size.div_ceil(PAGE) as usize]));
         Ok(ptr)
     }
 
-    /// The managed allocation `[ptr, ptr + count)` lies in: (base, size, device, residence).
-    fn managed_range(&self, ptr: u64, count: u64) -> CuResult<(u64, u64, usize, Residence)> {
+    /// The managed allocation `[ptr, ptr + count)` lies in, and the pages the range touches:
+    /// (base, pages).
+    fn managed_range(&self, ptr: u64, count: u64) -> CuResult<(u64, std::ops::Range<usize>)> {
         let (base, alloc) = self.find(ptr).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        let residence = *self.managed.get(&base).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if !self.managed.contains_key(&base) {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
         let end = ptr.checked_add(count).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         if count == 0 || end > base + alloc.size {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        Ok((base, alloc.size, alloc.phys, residence))
+        let first = ((ptr - base) / PAGE) as usize;
+        let last = (end - base).div_ceil(PAGE) as usize;
+        Ok((base, first..last))
     }
 
-    /// Moves the managed allocation at `base` to `to`; stays where it is when a device lacks room.
-    fn move_managed(&mut self, base: u64, to: Residence) {
+    /// Moves the pages `pages` of the managed allocation at `base` to `to`, in order; a page stays
+    /// where it is when its device lacks room.
+    fn move_managed(&mut self, base: u64, pages: std::ops::Range<usize>, to: Residence) {
         let Some((size, phys)) = self.allocs.get(&base).map(|alloc| (alloc.size, alloc.phys)) else {
             return;
         };
-        match (self.managed.get(&base).copied(), to) {
-            (Some(Residence::Device), Residence::Host) => {
-                self.uncharge(phys, size);
-                self.record_host(size, true);
-            }
-            (Some(Residence::Host), Residence::Device) => {
-                if self.charge(phys, size).is_err() {
-                    return;
+        for page in pages {
+            let bytes = page_bytes(size, page);
+            match (self.managed.get(&base).and_then(|pages| pages.0.get(page)).copied(), to) {
+                (Some(Residence::Device), Residence::Host) => {
+                    self.uncharge(phys, bytes);
+                    self.record_host(bytes, true);
                 }
-                self.record_host(size, false);
+                (Some(Residence::Host), Residence::Device) => {
+                    if self.charge(phys, bytes).is_err() {
+                        continue;
+                    }
+                    self.record_host(bytes, false);
+                }
+                _ => continue,
             }
-            _ => return,
+            if let Some(residence) = self.managed.get_mut(&base).and_then(|pages| pages.0.get_mut(page)) {
+                *residence = to;
+            }
+            if let Some(alloc) = self.allocs.get_mut(&base) {
+                alloc.charge = match to {
+                    Residence::Device => alloc.charge.saturating_add(bytes),
+                    Residence::Host => alloc.charge.saturating_sub(bytes),
+                };
+            }
         }
-        if let Some(alloc) = self.allocs.get_mut(&base) {
-            alloc.charge = if to == Residence::Device { size } else { 0 };
-        }
-        self.managed.insert(base, to);
     }
 
     /// Forgets a freed managed allocation, giving back its host bytes (its device bytes went with
     /// the allocation's charge).
     pub fn forget_managed(&mut self, base: u64, size: u64) {
-        if self.managed.remove(&base) == Some(Residence::Host) {
-            self.record_host(size, false);
+        if let Some(pages) = self.managed.remove(&base) {
+            let host = pages.host_bytes(size);
+            if host > 0 {
+                self.record_host(host, false);
+            }
         }
     }
 
@@ -130,13 +172,12 @@ pub unsafe extern "C" fn cuMemAdvise_v2(
 ) -> CUresult {
     cu(|| {
         let mut state = initialised()?;
-        let (base, size, _, _) = state.managed_range(devPtr, count as u64)?;
+        let (base, pages) = state.managed_range(devPtr, count as u64)?;
         let residence = residence_of(&state, &location)?;
         match advice {
             CU_MEM_ADVISE_SET_PREFERRED_LOCATION => {
-                // The whole allocation is one unit here: advice on part of it moves none of it.
-                if residence == Residence::Host && devPtr == base && count as u64 == size {
-                    state.move_managed(base, Residence::Host);
+                if residence == Residence::Host {
+                    state.move_managed(base, pages, Residence::Host);
                 }
                 Ok(())
             }
@@ -164,11 +205,9 @@ pub unsafe extern "C" fn cuMemPrefetchAsync_v2(
         }
         let mut state = initialised()?;
         state.stream_target(hStream)?;
-        let (base, size, _, _) = state.managed_range(devPtr, count as u64)?;
+        let (base, pages) = state.managed_range(devPtr, count as u64)?;
         let to = residence_of(&state, &location)?;
-        if devPtr == base && count as u64 == size {
-            state.move_managed(base, to);
-        }
+        state.move_managed(base, pages, to);
         Ok(())
     })
 }

@@ -95,8 +95,8 @@ pub struct State {
     pub contexts: HashMap<usize, Context>,
     pub primary: Vec<Primary>,
     pub allocs: BTreeMap<u64, Alloc>,
-    /// Where each managed allocation (by base address) lives.
-    pub managed: HashMap<u64, crate::managed::Residence>,
+    /// Where the pages of each managed allocation (by base address) live.
+    pub managed: HashMap<u64, crate::managed::Pages>,
     pub va: Vec<VaSpace>,
     pub reserved_va: VaSpace,
     pub pools: HashMap<usize, Pool>,

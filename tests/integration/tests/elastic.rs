@@ -6,8 +6,9 @@
 //! when it has room again; without the variable the device's refusal stands, and over the limit
 //! nothing spills.
 //!
-//! The fake keeps managed memory on the device when it fits and in host memory otherwise, and
-//! counts each process's host-resident bytes in its truth (`tests/fake-driver/src/managed.rs`).
+//! The fake keeps managed memory on the device when it fits and in host memory otherwise, moves it
+//! in pages of 2 MiB, and counts each process's host-resident bytes in its truth
+//! (`tests/fake-driver/src/managed.rs`).
 
 use std::process::Output;
 use std::time::Duration;
@@ -42,12 +43,27 @@ fn setup(run: Run, dir: &ScratchDir) -> Run {
 
 /// A process without the library holding all of device 0 but [`LEFT_FREE`] (with its context).
 fn other_container(dir: &ScratchDir) -> Session {
+    other_container_holding(dir, &[]).0
+}
+
+/// [`other_container`], whose hold is `parts` allocations of these sizes and one of the rest:
+/// the process and the parts' pointers.
+fn other_container_holding(dir: &ScratchDir, parts: &[u64]) -> (Session, Vec<u64>) {
     let mut other = setup(Run::new(&compiled_program("mem_ops")), dir).spawn(Duration::from_secs(60));
     assert_eq!(other.ask("init"), "init 0");
     assert_eq!(other.ask("ctx 0"), "ctx 0");
     let held = DEVICE - LEFT_FREE - CONTEXT;
-    assert_eq!(status(&other.ask(&format!("alloc {held}"))), CUDA_SUCCESS);
-    other
+    let rest = held - parts.iter().sum::<u64>();
+    assert_eq!(status(&other.ask(&format!("alloc {rest}"))), CUDA_SUCCESS);
+    let pointers = parts
+        .iter()
+        .map(|part| {
+            let answer = other.ask(&format!("alloc {part}"));
+            assert_eq!(status(&answer), CUDA_SUCCESS, "{answer}");
+            pointer(&answer)
+        })
+        .collect();
+    (other, pointers)
 }
 
 /// A process of the container, limited to [`LIMIT`], with `CUDA_OVERSUBSCRIBE` as given.
@@ -142,6 +158,51 @@ fn within_the_limit_the_device_cannot_back_an_allocation_host_memory_does() {
         table.contains("GPU 0: 200 MiB of the used memory is in host memory"),
         "{table}"
     );
+}
+
+/// One allocation larger than the device's room (JAX's arena, a KV cache): its head, as much as the
+/// device holds beyond the headroom (a sixteenth of the fake's 1 GiB), stays on the device; only its
+/// tail is host memory, and the tail moves back as the device frees, part by part.
+#[test]
+fn an_allocation_larger_than_the_devices_room_spills_only_its_tail() {
+    const BIG: u64 = 300 * MIB;
+    const HEADROOM: u64 = DEVICE / 16;
+    const FREED_FIRST: u64 = 100 * MIB;
+    let dir = ScratchDir::new("elastic-split");
+    let truth = dir.truth();
+    let (mut other, parts) = other_container_holding(&dir, &[FREED_FIRST]);
+    let mut process = container(&dir, Some("true"));
+    let used_before = truth.device(0).used();
+    let head = LEFT_FREE - CONTEXT - HEADROOM;
+    let answer = process.ask(&format!("alloc {BIG}"));
+    assert_eq!(status(&answer), CUDA_SUCCESS, "{answer}");
+    assert_eq!(
+        held(&dir, process.pid()),
+        (BIG, BIG - head),
+        "(data, host-backed): the whole allocation went to host memory"
+    );
+    assert_eq!(truth.host_resident(), BIG - head, "host memory the fake holds");
+    assert_eq!(truth.device(0).used(), used_before + head, "the head on the device");
+
+    // The other container frees part of its hold: as much of the tail moves back.
+    assert_eq!(status(&other.ask(&format!("free {}", parts[0]))), CUDA_SUCCESS);
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(status(&process.ask("alloc 1")), CUDA_SUCCESS);
+    assert_eq!(
+        held(&dir, process.pid()),
+        (BIG + 1, BIG - head - FREED_FIRST),
+        "host-backed after part of the device freed"
+    );
+    assert_eq!(truth.host_resident(), BIG - head - FREED_FIRST);
+    other.kill();
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(status(&process.ask("alloc 1")), CUDA_SUCCESS);
+    assert_eq!(
+        held(&dir, process.pid()),
+        (BIG + 2, 0),
+        "host-backed after the device freed"
+    );
+    assert_eq!(truth.host_resident(), 0);
 }
 
 #[test]
