@@ -8,9 +8,9 @@
 #   out-of-memory error expected);
 # - cupy, jax: the same with tests/gpu/elastic_cupy.py (1 GiB arrays, each step reads and writes
 #   all of them) and tests/gpu/elastic_jax.py (JAX with its defaults, sized to 70% of the limit);
-# - cold: a CuPy job that allocates 2x FREE_GIB, cold arrays first, and touches 0.8x FREE_GIB a
-#   step, under the library and as unified memory (no library): no advice, and preferring the
-#   device while mapped wherever it is;
+# - cold: a CuPy job that allocates 2x FREE_GIB and touches 0.8x FREE_GIB a step, under the
+#   library with the cold arrays allocated first and with the hot ones first, and as unified memory
+#   (no library, cold first): no advice, and preferring the device while mapped wherever it is;
 # - hot: a CuPy job that touches 1.5x FREE_GIB every step, under the library and as unified memory
 #   four ways (no advice, mapped where it is, preferring the device, preferring host memory);
 # - moves: the training loop at 1.5, during which the other process exits (the spills move back).
@@ -89,6 +89,7 @@ part cupy && job "shared x1.5, no variable" "$(limit_of 1.5)" unset "" "$cupy" d
 part jax && job "shared x1.5, no variable" "$(limit_of 1.5)" unset "" "$jax" "$(gib_of "$(jax_share 1.5)" 0)" "$steps"
 if part cold; then
   job "cold shared" "$(limit_of 2.1)" true "" "$cupy" device "$(gib_of 0.8 0)" "$(gib_of 1.2 0)" "$steps"
+  job "cold shared, hot first" "$(limit_of 2.1)" true "" "$cupy" device "$(gib_of 0.8 0)" "$(gib_of 1.2 0)" "$steps" hot-first
   for mode in managed managed-device; do
     LIBRARY=none job "cold shared, unified memory ($mode)" none unset "" "$cupy" "$mode" "$(gib_of 0.8 0)" "$(gib_of 1.2 0)" "$steps"
   done

@@ -1,5 +1,7 @@
 """A CuPy job for the elastic-memory measurement (tests/gpu/elastic.sh): allocates COLD_GIB GiB
-first (filled once, then never touched), then HOT_GIB GiB, in 1 GiB arrays; each step multiplies
+(filled once, then never touched) and HOT_GIB GiB, in 1 GiB arrays, the cold ones first unless
+ORDER is hot-first (a training job's weights and optimiser state, allocated first and touched
+every step, before buffers it rarely reads); each step multiplies
 every hot array in place (reads and writes each byte once). Prints one line per step with its
 time, then 'done' with the mean step time after the first; 'oom' and status 3 on CuPy's
 out-of-memory error.
@@ -13,7 +15,7 @@ MODE says where the arrays live:
 - managed-host: unified memory that prefers host memory and that the GPU reads in place, as the
   library's spills are advised.
 
-Usage: elastic_cupy.py MODE HOT_GIB COLD_GIB STEPS"""
+Usage: elastic_cupy.py MODE HOT_GIB COLD_GIB STEPS [ORDER: cold-first (default) or hot-first]"""
 import ctypes
 import sys
 import time
@@ -22,8 +24,11 @@ import cupy
 
 MODES = ("device", "managed", "managed-accessed-by", "managed-device", "managed-host")
 mode, hot_gib, cold_gib, steps = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+order = sys.argv[5] if len(sys.argv) > 5 else "cold-first"
 if mode not in MODES:
     sys.exit(f"elastic_cupy.py: MODE {mode}: expected one of {', '.join(MODES)}")
+if order not in ("cold-first", "hot-first"):
+    sys.exit(f"elastic_cupy.py: ORDER {order}: expected cold-first or hot-first")
 
 # cuMemAdvise_v2 takes the location by value: { CUmemLocationType type; int id; }.
 ADVISE_PREFERRED_LOCATION, ADVISE_ACCESSED_BY = 3, 5
@@ -73,10 +78,14 @@ def arrays(gib):
 
 try:
     start = time.time()
-    cold = arrays(cold_gib)
-    hot = arrays(hot_gib)
+    if order == "cold-first":
+        cold = arrays(cold_gib)
+        hot = arrays(hot_gib)
+    else:
+        hot = arrays(hot_gib)
+        cold = arrays(cold_gib)
     cupy.cuda.Device().synchronize()
-    print(f"allocated cold {cold_gib} GiB hot {hot_gib} GiB in {time.time() - start:.2f} s", flush=True)
+    print(f"allocated cold {cold_gib} GiB hot {hot_gib} GiB ({order}) in {time.time() - start:.2f} s", flush=True)
     times = []
     for step in range(steps):
         began = time.time()
