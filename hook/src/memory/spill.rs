@@ -16,8 +16,9 @@
 //!   memory crawl once a pass touches more than the device has free.
 //! - **Seen.** The tail's bytes are recorded as host-backed in the process's slot (the region's
 //!   `host_backed` table), which the monitor shows.
-//! - **Moves back.** When the device has room again, the tails move onto it (preferred location the
-//!   device, prefetched on a stream of the library's own), as much of each as there is room for,
+//! - **Moves back.** When a device has room again, the tails move onto it (preferred location the
+//!   device, prefetched on a stream of the library's own in the spill's context, made current for
+//!   the move), as much of each as there is room for,
 //!   and are device memory from then on; the oldest spill goes first (allocated first, it is
 //!   likely the longest lived: weights and optimiser state rather than scratch). Looked for at the
 //!   memory calls and from the library's tick ([`tick`]).
@@ -60,6 +61,8 @@ struct Spill {
     region_index: usize,
     /// The bytes at the end of the allocation that are in host memory (the rest is on the device).
     host_bytes: u64,
+    /// The context it was allocated in (current while its tail moves back).
+    context: u64,
 }
 
 /// A stream-ordered free of a spilled pointer, waiting for its stream.
@@ -139,6 +142,7 @@ pub(super) fn serve(accounting: Accounting, status: CUresult, ordinal: CUdevice,
         advise(pointer + head, host_bytes, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, host());
     }
     let spills = accounting.spills();
+    let context = current_context();
     spills.live.lock().insert(
         pointer,
         Spill {
@@ -146,10 +150,11 @@ pub(super) fn serve(accounting: Accounting, status: CUresult, ordinal: CUdevice,
             ordinal,
             region_index: device.region_index,
             host_bytes,
+            context,
         },
     );
     spills.any.store(true, Ordering::Release);
-    spills.context.store(current_context(), Ordering::Relaxed);
+    spills.context.store(context, Ordering::Relaxed);
     record_host_backed(accounting, device.region_index, host_bytes, true);
     static SAID: AtomicBool = AtomicBool::new(false);
     if !SAID.swap(true, Ordering::Relaxed) {
@@ -318,33 +323,40 @@ fn free_now(accounting: Accounting, pointer: u64) -> CUresult {
     status
 }
 
-/// Moves the tails of the current device's spills back onto it, oldest first, as much of each as
-/// the device has room for (the driver's free memory is the current context's device's).
+/// Moves the tails of the spills back onto their devices, oldest first, as much of each as its
+/// device has room for. The driver's free memory is the current context's device's: each spill's
+/// own context is made current while it moves (and the thread's own made current again after).
 fn move_back(accounting: Accounting) {
-    let Some(current) = session::current_ordinal() else {
-        return;
-    };
     let spills = accounting.spills();
     let on_host: Vec<(u64, Spill)> = spills
         .live
         .lock()
         .iter()
-        .filter(|(_, spill)| spill.host_bytes > 0 && spill.ordinal == current)
+        .filter(|(_, spill)| spill.host_bytes > 0)
         .map(|(pointer, spill)| (*pointer, *spill))
         .collect();
     if on_host.is_empty() {
         return;
     }
-    let Some(mut room) = device_room() else {
-        return;
-    };
+    let thread_context = current_context();
+    let mut room_by_device: BTreeMap<CUdevice, u64> = BTreeMap::new();
     for (pointer, spill) in on_host {
+        if !make_current(spill.context) {
+            continue;
+        }
+        let room = match room_by_device.get(&spill.ordinal) {
+            Some(room) => *room,
+            None => match device_room() {
+                Some(room) => room,
+                None => continue,
+            },
+        };
         let tail = pointer + (spill.bytes - spill.host_bytes);
         let moved = onto_device(tail, spill.host_bytes, room, spill.ordinal);
+        room_by_device.insert(spill.ordinal, room - moved);
         if moved == 0 {
             continue;
         }
-        room -= moved;
         if let Some(live) = spills.live.lock().get_mut(&pointer) {
             live.host_bytes -= moved;
         }
@@ -354,6 +366,19 @@ fn move_back(accounting: Accounting) {
             spill.ordinal
         );
     }
+    make_current(thread_context);
+}
+
+/// Makes `context` current on this thread, unless it is already.
+fn make_current(context: u64) -> bool {
+    if current_context() == context {
+        return true;
+    }
+    let Some(set_current) = real::cuCtxSetCurrent() else {
+        return false;
+    };
+    // SAFETY: a context of this process's as the driver handed it (or null: none current).
+    (unsafe { set_current(context as CUcontext) }) == CUDA_SUCCESS
 }
 
 /// Places the start of the managed range `[pointer, pointer + bytes)` on device `ordinal`: all
@@ -416,44 +441,46 @@ fn advise(pointer: u64, bytes: u64, advice: CUmem_advise, location: CUmemLocatio
     }
 }
 
-/// Prefetches a spilled range to `location` on the library's own stream and waits for it.
+/// Prefetches a spilled range to `location` on the library's own stream of the current context
+/// and waits for it.
 fn prefetch(pointer: u64, bytes: u64, location: CUmemLocation) -> bool {
     let (Some(prefetch), Some(synchronize)) = (real::cuMemPrefetchAsync_v2(), real::cuStreamSynchronize()) else {
         return false;
     };
-    let stream = own_stream();
-    // SAFETY: a managed range this library allocated, on a stream it made (or the legacy one).
+    let context = current_context();
+    let stream = own_stream(context);
+    // SAFETY: a managed range this library allocated, on a stream it made in the current context
+    // (or the legacy one).
     let status = unsafe { prefetch(pointer, bytes as usize, location, 0, stream) };
     // SAFETY: as above.
-    status == CUDA_SUCCESS && (unsafe { synchronize(stream) }) == CUDA_SUCCESS
+    let done = status == CUDA_SUCCESS && (unsafe { synchronize(stream) }) == CUDA_SUCCESS;
+    if !done {
+        // A context destroyed and its handle reused leaves a stale stream: the next move makes one.
+        OWN_STREAMS.lock().retain(|(of, _)| *of != context);
+    }
+    done
 }
 
-/// A non-blocking stream of the library's own for moves, made on first use (null: the legacy
-/// stream, when none can be made).
-fn own_stream() -> CUstream {
-    static STREAM: AtomicU64 = AtomicU64::new(0);
-    let known = STREAM.load(Ordering::Acquire);
-    if known != 0 {
-        return known as CUstream;
+/// The library's own non-blocking streams for moves, by context (a stream belongs to one).
+static OWN_STREAMS: Mutex<Vec<(u64, u64)>> = Mutex::new(Vec::new());
+
+/// The library's stream of `context` (the current one), made on first use; null (the legacy
+/// stream) when none can be made.
+fn own_stream(context: u64) -> CUstream {
+    let mut streams = OWN_STREAMS.lock();
+    if let Some((_, stream)) = streams.iter().find(|(of, _)| *of == context) {
+        return *stream as CUstream;
     }
     let Some(create) = real::cuStreamCreate() else {
         return std::ptr::null_mut();
     };
     let mut stream: CUstream = std::ptr::null_mut();
     // SAFETY: a valid out-pointer to a local.
-    if unsafe { create(&mut stream, CU_STREAM_NON_BLOCKING) } != CUDA_SUCCESS {
+    if unsafe { create(&mut stream, CU_STREAM_NON_BLOCKING) } != CUDA_SUCCESS || stream.is_null() {
         return std::ptr::null_mut();
     }
-    match STREAM.compare_exchange(0, stream as u64, Ordering::AcqRel, Ordering::Acquire) {
-        Ok(_) => stream,
-        Err(other) => {
-            if let Some(destroy) = real::cuStreamDestroy_v2() {
-                // SAFETY: the stream made just above, used by nobody.
-                let _ = unsafe { destroy(stream) };
-            }
-            other as CUstream
-        }
-    }
+    streams.push((context, stream as u64));
+    stream
 }
 
 /// An event recorded on `stream` (as a number, so the list can be shared between threads).

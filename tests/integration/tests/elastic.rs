@@ -205,6 +205,42 @@ fn an_allocation_larger_than_the_devices_room_spills_only_its_tail() {
     assert_eq!(truth.host_resident(), 0);
 }
 
+/// A process on two GPUs (JAX's way) whose spill is on the GPU it no longer has current: the spill
+/// still moves back when that GPU has room, at a memory call made on the other.
+#[test]
+fn a_spill_moves_back_while_another_gpu_is_current() {
+    let dir = ScratchDir::new("elastic-two-gpus");
+    let truth = dir.truth();
+    let two = |run: Run| setup(run, &dir).env("FAKE_CUDA_DEVICES", "2");
+    let mut other = two(Run::new(&compiled_program("mem_ops"))).spawn(Duration::from_secs(60));
+    assert_eq!(other.ask("init"), "init 0");
+    assert_eq!(other.ask("ctx 1"), "ctx 0");
+    assert_eq!(
+        status(&other.ask(&format!("alloc {}", DEVICE - LEFT_FREE - CONTEXT))),
+        CUDA_SUCCESS
+    );
+    let mut process = two(Run::new(&compiled_program("mem_ops")).hooked())
+        .env("CUDA_DEVICE_MEMORY_LIMIT", LIMIT)
+        .env("CUDA_OVERSUBSCRIBE", "true")
+        .spawn(Duration::from_secs(60));
+    assert_eq!(process.ask("init"), "init 0");
+    assert_eq!(process.ask("ctx 1"), "ctx 0");
+    let (spill_status, _) = fill_and_spill(&mut process);
+    assert_eq!(spill_status, CUDA_SUCCESS);
+    assert_eq!(truth.host_resident(), SPILLED);
+    assert_eq!(process.ask("ctx 0"), "ctx 0");
+    other.kill();
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(status(&process.ask("alloc 1")), CUDA_SUCCESS);
+    assert_eq!(truth.host_resident(), 0, "host memory after GPU 1 had room");
+    let host_backed = snapshot(&dir)
+        .processes
+        .iter()
+        .find(|p| p.pid == process.pid() as i32 && p.status == SLOT_LIVE)
+        .map(|p| p.host_backed[1]);
+    assert_eq!(host_backed, Some(0), "GPU 1's host-backed bytes in the region");
+}
+
 #[test]
 fn without_oversubscribe_the_devices_refusal_stands() {
     for value in [None, Some("false"), Some("0")] {
