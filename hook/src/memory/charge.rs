@@ -23,19 +23,19 @@ pub(super) fn charged(
     family: Family,
     key_of: impl FnOnce() -> Option<u64>,
 ) -> CUresult {
-    charged_or(ordinal, kind, bytes, call, |status| status, family, key_of)
+    charged_or(ordinal, kind, bytes, call, |status| (status, family), family, key_of)
 }
 
 /// As [`charged`]; an allocation the driver refused is handed to `refused` with the driver's
 /// answer (elastic memory serves it from host memory there), and a success of `refused` is
-/// charged as the driver's would be. Only a failure takes that branch: an allocation that works
-/// runs exactly as in [`charged`].
+/// charged under the family it answers. Only a failure takes that branch: an allocation that
+/// works runs exactly as in [`charged`].
 pub(super) fn charged_or(
     ordinal: Option<CUdevice>,
     kind: MemoryKind,
     bytes: u64,
     call: impl FnOnce() -> CUresult,
-    refused: impl FnOnce(CUresult) -> CUresult,
+    refused: impl FnOnce(CUresult) -> (CUresult, Family),
     family: Family,
     key_of: impl FnOnce() -> Option<u64>,
 ) -> CUresult {
@@ -52,8 +52,8 @@ pub(super) fn charged_or(
         Ok(charge) => charge,
         Err(status) => return status,
     };
-    let result = match call() {
-        CUDA_SUCCESS => CUDA_SUCCESS,
+    let (result, family) = match call() {
+        CUDA_SUCCESS => (CUDA_SUCCESS, family),
         status => refused(status),
     };
     match (charge, result == CUDA_SUCCESS, key_of()) {
@@ -67,7 +67,7 @@ pub(super) fn charged_or(
 /// The context whose destruction frees a handle of this family (0: none does).
 fn owner_of(family: Family) -> u64 {
     match family {
-        Family::Pointer | Family::Array | Family::MipmappedArray | Family::Module | Family::Library => {
+        Family::Pointer | Family::Spill | Family::Array | Family::MipmappedArray | Family::Module | Family::Library => {
             current_context()
         }
         Family::PhysicalHandle | Family::Context | Family::Graph | Family::Pool | Family::GraphPool => 0,
@@ -97,7 +97,7 @@ pub(super) fn release_owned_by(accounting: Accounting, context: u64) {
 
 /// Calls the driver to free `key`, then releases what was charged under it if the free worked.
 pub(super) fn released(family: Family, key: u64, call: impl FnOnce() -> CUresult) -> CUresult {
-    released_after(family, key, call, |_| {})
+    released_with(family, key, call, |_| {}, |_, _, call| call())
 }
 
 /// As [`released`], running `before_release` after a free that worked, with the charges out of
@@ -108,9 +108,31 @@ pub(super) fn released_after(
     call: impl FnOnce() -> CUresult,
     before_release: impl FnOnce(Accounting),
 ) -> CUresult {
+    released_with(family, key, call, before_release, |_, _, call| call())
+}
+
+/// As [`released`]; a `key` not charged under `family` goes to `missing` with the call instead of
+/// straight to the driver (elastic memory's pointers are looked for there, so that a free of any
+/// other pointer does not look).
+pub(super) fn released_or<C: FnOnce() -> CUresult>(
+    family: Family,
+    key: u64,
+    call: C,
+    missing: impl FnOnce(Accounting, u64, C) -> CUresult,
+) -> CUresult {
+    released_with(family, key, call, |_| {}, missing)
+}
+
+fn released_with<C: FnOnce() -> CUresult>(
+    family: Family,
+    key: u64,
+    call: C,
+    before_release: impl FnOnce(Accounting),
+    missing: impl FnOnce(Accounting, u64, C) -> CUresult,
+) -> CUresult {
     let Some(accounting) = accounting() else { return call() };
     let Some((charges, owner)) = accounting.ledger().take_charges(family, key) else {
-        return call();
+        return missing(accounting, key, call);
     };
     let _in_flight = charges
         .iter()

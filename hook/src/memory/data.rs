@@ -6,7 +6,7 @@ use std::ffi::c_uint;
 use vgpu_region::MemoryKind;
 
 use super::accounting::{accounting, unaccounted};
-use super::charge::{charged, charged_or, current_context, released, released_after};
+use super::charge::{charged, charged_or, current_context, released, released_or};
 use super::ledger::{Charge, Family};
 use super::location::device_of;
 use super::pool_sync::{charge_or_refuse, sync_pool};
@@ -31,24 +31,24 @@ pub fn alloc<P: DriverInt, S: DriverInt>(call: impl FnOnce() -> CUresult, dptr: 
 }
 
 /// An allocation the limit allowed and the driver refused: when it was out of memory and elastic
-/// memory is on, a pointer to host-backed memory written through `dptr` ([`spill`]); otherwise
-/// the driver's answer.
+/// memory is on, a pointer to host-backed memory written through `dptr` ([`spill`]), charged as
+/// a spill; otherwise the driver's answer.
 #[cold]
 #[inline(never)]
-fn spilled_into<P: DriverInt>(status: CUresult, dptr: *mut P, bytes: u64) -> CUresult {
+fn spilled_into<P: DriverInt>(status: CUresult, dptr: *mut P, bytes: u64) -> (CUresult, Family) {
     if status != CUDA_ERROR_OUT_OF_MEMORY || !P::WIDE {
-        return status;
+        return (status, Family::Pointer);
     }
     let (Some(accounting), Some(ordinal)) = (accounting(), current_ordinal()) else {
-        return status;
+        return (status, Family::Pointer);
     };
     match spill::serve(accounting, status, ordinal, bytes) {
         Some(pointer) => {
             // SAFETY: the application's out-pointer, checked non-null by the caller; P is 64-bit.
             unsafe { write(dptr, P::saturating_from(pointer)) };
-            CUDA_SUCCESS
+            (CUDA_SUCCESS, Family::Spill)
         }
-        None => status,
+        None => (status, Family::Pointer),
     }
 }
 
@@ -93,7 +93,7 @@ pub fn alloc_pitch<P: DriverInt, S: DriverInt>(
         }
         accounting
             .ledger()
-            .insert_all(Family::Pointer, pointer, vec![charge], current_context());
+            .insert_all(Family::Spill, pointer, vec![charge], current_context());
         return CUDA_SUCCESS;
     }
     if result != CUDA_SUCCESS {
@@ -150,10 +150,8 @@ fn free_pointer(call: impl FnOnce() -> CUresult, pointer: u64) -> CUresult {
     let Some(accounting) = accounting() else { return call() };
     match accounting.ledger().take_pool_of(pointer) {
         Some(pool) => free_pooled(accounting, call, pointer, pool),
-        // A spilled pointer is charged as a pointer of its own, never a pool's.
-        None => released_after(Family::Pointer, pointer, call, |accounting| {
-            spill::forget(accounting, pointer);
-        }),
+        // A spilled pointer is charged as a spill of its own, never a pool's.
+        None => released_or(Family::Pointer, pointer, call, spill::free),
     }
 }
 

@@ -37,6 +37,9 @@ pub enum CaptureInto {
 pub enum Family {
     /// Device pointers (linear, pitched, managed, stream-ordered allocations).
     Pointer,
+    /// Device pointers that elastic memory served from unified memory (`super::spill`): a free
+    /// looks for them only when the pointer is not a [`Family::Pointer`].
+    Spill,
     /// `CUmemGenericAllocationHandle` of `cuMemCreate`.
     PhysicalHandle,
     Array,

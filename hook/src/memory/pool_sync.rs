@@ -12,24 +12,28 @@ use crate::capture::in_relaxed_capture_mode;
 use crate::hooks::real;
 use crate::sys::cuda::*;
 
-/// Charges against the limit; before refusing, brings pool charges up to date (pools give memory
-/// back at synchronisations we do not see) and tries once more. Graph memory grows at graph
-/// launches, which are not followed: on a device with graphs it is brought up to date first.
+/// Charges against the limit; before refusing, frees the spills whose stream-ordered frees their
+/// streams have passed, brings pool charges up to date (pools give memory back at
+/// synchronisations we do not see) and tries once more. Graph memory grows at graph launches,
+/// which are not followed: on a device with graphs it is brought up to date first.
 pub fn charge_or_refuse(
     accounting: Accounting,
     ordinal: CUdevice,
     kind: MemoryKind,
     bytes: u64,
 ) -> Result<Option<Charge>, CUresult> {
-    super::spill::collect(accounting);
     if accounting.ledger().has_pools() && accounting.ledger().has_graph_memory(ordinal) {
         sync_graph_pool(accounting, ordinal);
     }
     accounting.charge(ordinal, kind, bytes).or_else(|status| {
-        if !accounting.ledger().has_pools() {
+        let spills_freed = super::spill::collect(accounting);
+        let pools = accounting.ledger().has_pools();
+        if !pools && !spills_freed {
             return Err(status);
         }
-        sync_pools(accounting);
+        if pools {
+            sync_pools(accounting);
+        }
         accounting.charge(ordinal, kind, bytes)
     })
 }

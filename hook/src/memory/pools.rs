@@ -4,7 +4,7 @@
 use vgpu_region::MemoryKind;
 
 use super::accounting::{accounting, unaccounted};
-use super::charge::{current_context, released};
+use super::charge::{current_context, released_or};
 use super::data::{alloc, free_pooled};
 use super::graphs::captured_alloc;
 use super::ledger::Family;
@@ -109,7 +109,7 @@ fn spilled_from_pool(
     if let Some(charge) = charge {
         accounting
             .ledger()
-            .insert_owned(Family::Pointer, pointer, charge, current_context());
+            .insert_owned(Family::Spill, pointer, charge, current_context());
     }
     CUDA_SUCCESS
 }
@@ -121,7 +121,7 @@ fn spilled_from_pool(
 pub fn synchronized(call: impl FnOnce() -> CUresult) -> CUresult {
     let result = call();
     if let Some(accounting) = accounting() {
-        spill::collect(accounting);
+        let _ = spill::collect(accounting);
         if accounting.ledger().has_pools() {
             sync_pools(accounting);
         }
@@ -166,15 +166,14 @@ pub fn free_async(
     }
     // Not a pool's: a pointer of cuMemAlloc's, or a spill, which the driver's stream-ordered free
     // does not take.
-    if accounting.spills().holds(dptr) {
+    released_or(Family::Pointer, dptr, call, |accounting, dptr, call| {
         let stream = if h_stream.is_null() && per_thread {
             crate::capture::STREAM_PER_THREAD as CUstream
         } else {
             h_stream
         };
-        return spill::free_when_reached(accounting, dptr, stream);
-    }
-    released(Family::Pointer, dptr, call)
+        spill::free_when_reached(accounting, dptr, stream, call)
+    })
 }
 
 /// `cuMemPoolTrimTo`: the pool's charge follows what it still holds.

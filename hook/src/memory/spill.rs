@@ -18,10 +18,10 @@
 //!   `host_backed` table), which the monitor shows.
 //! - **Moves back.** When a device has room again, the tails move onto it (preferred location the
 //!   device, prefetched on a stream of the library's own in the spill's context, made current for
-//!   the move), as much of each as there is room for,
-//!   and are device memory from then on; the oldest spill goes first (allocated first, it is
-//!   likely the longest lived: weights and optimiser state rather than scratch). Looked for at the
-//!   memory calls and from the library's tick ([`tick`]).
+//!   the move), as much of each as there is room for, and are device memory from then on; the
+//!   oldest spill goes first (allocated first, it is likely the longest lived: weights and
+//!   optimiser state rather than scratch). Looked for at synchronisations, before a refusal and
+//!   from the library's tick ([`tick`]): never on the path of an allocation or free that works.
 //! - **Stream-ordered frees.** `cuMemFreeAsync` of a spilled pointer is not the pool's to free:
 //!   an event is recorded on the stream and the memory freed once the stream has passed it.
 //!
@@ -77,7 +77,7 @@ pub struct Spills {
     /// By device pointer, in allocation order (pointers of one device grow).
     live: Mutex<BTreeMap<u64, Spill>>,
     deferred: Mutex<Vec<DeferredFree>>,
-    /// Whether `live` or `deferred` holds anything: the free path's one load.
+    /// Whether `live` or `deferred` holds anything: the tick's and synchronisations' one load.
     any: AtomicBool,
     /// When the device's free memory was last looked at for a move back.
     move_back_checked_ns: AtomicU64,
@@ -89,19 +89,6 @@ impl Spills {
     fn note_any(&self) {
         let any = !self.live.lock().is_empty() || !self.deferred.lock().is_empty();
         self.any.store(any, Ordering::Release);
-    }
-
-    /// Whether `pointer` was served from host memory by this library. Inlined: without spills it
-    /// is one load on every free.
-    #[inline(always)]
-    pub fn holds(&self, pointer: u64) -> bool {
-        self.any.load(Ordering::Acquire) && self.holds_now(pointer)
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn holds_now(&self, pointer: u64) -> bool {
-        self.live.lock().contains_key(&pointer)
     }
 }
 
@@ -186,17 +173,25 @@ pub(super) fn cannot_spill(what: &str, status: CUresult) {
     }
 }
 
-/// After a pointer was freed with `cuMemFree`: when it was a spill, forgets it and its
-/// host-backed bytes. Inlined: without spills it is one load on every free.
-#[inline(always)]
-pub(super) fn forget(accounting: Accounting, pointer: u64) {
-    if accounting.spills().any.load(Ordering::Acquire) {
-        forget_spill(accounting, pointer);
-    }
-}
-
+/// `cuMemFree` of a pointer not charged as a plain one: a spill is freed, its charge released and
+/// its host-backed bytes forgotten; any other pointer goes to the driver as it is. A free of a
+/// plain pointer never comes here, so elastic memory costs it nothing.
 #[cold]
 #[inline(never)]
+pub(super) fn free(accounting: Accounting, pointer: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    let Some((charges, owner)) = accounting.ledger().take_charges(Family::Spill, pointer) else {
+        return call();
+    };
+    let result = call();
+    if result == CUDA_SUCCESS {
+        forget_spill(accounting, pointer);
+        charges.iter().for_each(|charge| accounting.release(*charge));
+    } else {
+        accounting.ledger().put_back(Family::Spill, pointer, charges, owner);
+    }
+    result
+}
+
 fn forget_spill(accounting: Accounting, pointer: u64) {
     let spills = accounting.spills();
     let Some(spill) = spills.live.lock().remove(&pointer) else {
@@ -208,16 +203,27 @@ fn forget_spill(accounting: Accounting, pointer: u64) {
     spills.note_any();
 }
 
-/// `cuMemFreeAsync` of a spilled pointer: freed once `stream` reaches this point. The stream's
-/// event is recorded now; the free itself happens at a later memory call (or at once when no
-/// event can be recorded, after the stream is synchronised).
-pub(super) fn free_when_reached(accounting: Accounting, pointer: u64, stream: CUstream) -> CUresult {
+/// `cuMemFreeAsync` of a pointer not charged as a pool's or a plain one: a spill is freed once
+/// `stream` reaches this point (its event is recorded now; the free itself happens at a later
+/// synchronisation, refusal or tick, or at once, after the stream is synchronised, when no event
+/// can be recorded); any other pointer goes to the driver as it is.
+#[cold]
+#[inline(never)]
+pub(super) fn free_when_reached(
+    accounting: Accounting,
+    pointer: u64,
+    stream: CUstream,
+    call: impl FnOnce() -> CUresult,
+) -> CUresult {
+    if !accounting.spills().live.lock().contains_key(&pointer) {
+        return call();
+    }
     match record_event(stream) {
         Some(event) => {
             let spills = accounting.spills();
             spills.deferred.lock().push(DeferredFree { event, pointer });
             spills.any.store(true, Ordering::Release);
-            collect(accounting);
+            let _ = collect(accounting);
             CUDA_SUCCESS
         }
         None => {
@@ -250,29 +256,28 @@ pub fn tick() {
     if unsafe { set_current(context) } != CUDA_SUCCESS {
         return;
     }
-    collect(accounting);
+    let _ = collect(accounting);
     // SAFETY: as above: the tick's thread goes back to having no current context.
     let _ = unsafe { set_current(std::ptr::null_mut()) };
 }
 
 /// Frees the deferred pointers whose streams have passed their free, and moves spilled memory
-/// back to the device when it has room (at most every [`MOVE_BACK_PERIOD_NS`]). Called from the
-/// memory calls and the tick; the driver calls are made in relaxed capture mode, so that another
-/// thread's stream capture is never invalidated by them.
+/// back to the device when it has room (at most every [`MOVE_BACK_PERIOD_NS`]). Called from
+/// synchronisations, before a refusal and from the tick; the driver calls are made in relaxed
+/// capture mode, so that another thread's stream capture is never invalidated by them. Whether a
+/// deferred free was done.
 #[inline(always)]
-pub(super) fn collect(accounting: Accounting) {
-    if accounting.spills().any.load(Ordering::Acquire) {
-        collect_in_relaxed_mode(accounting);
-    }
+pub(super) fn collect(accounting: Accounting) -> bool {
+    accounting.spills().any.load(Ordering::Acquire) && collect_in_relaxed_mode(accounting)
 }
 
 #[cold]
 #[inline(never)]
-fn collect_in_relaxed_mode(accounting: Accounting) {
-    in_relaxed_capture_mode(|| collect_now(accounting));
+fn collect_in_relaxed_mode(accounting: Accounting) -> bool {
+    in_relaxed_capture_mode(|| collect_now(accounting))
 }
 
-fn collect_now(accounting: Accounting) {
+fn collect_now(accounting: Accounting) -> bool {
     let spills = accounting.spills();
     let reached: Vec<DeferredFree> = {
         let mut deferred = spills.deferred.lock();
@@ -282,6 +287,7 @@ fn collect_now(accounting: Accounting) {
         *deferred = waiting;
         reached
     };
+    let freed = !reached.is_empty();
     for free in reached {
         destroy_event(free.event);
         let _ = free_now(accounting, free.pointer);
@@ -297,6 +303,7 @@ fn collect_now(accounting: Accounting) {
     {
         move_back(accounting);
     }
+    freed
 }
 
 /// Frees a spilled pointer with the driver and releases its charge.
@@ -304,21 +311,21 @@ fn free_now(accounting: Accounting, pointer: u64) -> CUresult {
     let Some(free) = real::cuMemFree_v2() else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
-    let Some((charges, owner)) = accounting.ledger().take_charges(Family::Pointer, pointer) else {
+    let Some((charges, owner)) = accounting.ledger().take_charges(Family::Spill, pointer) else {
         // SAFETY: the pointer came from cuMemAllocManaged here.
         let status = unsafe { free(pointer) };
         if status == CUDA_SUCCESS {
-            forget(accounting, pointer);
+            forget_spill(accounting, pointer);
         }
         return status;
     };
     // SAFETY: as above.
     let status = unsafe { free(pointer) };
     if status == CUDA_SUCCESS {
-        forget(accounting, pointer);
+        forget_spill(accounting, pointer);
         charges.iter().for_each(|charge| accounting.release(*charge));
     } else {
-        accounting.ledger().put_back(Family::Pointer, pointer, charges, owner);
+        accounting.ledger().put_back(Family::Spill, pointer, charges, owner);
     }
     status
 }

@@ -66,6 +66,36 @@ fn other_container_holding(dir: &ScratchDir, parts: &[u64]) -> (Session, Vec<u64
     (other, pointers)
 }
 
+/// A process of the container that launches (so that the library's tick runs, which moves spills
+/// back), limited to [`LIMIT`], with `CUDA_OVERSUBSCRIBE=true` and `devices` fake GPUs; its
+/// context is on `ordinal`.
+fn launching_container(dir: &ScratchDir, devices: u32, ordinal: u32) -> Session {
+    let mut process = setup(Run::new(&compiled_program("monitor_launch")).hooked(), dir)
+        .env("FAKE_CUDA_DEVICES", devices.to_string())
+        .env("CUDA_DEVICE_MEMORY_LIMIT", LIMIT)
+        .env("CUDA_OVERSUBSCRIBE", "true")
+        .spawn(Duration::from_secs(60));
+    assert_eq!(process.ask("init"), "init 0");
+    assert_eq!(process.ask(&format!("ctx {ordinal}")), "ctx 0");
+    process
+}
+
+/// Starts the library's tick in `process` (its first launch).
+fn launch(process: &mut Session) {
+    assert_eq!(status(&process.ask("load")), CUDA_SUCCESS);
+    assert_eq!(status(&process.ask("launch 1")), CUDA_SUCCESS);
+}
+
+/// Waits up to 5 s for the fake's host-resident bytes to fall to `bytes` (the tick moves spills
+/// back every half second): the bytes then.
+fn host_resident_within_5_s(truth: &vgpu_integration::truth::Truth, bytes: u64) -> u64 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while truth.host_resident() != bytes && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    truth.host_resident()
+}
+
 /// A process of the container, limited to [`LIMIT`], with `CUDA_OVERSUBSCRIBE` as given.
 fn container(dir: &ScratchDir, oversubscribe: Option<&str>) -> Session {
     let mut run = setup(Run::new(&compiled_program("mem_ops")).hooked(), dir).env("CUDA_DEVICE_MEMORY_LIMIT", LIMIT);
@@ -160,87 +190,6 @@ fn within_the_limit_the_device_cannot_back_an_allocation_host_memory_does() {
     );
 }
 
-/// One allocation larger than the device's room (JAX's arena, a KV cache): its head, as much as the
-/// device holds beyond the headroom (a sixteenth of the fake's 1 GiB), stays on the device; only its
-/// tail is host memory, and the tail moves back as the device frees, part by part.
-#[test]
-fn an_allocation_larger_than_the_devices_room_spills_only_its_tail() {
-    const BIG: u64 = 300 * MIB;
-    const HEADROOM: u64 = DEVICE / 16;
-    const FREED_FIRST: u64 = 100 * MIB;
-    let dir = ScratchDir::new("elastic-split");
-    let truth = dir.truth();
-    let (mut other, parts) = other_container_holding(&dir, &[FREED_FIRST]);
-    let mut process = container(&dir, Some("true"));
-    let used_before = truth.device(0).used();
-    let head = LEFT_FREE - CONTEXT - HEADROOM;
-    let answer = process.ask(&format!("alloc {BIG}"));
-    assert_eq!(status(&answer), CUDA_SUCCESS, "{answer}");
-    assert_eq!(
-        held(&dir, process.pid()),
-        (BIG, BIG - head),
-        "(data, host-backed): the whole allocation went to host memory"
-    );
-    assert_eq!(truth.host_resident(), BIG - head, "host memory the fake holds");
-    assert_eq!(truth.device(0).used(), used_before + head, "the head on the device");
-
-    // The other container frees part of its hold: as much of the tail moves back.
-    assert_eq!(status(&other.ask(&format!("free {}", parts[0]))), CUDA_SUCCESS);
-    std::thread::sleep(Duration::from_millis(600));
-    assert_eq!(status(&process.ask("alloc 1")), CUDA_SUCCESS);
-    assert_eq!(
-        held(&dir, process.pid()),
-        (BIG + 1, BIG - head - FREED_FIRST),
-        "host-backed after part of the device freed"
-    );
-    assert_eq!(truth.host_resident(), BIG - head - FREED_FIRST);
-    other.kill();
-    std::thread::sleep(Duration::from_millis(600));
-    assert_eq!(status(&process.ask("alloc 1")), CUDA_SUCCESS);
-    assert_eq!(
-        held(&dir, process.pid()),
-        (BIG + 2, 0),
-        "host-backed after the device freed"
-    );
-    assert_eq!(truth.host_resident(), 0);
-}
-
-/// A process on two GPUs (JAX's way) whose spill is on the GPU it no longer has current: the spill
-/// still moves back when that GPU has room, at a memory call made on the other.
-#[test]
-fn a_spill_moves_back_while_another_gpu_is_current() {
-    let dir = ScratchDir::new("elastic-two-gpus");
-    let truth = dir.truth();
-    let two = |run: Run| setup(run, &dir).env("FAKE_CUDA_DEVICES", "2");
-    let mut other = two(Run::new(&compiled_program("mem_ops"))).spawn(Duration::from_secs(60));
-    assert_eq!(other.ask("init"), "init 0");
-    assert_eq!(other.ask("ctx 1"), "ctx 0");
-    assert_eq!(
-        status(&other.ask(&format!("alloc {}", DEVICE - LEFT_FREE - CONTEXT))),
-        CUDA_SUCCESS
-    );
-    let mut process = two(Run::new(&compiled_program("mem_ops")).hooked())
-        .env("CUDA_DEVICE_MEMORY_LIMIT", LIMIT)
-        .env("CUDA_OVERSUBSCRIBE", "true")
-        .spawn(Duration::from_secs(60));
-    assert_eq!(process.ask("init"), "init 0");
-    assert_eq!(process.ask("ctx 1"), "ctx 0");
-    let (spill_status, _) = fill_and_spill(&mut process);
-    assert_eq!(spill_status, CUDA_SUCCESS);
-    assert_eq!(truth.host_resident(), SPILLED);
-    assert_eq!(process.ask("ctx 0"), "ctx 0");
-    other.kill();
-    std::thread::sleep(Duration::from_millis(600));
-    assert_eq!(status(&process.ask("alloc 1")), CUDA_SUCCESS);
-    assert_eq!(truth.host_resident(), 0, "host memory after GPU 1 had room");
-    let host_backed = snapshot(&dir)
-        .processes
-        .iter()
-        .find(|p| p.pid == process.pid() as i32 && p.status == SLOT_LIVE)
-        .map(|p| p.host_backed[1]);
-    assert_eq!(host_backed, Some(0), "GPU 1's host-backed bytes in the region");
-}
-
 #[test]
 fn without_oversubscribe_the_devices_refusal_stands() {
     for value in [None, Some("false"), Some("0")] {
@@ -306,48 +255,113 @@ fn spilled_memory_moves_back_when_the_device_has_room() {
     let dir = ScratchDir::new("elastic-back");
     let truth = dir.truth();
     let other = other_container(&dir);
-    let mut process = container(&dir, Some("true"));
+    let mut process = launching_container(&dir, 1, 0);
     let (spill_status, _) = fill_and_spill(&mut process);
     assert_eq!(spill_status, CUDA_SUCCESS);
     assert_eq!(truth.host_resident(), SPILLED);
+    launch(&mut process);
+    let used_before = truth.device(0).used();
     other.kill();
-    // Moves are looked for at most every half second, at the next allocation.
-    std::thread::sleep(Duration::from_millis(600));
-    assert_eq!(status(&process.ask("alloc 1")), CUDA_SUCCESS);
+    assert_eq!(
+        host_resident_within_5_s(&truth, 0),
+        0,
+        "host memory 5 s after the device had room"
+    );
     assert_eq!(
         held(&dir, process.pid()),
-        (ON_DEVICE + SPILLED + 1, 0),
+        (ON_DEVICE + SPILLED, 0),
         "host-backed after the move"
     );
-    assert_eq!(truth.host_resident(), 0, "host memory after the move");
     truth.reclaim_dead();
-    assert_eq!(truth.device(0).used(), CONTEXT + ON_DEVICE + SPILLED + 1);
+    assert_eq!(
+        truth.device(0).used(),
+        used_before - (DEVICE - LEFT_FREE) + SPILLED,
+        "the other's memory gone, the spill on the device"
+    );
 }
 
-/// A job whose allocator no longer calls the driver (PyTorch's cache, once warm) only launches:
-/// the library's tick moves its spills back.
+/// One allocation larger than the device's room (JAX's arena, a KV cache): its head, as much as the
+/// device holds beyond the headroom (a sixteenth of the fake's 1 GiB), stays on the device; only its
+/// tail is host memory, and the tail moves back as the device frees, part by part.
 #[test]
-fn a_job_that_only_launches_gets_its_memory_back_on_the_device() {
-    let dir = ScratchDir::new("elastic-tick");
+fn an_allocation_larger_than_the_devices_room_spills_only_its_tail() {
+    const BIG: u64 = 300 * MIB;
+    const HEADROOM: u64 = DEVICE / 16;
+    const FREED_FIRST: u64 = 100 * MIB;
+    let dir = ScratchDir::new("elastic-split");
     let truth = dir.truth();
-    let other = other_container(&dir);
-    let mut process = setup(Run::new(&compiled_program("monitor_launch")).hooked(), &dir)
-        .env("CUDA_DEVICE_MEMORY_LIMIT", LIMIT)
-        .env("CUDA_OVERSUBSCRIBE", "true")
-        .spawn(Duration::from_secs(60));
-    assert_eq!(process.ask("init"), "init 0");
-    assert_eq!(process.ask("ctx 0"), "ctx 0");
-    let (spill_status, _) = fill_and_spill(&mut process);
-    assert_eq!(spill_status, CUDA_SUCCESS);
-    assert_eq!(status(&process.ask("load")), CUDA_SUCCESS);
-    assert_eq!(status(&process.ask("launch 1")), CUDA_SUCCESS);
+    let (mut other, parts) = other_container_holding(&dir, &[FREED_FIRST]);
+    let mut process = launching_container(&dir, 1, 0);
+    let used_before = truth.device(0).used();
+    let head = LEFT_FREE - CONTEXT - HEADROOM;
+    let answer = process.ask(&format!("alloc {BIG}"));
+    assert_eq!(status(&answer), CUDA_SUCCESS, "{answer}");
+    assert_eq!(
+        held(&dir, process.pid()),
+        (BIG, BIG - head),
+        "(data, host-backed): the whole allocation went to host memory"
+    );
+    assert_eq!(truth.host_resident(), BIG - head, "host memory the fake holds");
+    assert_eq!(truth.device(0).used(), used_before + head, "the head on the device");
+
+    // The other container frees part of its hold: as much of the tail moves back.
+    launch(&mut process);
+    assert_eq!(status(&other.ask(&format!("free {}", parts[0]))), CUDA_SUCCESS);
+    let expected = BIG - head - FREED_FIRST;
+    assert_eq!(
+        host_resident_within_5_s(&truth, expected),
+        expected,
+        "host memory after part of the device freed"
+    );
+    assert_eq!(held(&dir, process.pid()), (BIG, expected));
     other.kill();
-    let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while truth.host_resident() > 0 && std::time::Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(
+        host_resident_within_5_s(&truth, 0),
+        0,
+        "host memory after the device freed"
+    );
+    assert_eq!(held(&dir, process.pid()), (BIG, 0));
+}
+
+/// A process on two GPUs (JAX's way) with spills on both: every GPU's spills move back when it has
+/// room, not only those of the GPU current on the thread that moves them.
+#[test]
+fn spills_on_two_gpus_both_move_back() {
+    let dir = ScratchDir::new("elastic-two-gpus");
+    let truth = dir.truth();
+    let mut other = setup(Run::new(&compiled_program("mem_ops")), &dir)
+        .env("FAKE_CUDA_DEVICES", "2")
+        .spawn(Duration::from_secs(60));
+    assert_eq!(other.ask("init"), "init 0");
+    for ordinal in [1, 0] {
+        assert_eq!(other.ask(&format!("ctx {ordinal}")), "ctx 0");
+        assert_eq!(
+            status(&other.ask(&format!("alloc {}", DEVICE - LEFT_FREE - CONTEXT))),
+            CUDA_SUCCESS
+        );
     }
-    assert_eq!(truth.host_resident(), 0, "host memory 5 s after the device had room");
-    assert_eq!(held(&dir, process.pid()), (ON_DEVICE + SPILLED, 0));
+    let mut process = launching_container(&dir, 2, 1);
+    assert_eq!(fill_and_spill(&mut process).0, CUDA_SUCCESS, "GPU 1");
+    assert_eq!(process.ask("ctx 0"), "ctx 0");
+    assert_eq!(fill_and_spill(&mut process).0, CUDA_SUCCESS, "GPU 0");
+    assert_eq!(truth.host_resident(), 2 * SPILLED);
+    launch(&mut process);
+    other.kill();
+    assert_eq!(
+        host_resident_within_5_s(&truth, 0),
+        0,
+        "host memory 5 s after both GPUs had room"
+    );
+    let host_backed = snapshot(&dir)
+        .processes
+        .iter()
+        .find(|p| p.pid == process.pid() as i32 && p.status == SLOT_LIVE)
+        .map(|p| p.host_backed);
+    assert_eq!(
+        host_backed.map(|h| (h[0], h[1])),
+        Some((0, 0)),
+        "host-backed bytes in the region"
+    );
 }
 
 #[test]
