@@ -250,6 +250,37 @@ fn frees_plain_and_stream_ordered_release_the_charge_and_the_host_memory() {
     assert_eq!(truth.host_resident(), 0, "after cuMemFreeAsync");
 }
 
+/// A spill freed stream-ordered gives its charge back before the limit refuses anything: the next
+/// allocation that needs that room gets it once the stream has passed the free, with no
+/// synchronisation in between. (The fake's events complete 1 ms after they are recorded, so the
+/// free still waits for its stream when `cuMemFreeAsync` returns.)
+#[test]
+fn a_stream_ordered_free_of_a_spill_makes_room_under_the_limit() {
+    let dir = ScratchDir::new("elastic-async-room");
+    let _other = other_container(&dir);
+    let mut process = setup(Run::new(&compiled_program("mem_ops")).hooked(), &dir)
+        .env("CUDA_DEVICE_MEMORY_LIMIT", LIMIT)
+        .env("CUDA_OVERSUBSCRIBE", "true")
+        .env("FAKE_CUDA_EVENT_NS", "1000000")
+        .spawn(Duration::from_secs(60));
+    assert_eq!(process.ask("init"), "init 0");
+    assert_eq!(process.ask("ctx 0"), "ctx 0");
+    assert_eq!(status(&process.ask(&format!("alloc {ON_DEVICE}"))), CUDA_SUCCESS);
+    let answer = process.ask(&format!("asyncalloc {SPILLED}"));
+    assert_eq!(status(&answer), CUDA_SUCCESS, "{answer}");
+    let free = process.ask(&format!("asyncfree {}", pointer(&answer)));
+    assert_eq!(status(&free), CUDA_SUCCESS, "{free}");
+    std::thread::sleep(Duration::from_millis(20));
+    // 48 + 150 + 300 MiB fits under 600 MiB only without the 200 MiB freed.
+    let answer = process.ask(&format!("alloc {}", 300 * MIB));
+    assert_eq!(
+        status(&answer),
+        CUDA_SUCCESS,
+        "refused while the freed spill was still charged: {answer}"
+    );
+    assert_eq!(held(&dir, process.pid()).0, ON_DEVICE + 300 * MIB);
+}
+
 #[test]
 fn spilled_memory_moves_back_when_the_device_has_room() {
     let dir = ScratchDir::new("elastic-back");
