@@ -93,6 +93,7 @@ pub(super) fn release_owned_by(accounting: Accounting, context: u64) {
     for charge in accounting.ledger().take_owned_by(context) {
         accounting.release(charge);
     }
+    super::spill::forget_context(accounting, context);
 }
 
 /// Calls the driver to free `key`, then releases what was charged under it if the free worked.

@@ -84,8 +84,8 @@ fn pooled_alloc(
     result
 }
 
-/// A stream-ordered allocation the pool could not back: host-backed memory charged as a pointer
-/// of its own (not the pool's), freed when its stream reaches the free ([`spill`]).
+/// A stream-ordered allocation the pool could not back: host-backed memory charged as a spill of
+/// its own (not the pool's), freed when its stream reaches the free ([`spill`]).
 #[cold]
 fn spilled_from_pool(
     accounting: super::accounting::Accounting,

@@ -20,8 +20,9 @@
 //!   device, prefetched on a stream of the library's own in the spill's context, made current for
 //!   the move), as much of each as there is room for, and are device memory from then on; the
 //!   oldest spill goes first (allocated first, it is likely the longest lived: weights and
-//!   optimiser state rather than scratch). Looked for at synchronisations, before a refusal and
-//!   from the library's tick ([`tick`]): never on the path of an allocation or free that works.
+//!   optimiser state rather than scratch). Looked for from the library's tick ([`tick`]), at
+//!   synchronisations of a process with pools and before a refusal: never on the path of an
+//!   allocation or free that works.
 //! - **Stream-ordered frees.** `cuMemFreeAsync` of a spilled pointer is not the pool's to free:
 //!   an event is recorded on the stream and the memory freed once the stream has passed it.
 //!
@@ -81,8 +82,12 @@ pub struct Spills {
     any: AtomicBool,
     /// When the device's free memory was last looked at for a move back.
     move_back_checked_ns: AtomicU64,
+    /// Held by the one move back under way (a move of gigabytes outlasts the period).
+    moving: Mutex<()>,
     /// The context of the latest spill, made current on the tick's thread.
     context: AtomicU64,
+    /// The library's own non-blocking streams for moves, by context (a stream belongs to one).
+    streams: Mutex<Vec<(u64, u64)>>,
 }
 
 impl Spills {
@@ -106,29 +111,10 @@ pub(super) fn serve(accounting: Accounting, status: CUresult, ordinal: CUdevice,
         return None;
     }
     let device = accounting.device(ordinal)?;
-    let alloc_managed = real::cuMemAllocManaged()?;
-    let mut pointer: CUdeviceptr = 0;
-    // SAFETY: a valid out-pointer to a local; the size is the application's.
-    let status = unsafe { alloc_managed(&mut pointer, usize::try_from(bytes).ok()?, CU_MEM_ATTACH_GLOBAL) };
-    if status != CUDA_SUCCESS || pointer == 0 {
-        tracing::warn!(
-            "device {ordinal} could not back {bytes} bytes and unified memory could not either (status {status}): \
-             the allocation fails"
-        );
-        return None;
-    }
-    advise(pointer, bytes, CU_MEM_ADVISE_SET_ACCESSED_BY, on_device(ordinal));
-    // The driver's free memory is the current context's device's (a pool's allocation may be
-    // another device's: then all of it stays in host memory).
-    let room = (session::current_ordinal() == Some(ordinal))
-        .then(device_room)
-        .flatten();
-    let head = room.map_or(0, |room| onto_device(pointer, bytes, room, ordinal));
-    let host_bytes = bytes - head;
-    if host_bytes > 0 {
-        advise(pointer + head, host_bytes, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, host());
-    }
     let spills = accounting.spills();
+    // Potentially unsafe calls for another thread's global-mode capture: made in relaxed mode.
+    let (pointer, head) = in_relaxed_capture_mode(|| place(spills, ordinal, bytes))?;
+    let host_bytes = bytes - head;
     let context = current_context();
     spills.live.lock().insert(
         pointer,
@@ -154,6 +140,34 @@ pub(super) fn serve(accounting: Accounting, status: CUresult, ordinal: CUdevice,
         tracing::debug!("device {ordinal}: {host_bytes} of {bytes} bytes served from host memory");
     }
     Some(pointer)
+}
+
+/// Unified memory for a spill of `bytes` on `ordinal`, the current context's device (every
+/// caller's): its head on the device as far as there is room, the rest preferring host memory,
+/// all of it mapped for the device. The pointer and the head's bytes.
+fn place(spills: &Spills, ordinal: CUdevice, bytes: u64) -> Option<(u64, u64)> {
+    let alloc_managed = real::cuMemAllocManaged()?;
+    let mut pointer: CUdeviceptr = 0;
+    // SAFETY: a valid out-pointer to a local; the size is the application's.
+    let status = unsafe { alloc_managed(&mut pointer, usize::try_from(bytes).ok()?, CU_MEM_ATTACH_GLOBAL) };
+    if status != CUDA_SUCCESS || pointer == 0 {
+        tracing::warn!(
+            "device {ordinal} could not back {bytes} bytes and unified memory could not either (status {status}): \
+             the allocation fails"
+        );
+        return None;
+    }
+    advise(pointer, bytes, CU_MEM_ADVISE_SET_ACCESSED_BY, on_device(ordinal));
+    let head = device_room().map_or(0, |room| onto_device(spills, pointer, bytes, room, ordinal));
+    if head < bytes {
+        advise(
+            pointer + head,
+            bytes - head,
+            CU_MEM_ADVISE_SET_PREFERRED_LOCATION,
+            host(),
+        );
+    }
+    Some((pointer, head))
 }
 
 /// After an allocation unified memory cannot stand in for (`what`: VMM's `cuMemCreate`, an
@@ -182,6 +196,10 @@ pub(super) fn free(accounting: Accounting, pointer: u64, call: impl FnOnce() -> 
     let Some((charges, owner)) = accounting.ledger().take_charges(Family::Spill, pointer) else {
         return call();
     };
+    let _in_flight = charges
+        .iter()
+        .next()
+        .map(|charge| accounting.in_flight(charge.region_index));
     let result = call();
     if result == CUDA_SUCCESS {
         forget_spill(accounting, pointer);
@@ -203,10 +221,47 @@ fn forget_spill(accounting: Accounting, pointer: u64) {
     spills.note_any();
 }
 
+/// A context destroyed: its spills went with it (the driver freed them; their charges were
+/// released with the context's), so they are forgotten with their host-backed bytes, their
+/// waiting frees (whose events went too) and the context's stream.
+pub(super) fn forget_context(accounting: Accounting, context: u64) {
+    let spills = accounting.spills();
+    if !spills.any.load(Ordering::Acquire) {
+        return;
+    }
+    let gone: Vec<(u64, Spill)> = {
+        let mut live = spills.live.lock();
+        let pointers: Vec<u64> = live
+            .iter()
+            .filter(|(_, spill)| spill.context == context)
+            .map(|(pointer, _)| *pointer)
+            .collect();
+        pointers
+            .into_iter()
+            .filter_map(|pointer| live.remove(&pointer).map(|spill| (pointer, spill)))
+            .collect()
+    };
+    for (_, spill) in &gone {
+        if spill.host_bytes > 0 {
+            record_host_backed(accounting, spill.region_index, spill.host_bytes, false);
+        }
+    }
+    spills
+        .deferred
+        .lock()
+        .retain(|free| !gone.iter().any(|(pointer, _)| *pointer == free.pointer));
+    spills.streams.lock().retain(|(of, _)| *of != context);
+    let _ = spills
+        .context
+        .compare_exchange(context, 0, Ordering::AcqRel, Ordering::Relaxed);
+    spills.note_any();
+}
+
 /// `cuMemFreeAsync` of a pointer not charged as a pool's or a plain one: a spill is freed once
-/// `stream` reaches this point (its event is recorded now; the free itself happens at a later
-/// synchronisation, refusal or tick, or at once, after the stream is synchronised, when no event
-/// can be recorded); any other pointer goes to the driver as it is.
+/// `stream` reaches this point (its event is recorded now; the free itself happens here when the
+/// stream has already passed it, else at the tick, a synchronisation of a process with pools or a
+/// refusal, or at once, after the stream is synchronised, when no event can be recorded); any
+/// other pointer goes to the driver as it is.
 #[cold]
 #[inline(never)]
 pub(super) fn free_when_reached(
@@ -262,8 +317,8 @@ pub fn tick() {
 }
 
 /// Frees the deferred pointers whose streams have passed their free, and moves spilled memory
-/// back to the device when it has room (at most every [`MOVE_BACK_PERIOD_NS`]). Called from
-/// synchronisations, before a refusal and from the tick; the driver calls are made in relaxed
+/// back to the device when it has room (at most every [`MOVE_BACK_PERIOD_NS`]). Called from the
+/// tick, synchronisations of a process with pools and before a refusal; the driver calls are made in relaxed
 /// capture mode, so that another thread's stream capture is never invalidated by them. Whether a
 /// deferred free was done.
 #[inline(always)]
@@ -306,13 +361,24 @@ fn collect_now(accounting: Accounting) -> bool {
     freed
 }
 
-/// Frees a spilled pointer with the driver and releases its charge.
+/// Frees a spilled pointer with the driver and releases its charge; a pointer that is no longer
+/// a live spill (its context was destroyed) is not the library's to free.
 fn free_now(accounting: Accounting, pointer: u64) -> CUresult {
     let Some(free) = real::cuMemFree_v2() else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
+    let Some(region_index) = accounting
+        .spills()
+        .live
+        .lock()
+        .get(&pointer)
+        .map(|spill| spill.region_index)
+    else {
+        return CUDA_SUCCESS;
+    };
+    let _in_flight = accounting.in_flight(region_index);
     let Some((charges, owner)) = accounting.ledger().take_charges(Family::Spill, pointer) else {
-        // SAFETY: the pointer came from cuMemAllocManaged here.
+        // SAFETY: the pointer came from cuMemAllocManaged here and is still live.
         let status = unsafe { free(pointer) };
         if status == CUDA_SUCCESS {
             forget_spill(accounting, pointer);
@@ -331,10 +397,14 @@ fn free_now(accounting: Accounting, pointer: u64) -> CUresult {
 }
 
 /// Moves the tails of the spills back onto their devices, oldest first, as much of each as its
-/// device has room for. The driver's free memory is the current context's device's: each spill's
-/// own context is made current while it moves (and the thread's own made current again after).
+/// device has room for; one move back at a time (another that finds one under way leaves it). The
+/// driver's free memory is the current context's device's: each spill's own context is made
+/// current while it moves (and the thread's own made current again after).
 fn move_back(accounting: Accounting) {
     let spills = accounting.spills();
+    let Some(_moving) = spills.moving.try_lock() else {
+        return;
+    };
     let on_host: Vec<(u64, Spill)> = spills
         .live
         .lock()
@@ -358,20 +428,30 @@ fn move_back(accounting: Accounting) {
                 None => continue,
             },
         };
-        let tail = pointer + (spill.bytes - spill.host_bytes);
-        let moved = onto_device(tail, spill.host_bytes, room, spill.ordinal);
-        room_by_device.insert(spill.ordinal, room - moved);
+        let moved = {
+            let _in_flight = accounting.in_flight(spill.region_index);
+            let tail = pointer + (spill.bytes - spill.host_bytes);
+            onto_device(spills, tail, spill.host_bytes, room, spill.ordinal)
+        };
+        room_by_device.insert(spill.ordinal, room.saturating_sub(moved));
         if moved == 0 {
             continue;
         }
-        if let Some(live) = spills.live.lock().get_mut(&pointer) {
-            live.host_bytes -= moved;
+        // Freed meanwhile (and maybe its address reused by another spill): nothing to record.
+        let recorded = match spills.live.lock().get_mut(&pointer) {
+            Some(live) if live.bytes == spill.bytes && live.host_bytes == spill.host_bytes => {
+                live.host_bytes -= moved;
+                true
+            }
+            _ => false,
+        };
+        if recorded {
+            record_host_backed(accounting, spill.region_index, moved, false);
+            tracing::info!(
+                "device {}: {moved} bytes moved back from host memory to the device",
+                spill.ordinal
+            );
         }
-        record_host_backed(accounting, spill.region_index, moved, false);
-        tracing::info!(
-            "device {}: {moved} bytes moved back from host memory to the device",
-            spill.ordinal
-        );
     }
     make_current(thread_context);
 }
@@ -391,7 +471,7 @@ fn make_current(context: u64) -> bool {
 /// Places the start of the managed range `[pointer, pointer + bytes)` on device `ordinal`: all
 /// of it when `room` holds it, else as many whole large pages as `room` holds. Returns the bytes
 /// placed (0 when the driver would not prefetch them: they stay where they were).
-fn onto_device(pointer: u64, bytes: u64, room: u64, ordinal: CUdevice) -> u64 {
+fn onto_device(spills: &Spills, pointer: u64, bytes: u64, room: u64, ordinal: CUdevice) -> u64 {
     let placed = if bytes <= room {
         bytes
     } else {
@@ -402,7 +482,7 @@ fn onto_device(pointer: u64, bytes: u64, room: u64, ordinal: CUdevice) -> u64 {
     }
     let device = on_device(ordinal);
     advise(pointer, placed, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, device);
-    if prefetch(pointer, placed, device) {
+    if prefetch(spills, pointer, placed, device) {
         placed
     } else {
         advise(pointer, placed, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, host());
@@ -450,31 +530,30 @@ fn advise(pointer: u64, bytes: u64, advice: CUmem_advise, location: CUmemLocatio
 
 /// Prefetches a spilled range to `location` on the library's own stream of the current context
 /// and waits for it.
-fn prefetch(pointer: u64, bytes: u64, location: CUmemLocation) -> bool {
+fn prefetch(spills: &Spills, pointer: u64, bytes: u64, location: CUmemLocation) -> bool {
     let (Some(prefetch), Some(synchronize)) = (real::cuMemPrefetchAsync_v2(), real::cuStreamSynchronize()) else {
         return false;
     };
     let context = current_context();
-    let stream = own_stream(context);
+    let stream = own_stream(spills, context);
     // SAFETY: a managed range this library allocated, on a stream it made in the current context
     // (or the legacy one).
-    let status = unsafe { prefetch(pointer, bytes as usize, location, 0, stream) };
-    // SAFETY: as above.
-    let done = status == CUDA_SUCCESS && (unsafe { synchronize(stream) }) == CUDA_SUCCESS;
-    if !done {
-        // A context destroyed and its handle reused leaves a stale stream: the next move makes one.
-        OWN_STREAMS.lock().retain(|(of, _)| *of != context);
+    let mut status = unsafe { prefetch(pointer, bytes as usize, location, 0, stream) };
+    if status == CUDA_SUCCESS {
+        // SAFETY: as above.
+        status = unsafe { synchronize(stream) };
     }
-    done
+    if matches!(status, CUDA_ERROR_INVALID_HANDLE | CUDA_ERROR_CONTEXT_IS_DESTROYED) {
+        // A stale stream (its context gone, the handle reused): the next move makes one.
+        spills.streams.lock().retain(|(of, _)| *of != context);
+    }
+    status == CUDA_SUCCESS
 }
-
-/// The library's own non-blocking streams for moves, by context (a stream belongs to one).
-static OWN_STREAMS: Mutex<Vec<(u64, u64)>> = Mutex::new(Vec::new());
 
 /// The library's stream of `context` (the current one), made on first use; null (the legacy
 /// stream) when none can be made.
-fn own_stream(context: u64) -> CUstream {
-    let mut streams = OWN_STREAMS.lock();
+fn own_stream(spills: &Spills, context: u64) -> CUstream {
+    let mut streams = spills.streams.lock();
     if let Some((_, stream)) = streams.iter().find(|(of, _)| *of == context) {
         return *stream as CUstream;
     }

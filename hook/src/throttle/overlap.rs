@@ -161,7 +161,7 @@ pub fn streams_busy(reading: u64, spans: &mut [(usize, (i64, i64))]) -> f64 {
 }
 
 /// The factor over recent samples: the time they occupied the GPU together over their brackets,
-/// both averaged over the first [`SMOOTHING`] samples, then decaying.
+/// both averaged over the first [`QUICK_SMOOTHING`] samples, then decaying.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Window {
     union: f64,

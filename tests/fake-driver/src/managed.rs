@@ -8,9 +8,9 @@
 //! page); a call on a range moves every page the range touches:
 //! - `cuMemAdvise_v2` `SET_PREFERRED_LOCATION` to the host moves the range's device-resident
 //!   pages to the host; other advice is checked and recorded nowhere.
-//! - `cuMemPrefetchAsync_v2` to a device moves the range's host-resident pages there while the
-//!   device has room (the real driver would evict other pages; the fake leaves the rest on the
-//!   host and still succeeds); to the host, it moves them there.
+//! - `cuMemPrefetchAsync_v2` to a device moves the range's host-resident pages there when the
+//!   device has room for all of them, and fails with `CUDA_ERROR_OUT_OF_MEMORY` moving none when
+//!   it has not (the real driver would evict other pages first); to the host, it moves them there.
 
 use std::ffi::c_uint;
 
@@ -87,37 +87,43 @@ impl State {
         Ok((base, first..last))
     }
 
-    /// Moves the pages `pages` of the managed allocation at `base` to `to`, in order; a page stays
-    /// where it is when its device lacks room.
-    fn move_managed(&mut self, base: u64, pages: std::ops::Range<usize>, to: Residence) {
+    /// Moves the pages `pages` of the managed allocation at `base` to `to`: to the device only
+    /// when it has room for every page of them that is in host memory (else none moves).
+    fn move_managed(&mut self, base: u64, pages: std::ops::Range<usize>, to: Residence) -> CuResult {
         let Some((size, phys)) = self.allocs.get(&base).map(|alloc| (alloc.size, alloc.phys)) else {
-            return;
+            return Ok(());
         };
-        for page in pages {
-            let bytes = page_bytes(size, page);
-            match (self.managed.get(&base).and_then(|pages| pages.0.get(page)).copied(), to) {
-                (Some(Residence::Device), Residence::Host) => {
-                    self.uncharge(phys, bytes);
-                    self.record_host(bytes, true);
-                }
-                (Some(Residence::Host), Residence::Device) => {
-                    if self.charge(phys, bytes).is_err() {
-                        continue;
-                    }
-                    self.record_host(bytes, false);
-                }
-                _ => continue,
+        let moving: Vec<usize> = pages
+            .filter(|page| {
+                self.managed
+                    .get(&base)
+                    .and_then(|pages| pages.0.get(*page))
+                    .is_some_and(|residence| *residence != to)
+            })
+            .collect();
+        let bytes: u64 = moving.iter().map(|page| page_bytes(size, *page)).sum();
+        match to {
+            Residence::Device => {
+                self.charge(phys, bytes)?;
+                self.record_host(bytes, false);
             }
-            if let Some(residence) = self.managed.get_mut(&base).and_then(|pages| pages.0.get_mut(page)) {
-                *residence = to;
-            }
-            if let Some(alloc) = self.allocs.get_mut(&base) {
-                alloc.charge = match to {
-                    Residence::Device => alloc.charge.saturating_add(bytes),
-                    Residence::Host => alloc.charge.saturating_sub(bytes),
-                };
+            Residence::Host => {
+                self.uncharge(phys, bytes);
+                self.record_host(bytes, true);
             }
         }
+        if let Some(pages) = self.managed.get_mut(&base) {
+            for page in moving {
+                pages.0[page] = to;
+            }
+        }
+        if let Some(alloc) = self.allocs.get_mut(&base) {
+            alloc.charge = match to {
+                Residence::Device => alloc.charge.saturating_add(bytes),
+                Residence::Host => alloc.charge.saturating_sub(bytes),
+            };
+        }
+        Ok(())
     }
 
     /// Forgets a freed managed allocation, giving back its host bytes (its device bytes went with
@@ -177,7 +183,7 @@ pub unsafe extern "C" fn cuMemAdvise_v2(
         match advice {
             CU_MEM_ADVISE_SET_PREFERRED_LOCATION => {
                 if residence == Residence::Host {
-                    state.move_managed(base, pages, Residence::Host);
+                    state.move_managed(base, pages, Residence::Host)?;
                 }
                 Ok(())
             }
@@ -207,7 +213,6 @@ pub unsafe extern "C" fn cuMemPrefetchAsync_v2(
         state.stream_target(hStream)?;
         let (base, pages) = state.managed_range(devPtr, count as u64)?;
         let to = residence_of(&state, &location)?;
-        state.move_managed(base, pages, to);
-        Ok(())
+        state.move_managed(base, pages, to)
     })
 }
