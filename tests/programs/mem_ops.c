@@ -37,6 +37,9 @@
 //     otherasync <bytes>   -> otherasync <status> <status>        another thread, in its default capture mode,
 //                                                                 with the context current: cuMemAllocAsync and
 //                                                                 cuMemFreeAsync on a stream of its own
+//     vmm <bytes>          -> vmm <status> <handle>               cuMemCreate of pinned memory on the current
+//                                                                 context's device
+//     vmmrelease <handle>  -> vmmrelease <status>                 cuMemRelease
 //     mode                 -> mode <status> <mode>                this thread's capture interaction mode
 //                                                                 (cuThreadExchangeStreamCaptureMode, twice)
 //     exit <code>          -> (calls exit(code))
@@ -93,6 +96,19 @@ int main(void) {
         unsigned long long number = strtoull(arg, NULL, 10);
         if (common_command(command, number)) {
             // answered
+        } else if (strcmp(command, "vmm") == 0) {
+            CUdevice device = 0;
+            CUmemGenericAllocationHandle handle = 0;
+            CUmemAllocationProp prop;
+            memset(&prop, 0, sizeof prop);
+            prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+            prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+            CUresult status = cuCtxGetDevice(&device);
+            prop.location.id = device;
+            if (status == CUDA_SUCCESS) status = cuMemCreate(&handle, (size_t)number, &prop, 0);
+            printf("vmm %d %llu\n", (int)status, (unsigned long long)handle);
+        } else if (strcmp(command, "vmmrelease") == 0) {
+            printf("vmmrelease %d\n", (int)cuMemRelease((CUmemGenericAllocationHandle)number));
         } else if (strcmp(command, "asyncalloc") == 0) {
             CUdeviceptr p = 0;
             CUresult status = cuMemAllocAsync(&p, (size_t)number, 0);

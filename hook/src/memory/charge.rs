@@ -70,7 +70,12 @@ fn owner_of(family: Family) -> u64 {
         Family::Pointer | Family::Spill | Family::Array | Family::MipmappedArray | Family::Module | Family::Library => {
             current_context()
         }
-        Family::PhysicalHandle | Family::Context | Family::Graph | Family::Pool | Family::GraphPool => 0,
+        Family::PhysicalHandle
+        | Family::SpillHandle
+        | Family::Context
+        | Family::Graph
+        | Family::Pool
+        | Family::GraphPool => 0,
     }
 }
 

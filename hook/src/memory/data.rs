@@ -196,18 +196,15 @@ pub fn create(
     if handle.is_null() || size == 0 {
         return call();
     }
-    // SAFETY: the driver wrote the handle on success.
+    // SAFETY: the driver wrote the handle (or the spill did) on success.
     let key = || unsafe { read(handle) };
-    let call = || {
-        let status = call();
-        spill::cannot_spill("cuMemCreate (VMM)", status);
-        status
-    };
-    charged(
+    let refused = |status| spill::create_on_host(status, handle, size, &prop, device);
+    charged_or(
         Some(device),
         MemoryKind::Data,
         size as u64,
         call,
+        refused,
         Family::PhysicalHandle,
         key,
     )
@@ -215,7 +212,7 @@ pub fn create(
 
 /// `cuMemRelease`.
 pub fn release(call: impl FnOnce() -> CUresult, handle: CUmemGenericAllocationHandle) -> CUresult {
-    released(Family::PhysicalHandle, handle, call)
+    released_or(Family::PhysicalHandle, handle, call, spill::release_handle)
 }
 
 /// `cuArrayCreate` and `_v2`.

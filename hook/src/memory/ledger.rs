@@ -40,6 +40,10 @@ pub enum Family {
     /// Device pointers that elastic memory served from unified memory (`super::spill`): a free
     /// looks for them only when the pointer is not a [`Family::Pointer`].
     Spill,
+    /// `CUmemGenericAllocationHandle`s that elastic memory made in host memory for a device
+    /// (`super::spill`): a release looks for them only when the handle is not a
+    /// [`Family::PhysicalHandle`].
+    SpillHandle,
     /// `CUmemGenericAllocationHandle` of `cuMemCreate`.
     PhysicalHandle,
     Array,

@@ -26,8 +26,11 @@
 //! - **Stream-ordered frees.** `cuMemFreeAsync` of a spilled pointer is not the pool's to free:
 //!   an event is recorded on the stream and the memory freed once the stream has passed it.
 //!
-//! Where unified memory cannot stand in, the driver's refusal stands: VMM (`cuMemCreate`), arrays,
-//! allocations recorded into a stream capture, and the legacy 32-bit `cuMemAlloc`.
+//! VMM allocations (`cuMemCreate`: JAX's and XLA's allocator, PyTorch's expandable segments) that
+//! the device cannot back are made in host memory instead ([`create_on_host`]): the application
+//! maps them and gives the device access as it would device memory; they stay in host memory for
+//! as long as they live. Where neither stands in, the driver's refusal stands: arrays, allocations
+//! recorded into a stream capture, and the legacy 32-bit `cuMemAlloc`.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -170,21 +173,89 @@ fn place(spills: &Spills, ordinal: CUdevice, bytes: u64) -> Option<(u64, u64)> {
     Some((pointer, head))
 }
 
-/// After an allocation unified memory cannot stand in for (`what`: VMM's `cuMemCreate`, an
-/// array) answered `status`: out of memory under elastic memory is said once, so the user knows
-/// why this one failed when others spill.
-pub(super) fn cannot_spill(what: &str, status: CUresult) {
+/// `cuMemCreate` of `size` bytes on `device` that the limit allowed and the driver refused
+/// (`status`): when that is out of memory and elastic memory is on, the same physical allocation
+/// located in host memory (the host NUMA node nearest the device), which the application maps and
+/// gives the device access to as it would device memory, recorded as host-backed under
+/// [`Family::SpillHandle`]. It never moves back (its mappings are the application's).
+#[cold]
+#[inline(never)]
+pub(super) fn create_on_host(
+    status: CUresult,
+    handle: *mut CUmemGenericAllocationHandle,
+    size: usize,
+    prop: &CUmemAllocationProp,
+    device: CUdevice,
+) -> (CUresult, Family) {
+    let refused = (status, Family::PhysicalHandle);
     if status != CUDA_ERROR_OUT_OF_MEMORY || !enabled() {
-        return;
+        return refused;
     }
+    let (Some(accounting), Some(create)) = (super::accounting::accounting(), real::cuMemCreate()) else {
+        return refused;
+    };
+    let Some(region_index) = accounting.device(device).map(|entry| entry.region_index) else {
+        return refused;
+    };
+    let mut on_host = *prop;
+    on_host.location = located(CU_MEM_LOCATION_TYPE_HOST_NUMA, host_numa_node(device));
+    // SAFETY: the application's out-pointer (checked non-null by the caller) and a copy of its
+    // properties with another location.
+    let created = in_relaxed_capture_mode(|| unsafe { create(handle, size, &on_host, 0) });
+    if created != CUDA_SUCCESS {
+        static SAID: AtomicBool = AtomicBool::new(false);
+        if !SAID.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "cuMemCreate (VMM) found no room on device {device}, and host memory could not back it either \
+                 (status {created}): it fails as the driver failed it"
+            );
+        }
+        return refused;
+    }
+    record_host_backed(accounting, region_index, size as u64, true);
     static SAID: AtomicBool = AtomicBool::new(false);
     if !SAID.swap(true, Ordering::Relaxed) {
         tracing::warn!(
-            "{what} found no room on the device and cannot be served from host memory (CUDA_OVERSUBSCRIBE covers \
-             cuMemAlloc, pitched and stream-ordered allocations): it fails as the driver failed it; for PyTorch, \
-             leave expandable_segments off"
+            "device {device} has no room for a VMM allocation of {size} bytes within the container's limit: made in \
+             host memory the GPU reads in place (CUDA_OVERSUBSCRIBE), slower, for as long as it lives; `vgpu-smi` \
+             shows the host-backed bytes"
         );
     }
+    (CUDA_SUCCESS, Family::SpillHandle)
+}
+
+/// The host NUMA node nearest `device` (0 where the driver does not say).
+fn host_numa_node(device: CUdevice) -> i32 {
+    let Some(get_attribute) = real::cuDeviceGetAttribute() else {
+        return 0;
+    };
+    let mut node: i32 = -1;
+    // SAFETY: a valid out-pointer to a local.
+    let status = unsafe { get_attribute(&mut node, CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, device) };
+    if status == CUDA_SUCCESS && node >= 0 { node } else { 0 }
+}
+
+/// `cuMemRelease` of a handle not charged as a plain one: a handle made in host memory by
+/// [`create_on_host`] is released, its charge and host-backed bytes with it; any other handle goes
+/// to the driver as it is.
+#[cold]
+#[inline(never)]
+pub(super) fn release_handle(accounting: Accounting, handle: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    let Some((charges, owner)) = accounting.ledger().take_charges(Family::SpillHandle, handle) else {
+        return call();
+    };
+    let result = call();
+    if result == CUDA_SUCCESS {
+        for charge in charges.iter() {
+            record_host_backed(accounting, charge.region_index, charge.bytes, false);
+            accounting.release(*charge);
+        }
+    } else {
+        accounting
+            .ledger()
+            .put_back(Family::SpillHandle, handle, charges, owner);
+    }
+    result
 }
 
 /// `cuMemFree` of a pointer not charged as a plain one: a spill is freed, its charge released and

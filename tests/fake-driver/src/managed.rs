@@ -137,7 +137,9 @@ impl State {
         }
     }
 
-    fn record_host(&mut self, bytes: u64, more: bool) {
+    /// Adds (`more`) or takes away `bytes` of this process's memory that lives in host memory
+    /// (managed memory there, VMM allocations located on the host).
+    pub fn record_host(&mut self, bytes: u64, more: bool) {
         if let Some(truth) = self.truth {
             truth.record_host(self.slot, bytes, more);
         }

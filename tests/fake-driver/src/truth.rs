@@ -19,7 +19,7 @@
 //! | --- | --- |
 //! | header, 16 words | magic, version, max devices, max processes, file size, initialiser pid, lock owner pid, journal (valid, device, slot, device used, slot used), 4 reserved |
 //! | 16 device records of 24 words | capacity, used, peak, busy ns, reservations, refusals, 2 reserved, 16 utilisation buckets |
-//! | 256 process slots of 40 words | pid (0 = free), start time, host-resident managed bytes, checkpoint state, used bytes per device (16), busy ns per device (16), 4 reserved |
+//! | 256 process slots of 40 words | pid (0 = free), start time, host-resident bytes (managed memory in host memory, VMM allocations on the host), checkpoint state, used bytes per device (16), busy ns per device (16), 4 reserved |
 //!
 //! Rules:
 //! - **Initialisation**: the first opener creates the file (`O_CREAT`), grows it to [`FILE_SIZE`]
@@ -91,7 +91,8 @@ pub const DEVICE_WORDS: usize = D_BUCKETS + BUCKETS;
 // Process slot words.
 pub const P_PID: usize = 0;
 pub const P_START: usize = 1;
-/// Bytes of the process's managed memory that live in host memory (not in any device's `used`).
+/// Bytes of the process's memory that live in host memory (managed memory there, VMM allocations
+/// located on the host; not in any device's `used`).
 pub const P_HOST: usize = 2;
 /// The process's checkpoint state ([`CheckpointState`]); a checkpointed process's `used` words
 /// keep what it held, which the devices' `used` no longer counts.
@@ -366,7 +367,7 @@ impl Truth {
         None
     }
 
-    /// Adds (`more`) or takes away `bytes` of `slot`'s host-resident managed memory; a lock-free
+    /// Adds (`more`) or takes away `bytes` of `slot`'s host-resident memory; a lock-free
     /// counter of the slot's own (the host has no capacity to check).
     pub fn record_host(&self, slot: usize, bytes: u64, more: bool) {
         if slot >= MAX_PROCESSES {
@@ -455,7 +456,7 @@ impl Truth {
         Ok(())
     }
 
-    /// Host-resident managed memory of every live process.
+    /// Host-resident memory of every live process.
     pub fn host_resident(&self) -> u64 {
         self.processes().iter().map(|process| process.host).sum()
     }

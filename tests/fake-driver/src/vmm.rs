@@ -77,8 +77,9 @@ pub unsafe extern "C" fn cuMemCreate(
         if prop.type_ == CU_MEM_ALLOCATION_TYPE_INVALID {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        if let Some(phys) = phys {
-            state.charge(phys, bytes)?;
+        match phys {
+            Some(phys) => state.charge(phys, bytes)?,
+            None => state.record_host(bytes, true),
         }
         let value = state.new_handle() as u64;
         state.physical.insert(
@@ -99,8 +100,9 @@ pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> C
     cu(|| {
         let mut state = initialised()?;
         let physical = state.physical.remove(&handle).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        if let Some(phys) = physical.phys {
-            state.uncharge(phys, physical.size);
+        match physical.phys {
+            Some(phys) => state.uncharge(phys, physical.size),
+            None => state.record_host(physical.size, false),
         }
         Ok(())
     })

@@ -189,6 +189,41 @@ fn within_the_limit_the_device_cannot_back_an_allocation_host_memory_does() {
     );
 }
 
+/// A VMM allocation (`cuMemCreate`: JAX's allocator, PyTorch's expandable segments) the device
+/// cannot back is made in host memory, charged and shown host-backed like a spill, and released
+/// with its handle; without the variable the refusal stands.
+#[test]
+fn a_vmm_allocation_the_device_cannot_back_is_made_in_host_memory() {
+    for oversubscribe in [Some("true"), None] {
+        let dir = ScratchDir::new("elastic-vmm");
+        let truth = dir.truth();
+        let _other = other_container(&dir);
+        let mut process = container(&dir, oversubscribe);
+        assert_eq!(status(&process.ask(&format!("alloc {ON_DEVICE}"))), CUDA_SUCCESS);
+        let answer = process.ask(&format!("vmm {SPILLED}"));
+        if oversubscribe.is_none() {
+            assert_eq!(
+                status(&answer),
+                CUDA_ERROR_OUT_OF_MEMORY,
+                "without the variable: {answer}"
+            );
+            assert_eq!(held(&dir, process.pid()), (ON_DEVICE, 0));
+            continue;
+        }
+        assert_eq!(status(&answer), CUDA_SUCCESS, "{answer}");
+        assert_eq!(
+            held(&dir, process.pid()),
+            (ON_DEVICE + SPILLED, SPILLED),
+            "(data, host-backed)"
+        );
+        assert_eq!(truth.host_resident(), SPILLED, "host memory the fake holds");
+        let release = process.ask(&format!("vmmrelease {}", pointer(&answer)));
+        assert_eq!(status(&release), CUDA_SUCCESS, "{release}");
+        assert_eq!(held(&dir, process.pid()), (ON_DEVICE, 0), "after cuMemRelease");
+        assert_eq!(truth.host_resident(), 0, "after cuMemRelease");
+    }
+}
+
 #[test]
 fn without_oversubscribe_the_devices_refusal_stands() {
     for value in [None, Some("false"), Some("0")] {
