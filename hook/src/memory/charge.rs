@@ -7,7 +7,7 @@
 use vgpu_region::MemoryKind;
 
 use super::accounting::{Accounting, accounting, unaccounted};
-use super::ledger::Family;
+use super::ledger::{Charges, Family};
 use super::pool_sync::charge_or_refuse;
 use crate::hooks::real;
 use crate::session::current_ordinal;
@@ -103,7 +103,7 @@ pub(super) fn release_owned_by(accounting: Accounting, context: u64) {
 
 /// Calls the driver to free `key`, then releases what was charged under it if the free worked.
 pub(super) fn released(family: Family, key: u64, call: impl FnOnce() -> CUresult) -> CUresult {
-    released_with(family, key, call, |_| {}, |_, _, call| call())
+    released_with(family, key, call, |_, _| {}, |_, _, call| call())
 }
 
 /// As [`released`], running `before_release` after a free that worked, with the charges out of
@@ -112,7 +112,7 @@ pub(super) fn released_after(
     family: Family,
     key: u64,
     call: impl FnOnce() -> CUresult,
-    before_release: impl FnOnce(Accounting),
+    before_release: impl FnOnce(Accounting, &Charges),
 ) -> CUresult {
     released_with(family, key, call, before_release, |_, _, call| call())
 }
@@ -126,14 +126,16 @@ pub(super) fn released_or<C: FnOnce() -> CUresult>(
     call: C,
     missing: impl FnOnce(Accounting, u64, C) -> CUresult,
 ) -> CUresult {
-    released_with(family, key, call, |_| {}, missing)
+    released_with(family, key, call, |_, _| {}, missing)
 }
 
-fn released_with<C: FnOnce() -> CUresult>(
+/// [`released_after`] and [`released_or`] in one: `before_release` after a free of a charged
+/// `key` that worked, `missing` with the call for a `key` not charged under `family`.
+pub(super) fn released_with<C: FnOnce() -> CUresult>(
     family: Family,
     key: u64,
     call: C,
-    before_release: impl FnOnce(Accounting),
+    before_release: impl FnOnce(Accounting, &Charges),
     missing: impl FnOnce(Accounting, u64, C) -> CUresult,
 ) -> CUresult {
     let Some(accounting) = accounting() else { return call() };
@@ -146,7 +148,7 @@ fn released_with<C: FnOnce() -> CUresult>(
         .map(|charge| accounting.in_flight(charge.region_index));
     let result = call();
     if result == CUDA_SUCCESS {
-        before_release(accounting);
+        before_release(accounting, &charges);
         charges.iter().for_each(|charge| accounting.release(*charge));
     } else {
         accounting.ledger().put_back(family, key, charges, owner);

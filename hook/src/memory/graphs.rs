@@ -75,7 +75,9 @@ pub fn graph_add_node(
 /// `cuGraphDestroy`: releases its memory nodes' charges; what the device still holds for
 /// graphs (its executables keep their memory) stays charged as graph memory, recorded first.
 pub fn graph_destroy(call: impl FnOnce() -> CUresult, h_graph: CUgraph) -> CUresult {
-    released_after(Family::Graph, h_graph as u64, call, sync_graph_pools)
+    released_after(Family::Graph, h_graph as u64, call, |accounting, _| {
+        sync_graph_pools(accounting)
+    })
 }
 
 /// `cuDeviceGraphMemTrim`: the device gives back the graph memory no executing graph uses.
@@ -131,7 +133,12 @@ pub fn end_capture(call: impl FnOnce() -> CUresult, h_stream: CUstream, per_thre
         && result == CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
     {
         // The driver has destroyed the graph already.
-        released_after(Family::Graph, graph, || CUDA_SUCCESS, sync_graph_pools);
+        released_after(
+            Family::Graph,
+            graph,
+            || CUDA_SUCCESS,
+            |accounting, _| sync_graph_pools(accounting),
+        );
     }
     result
 }

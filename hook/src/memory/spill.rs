@@ -38,7 +38,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use parking_lot::Mutex;
 
 use super::accounting::Accounting;
-use super::charge::current_context;
+use super::charge::{current_context, released_after, released_with};
 use super::ledger::Family;
 use super::location::located;
 use crate::capture::in_relaxed_capture_mode;
@@ -240,22 +240,12 @@ fn host_numa_node(device: CUdevice) -> i32 {
 /// to the driver as it is.
 #[cold]
 #[inline(never)]
-pub(super) fn release_handle(accounting: Accounting, handle: u64, call: impl FnOnce() -> CUresult) -> CUresult {
-    let Some((charges, owner)) = accounting.ledger().take_charges(Family::SpillHandle, handle) else {
-        return call();
-    };
-    let result = call();
-    if result == CUDA_SUCCESS {
+pub(super) fn release_handle(_: Accounting, handle: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    released_after(Family::SpillHandle, handle, call, |accounting, charges| {
         for charge in charges.iter() {
             record_host_backed(accounting, charge.region_index, charge.bytes, false);
-            accounting.release(*charge);
         }
-    } else {
-        accounting
-            .ledger()
-            .put_back(Family::SpillHandle, handle, charges, owner);
-    }
-    result
+    })
 }
 
 /// `cuMemFree` of a pointer not charged as a plain one: a spill is freed, its charge released and
@@ -263,22 +253,10 @@ pub(super) fn release_handle(accounting: Accounting, handle: u64, call: impl FnO
 /// plain pointer never comes here, so elastic memory costs it nothing.
 #[cold]
 #[inline(never)]
-pub(super) fn free(accounting: Accounting, pointer: u64, call: impl FnOnce() -> CUresult) -> CUresult {
-    let Some((charges, owner)) = accounting.ledger().take_charges(Family::Spill, pointer) else {
-        return call();
-    };
-    let _in_flight = charges
-        .iter()
-        .next()
-        .map(|charge| accounting.in_flight(charge.region_index));
-    let result = call();
-    if result == CUDA_SUCCESS {
-        forget_spill(accounting, pointer);
-        charges.iter().for_each(|charge| accounting.release(*charge));
-    } else {
-        accounting.ledger().put_back(Family::Spill, pointer, charges, owner);
-    }
-    result
+pub(super) fn free(_: Accounting, pointer: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    released_after(Family::Spill, pointer, call, |accounting, _| {
+        forget_spill(accounting, pointer)
+    })
 }
 
 fn forget_spill(accounting: Accounting, pointer: u64) {
@@ -435,36 +413,28 @@ fn collect_now(accounting: Accounting) -> bool {
 /// Frees a spilled pointer with the driver and releases its charge; a pointer that is no longer
 /// a live spill (its context was destroyed) is not the library's to free.
 fn free_now(accounting: Accounting, pointer: u64) -> CUresult {
-    let Some(free) = real::cuMemFree_v2() else {
+    let Some(driver_free) = real::cuMemFree_v2() else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
-    let Some(region_index) = accounting
-        .spills()
-        .live
-        .lock()
-        .get(&pointer)
-        .map(|spill| spill.region_index)
-    else {
+    if !accounting.spills().live.lock().contains_key(&pointer) {
         return CUDA_SUCCESS;
-    };
-    let _in_flight = accounting.in_flight(region_index);
-    let Some((charges, owner)) = accounting.ledger().take_charges(Family::Spill, pointer) else {
-        // SAFETY: the pointer came from cuMemAllocManaged here and is still live.
-        let status = unsafe { free(pointer) };
-        if status == CUDA_SUCCESS {
-            forget_spill(accounting, pointer);
-        }
-        return status;
-    };
-    // SAFETY: as above.
-    let status = unsafe { free(pointer) };
-    if status == CUDA_SUCCESS {
-        forget_spill(accounting, pointer);
-        charges.iter().for_each(|charge| accounting.release(*charge));
-    } else {
-        accounting.ledger().put_back(Family::Spill, pointer, charges, owner);
     }
-    status
+    // SAFETY: the pointer came from cuMemAllocManaged here and is still live.
+    let free = || unsafe { driver_free(pointer) };
+    let forget = |accounting| forget_spill(accounting, pointer);
+    released_with(
+        Family::Spill,
+        pointer,
+        free,
+        |accounting, _| forget(accounting),
+        |accounting, _, free| {
+            let status = free();
+            if status == CUDA_SUCCESS {
+                forget(accounting);
+            }
+            status
+        },
+    )
 }
 
 /// Moves the tails of the spills back onto their devices, oldest first, as much of each as its
