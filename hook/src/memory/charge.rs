@@ -7,7 +7,7 @@
 use vgpu_region::MemoryKind;
 
 use super::accounting::{Accounting, accounting, unaccounted};
-use super::ledger::{Charges, Family};
+use super::ledger::{Charge, Charges, Family};
 use super::pool_sync::charge_or_refuse;
 use crate::hooks::real;
 use crate::session::current_ordinal;
@@ -23,19 +23,20 @@ pub(super) fn charged(
     family: Family,
     key_of: impl FnOnce() -> Option<u64>,
 ) -> CUresult {
-    charged_or(ordinal, kind, bytes, call, |status| (status, family), family, key_of)
+    charged_or(ordinal, kind, bytes, call, |status, _| (status, family), family, key_of)
 }
 
-/// As [`charged`]; an allocation the driver refused is handed to `refused` with the driver's
-/// answer (elastic memory serves it from host memory there), and a success of `refused` is
-/// charged under the family it answers. Only a failure takes that branch: an allocation that
-/// works runs exactly as in [`charged`].
+/// As [`charged`]; a charged allocation the driver refused is handed to `refused` with the
+/// driver's answer and the bytes charged (elastic memory serves it from host memory there), and a
+/// success of `refused` is charged under the family it answers. The failure is handled out of
+/// line and the size comes from the charge, so that an allocation that works runs exactly as in
+/// [`charged`], with nothing more kept across the driver call.
 pub(super) fn charged_or(
     ordinal: Option<CUdevice>,
     kind: MemoryKind,
     bytes: u64,
     call: impl FnOnce() -> CUresult,
-    refused: impl FnOnce(CUresult) -> (CUresult, Family),
+    refused: impl FnOnce(CUresult, u64) -> (CUresult, Family),
     family: Family,
     key_of: impl FnOnce() -> Option<u64>,
 ) -> CUresult {
@@ -52,16 +53,46 @@ pub(super) fn charged_or(
         Ok(charge) => charge,
         Err(status) => return status,
     };
-    let (result, family) = match call() {
-        CUDA_SUCCESS => (CUDA_SUCCESS, family),
-        status => refused(status),
-    };
-    match (charge, result == CUDA_SUCCESS, key_of()) {
-        (Some(charge), true, Some(key)) => accounting.ledger().insert_owned(family, key, charge, owner_of(family)),
-        (Some(charge), _, _) => accounting.release(charge),
-        (None, _, _) => {}
+    let result = call();
+    if result != CUDA_SUCCESS {
+        return refused_by_driver(accounting, charge, result, refused, key_of);
     }
+    recorded(accounting, charge, family, key_of);
     result
+}
+
+/// An allocation the driver refused with `status`: what `refused` makes of it, recorded as
+/// [`recorded`] does on a success, or the charge rolled back.
+#[cold]
+#[inline(never)]
+fn refused_by_driver(
+    accounting: Accounting,
+    charge: Option<Charge>,
+    status: CUresult,
+    refused: impl FnOnce(CUresult, u64) -> (CUresult, Family),
+    key_of: impl FnOnce() -> Option<u64>,
+) -> CUresult {
+    let Some(charge) = charge else { return status };
+    match refused(status, charge.bytes) {
+        (CUDA_SUCCESS, family) => {
+            recorded(accounting, Some(charge), family, key_of);
+            CUDA_SUCCESS
+        }
+        (result, _) => {
+            accounting.release(charge);
+            result
+        }
+    }
+}
+
+/// Records the charge of an allocation that worked under the key `key_of` reads back (rolled
+/// back when there is none).
+fn recorded(accounting: Accounting, charge: Option<Charge>, family: Family, key_of: impl FnOnce() -> Option<u64>) {
+    match (charge, key_of()) {
+        (Some(charge), Some(key)) => accounting.ledger().insert_owned(family, key, charge, owner_of(family)),
+        (Some(charge), None) => accounting.release(charge),
+        (None, _) => {}
+    }
 }
 
 /// The context whose destruction frees a handle of this family (0: none does).

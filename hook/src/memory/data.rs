@@ -23,7 +23,7 @@ pub fn alloc<P: DriverInt, S: DriverInt>(call: impl FnOnce() -> CUresult, dptr: 
         return call();
     }
     let bytes = bytesize.to_u64();
-    let refused = |status| spilled_into(status, dptr, bytes);
+    let refused = |status, charged| spilled_into(status, dptr, charged);
     // SAFETY: the driver (or the spill) wrote the pointer on success.
     charged_or(None, MemoryKind::Data, bytes, call, refused, Family::Pointer, || {
         unsafe { read(dptr) }.map(P::to_u64)
@@ -198,7 +198,7 @@ pub fn create(
     }
     // SAFETY: the driver wrote the handle (or the spill did) on success.
     let key = || unsafe { read(handle) };
-    let refused = |status| spill::create_on_host(status, handle, size, &prop, device);
+    let refused = |status, charged| spill::create_on_host(status, handle, charged, &prop, device);
     charged_or(
         Some(device),
         MemoryKind::Data,

@@ -173,7 +173,7 @@ fn place(spills: &Spills, ordinal: CUdevice, bytes: u64) -> Option<(u64, u64)> {
     Some((pointer, head))
 }
 
-/// `cuMemCreate` of `size` bytes on `device` that the limit allowed and the driver refused
+/// `cuMemCreate` of `bytes` on `device` that the limit allowed and the driver refused
 /// (`status`): when that is out of memory and elastic memory is on, the same physical allocation
 /// located in host memory (the host NUMA node nearest the device), which the application maps and
 /// gives the device access to as it would device memory, recorded as host-backed under
@@ -183,7 +183,7 @@ fn place(spills: &Spills, ordinal: CUdevice, bytes: u64) -> Option<(u64, u64)> {
 pub(super) fn create_on_host(
     status: CUresult,
     handle: *mut CUmemGenericAllocationHandle,
-    size: usize,
+    bytes: u64,
     prop: &CUmemAllocationProp,
     device: CUdevice,
 ) -> (CUresult, Family) {
@@ -201,7 +201,7 @@ pub(super) fn create_on_host(
     on_host.location = located(CU_MEM_LOCATION_TYPE_HOST_NUMA, host_numa_node(device));
     // SAFETY: the application's out-pointer (checked non-null by the caller) and a copy of its
     // properties with another location.
-    let created = in_relaxed_capture_mode(|| unsafe { create(handle, size, &on_host, 0) });
+    let created = in_relaxed_capture_mode(|| unsafe { create(handle, bytes as usize, &on_host, 0) });
     if created != CUDA_SUCCESS {
         static SAID: AtomicBool = AtomicBool::new(false);
         if !SAID.swap(true, Ordering::Relaxed) {
@@ -212,11 +212,11 @@ pub(super) fn create_on_host(
         }
         return refused;
     }
-    record_host_backed(accounting, region_index, size as u64, true);
+    record_host_backed(accounting, region_index, bytes, true);
     static SAID: AtomicBool = AtomicBool::new(false);
     if !SAID.swap(true, Ordering::Relaxed) {
         tracing::warn!(
-            "device {device} has no room for a VMM allocation of {size} bytes within the container's limit: made in \
+            "device {device} has no room for a VMM allocation of {bytes} bytes within the container's limit: made in \
              host memory the GPU reads in place (CUDA_OVERSUBSCRIBE), slower, for as long as it lives; `vgpu-smi` \
              shows the host-backed bytes"
         );
