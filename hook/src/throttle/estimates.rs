@@ -1,26 +1,20 @@
-//! What a launch costs: per launch key (a function with its grid, or a graph), an estimate of the
-//! GPU time it takes, learnt from the sampled measurements, and the sampling decision.
+//! What a launch costs: per launch key (a function with its grid, or a graph), an estimate of its
+//! GPU time learnt from sampled measurements, and which launches to sample.
 //!
-//! Each launch is charged its key's estimate when it is admitted. A measurement of one launch of a
-//! key also stands for the launches of that key charged since the previous measurement (they were
-//! not measured, at the sampling ratio), so when it arrives the charges of all of them are
-//! corrected to the new estimate: the accounting stays unbiased however rarely a key is sampled.
+//! A launch is charged its key's estimate when admitted. A measurement also stands for the
+//! launches of its key charged since the previous one, so their charges are corrected to the new
+//! estimate: the accounting stays unbiased however rarely a key is sampled.
 //!
-//! Which launches are measured is decided by count, not by time. A limited loop runs in bursts:
-//! the first launch after the limiter's pause finds an idle GPU and takes longer than the ones
-//! queued behind it. Picking "the first launch after 50 ms" picked that one about as often as the
-//! GPU is paused, and over-charged the key (docs/compute-limit.md, "Why by count"), while
-//! skipping launches that waited would under-charge a GEMM loop, where nearly every launch waits.
-//! So after each sample a key counts down a random number of launches, centred on about 50 ms
-//! worth at its current rate: every launch is equally likely to be measured.
+//! Samples are chosen by count, not by time: the first launch after the limiter's pause finds an
+//! idle GPU and runs longer, so a time-based choice over-charges (docs/compute-limit.md, "Why by
+//! count"). After each sample a key counts down a random number of launches, centred on about
+//! [`KEY_RESAMPLE_NS`] at its rate: every launch is equally likely to be measured.
 //!
-//! A key's first launch is never measured: with lazy module loading (CUDA's default) the driver
-//! loads the function inside that call and may synchronise the context, so its time is the
-//! host's, not the kernel's (docs/compute-limit.md, "The first launch is never measured"). While a
-//! key is young its
-//! estimate is the median of its measurements (the smaller of two): one distorted measurement
-//! (the host, another context) cannot set it, and a kernel whose time varies is not under-charged
-//! as it would be by the smallest.
+//! A key's first launch is never measured: lazy module loading makes its time the host's. While
+//! a key is young its estimate is the median of its measurements (of two, the smaller), which one
+//! distorted measurement cannot set and which does not under-charge a varying kernel.
+
+use super::bucket::DEBT_FLOOR_NS;
 
 /// Launches of a new key that are all measured, so its estimate settles at once.
 pub const YOUNG_SAMPLES: u32 = 4;
@@ -31,26 +25,19 @@ pub const KEY_RESAMPLE_NS: u64 = 50_000_000;
 /// A key whose measurements deviate from its estimate by this share (in percent) on average or
 /// less is sampled every [`KEY_RESAMPLE_NS`].
 pub const STEADY_DEVIATION_PERCENT: u64 = 10;
-/// Samples over which a slow running figure mostly follows a change: the deviation and mean that
-/// set a key's sampling rate (slow, because a rate that follows the latest measurements makes the
-/// launches charged at a high estimate fewer than those charged at a low one, or the reverse:
-/// docs/compute-limit.md), and a key's recent high returning to its estimate when no long
-/// measurement recurs.
+/// Samples over which a slow running figure follows a change: the deviation and mean that set a
+/// key's sampling rate (a fast one would bias which estimates the launches are charged at), and a
+/// key's recent high returning to its estimate.
 pub const SLOW_SMOOTHING: u64 = 64;
 /// Samples over which a quick running figure mostly follows a change: a key's launch rate (which
 /// sets its sampling stride) and a device's overlap of streams ([`super::overlap`]).
 pub const QUICK_SMOOTHING: u64 = 16;
 /// How many times as often a key whose time varies most is sampled.
 pub const VARYING_SAMPLE_BOOST: u64 = 16;
-/// What a measurement counts for at most: the most debt the bucket holds. The event pair's time
-/// comes from the driver as a float, and a garbage one must not become every new key's charge (the
-/// prior for keys not measured yet follows the measurements) nor overflow the smoothing.
-pub const LONGEST_MEASUREMENT_NS: u64 = super::bucket::DEBT_FLOOR_NS.unsigned_abs();
 /// A sample that could not be taken is taken again within this many launches of its key.
 pub const RETRY_SPREAD: u64 = 4;
-/// A settled key is measured at most once in this many of its launches, on average. A sample adds
-/// two event records to its launch: without this floor, kernels each repeated only a few times
-/// per 50 ms would have every 3rd or 4th launch measured (docs/compute-limit.md, "Sampling").
+/// A settled key is measured at most once in this many of its launches, on average: a sample
+/// adds two event records to its launch.
 pub const MIN_SAMPLE_STRIDE: u64 = 16;
 /// How much a key's sampling stride may grow from one sample to the next.
 pub const STRIDE_GROWTH: u32 = 2;
@@ -61,9 +48,8 @@ pub const GLOBAL_SAMPLE_INTERVAL_NS: u64 = 1_000_000;
 pub const HIGH_BOUND: u64 = 2;
 /// A key's recent high is at most this many times its estimate.
 pub const HIGH_CEILING: u64 = 16;
-/// The charge of a key never measured, before any measurement at all: high, so that a burst of
-/// new work cannot run ahead of the first measurements (an over-charge is refunded within
-/// milliseconds; an under-charge becomes debt).
+/// The charge of a key never measured, before any measurement at all: high, so that new work
+/// cannot run ahead of the first measurements (an over-charge is refunded within milliseconds).
 pub const PRIOR_NS: u64 = 1_000_000;
 
 const TABLE_SIZE: usize = 1024;
@@ -106,10 +92,9 @@ struct Entry {
 }
 
 impl Entry {
-    /// How long this key's launches go between samples. The estimate of a key whose time varies
-    /// launch by launch is only as good as its number of samples in a second, so such a key is
-    /// sampled up to [`VARYING_SAMPLE_BOOST`] times as often, in proportion to the square of its
-    /// relative deviation beyond [`STEADY_DEVIATION_PERCENT`].
+    /// How long this key's launches go between samples: a key whose time varies is sampled up to
+    /// [`VARYING_SAMPLE_BOOST`] times as often, as the square of its relative deviation beyond
+    /// [`STEADY_DEVIATION_PERCENT`] (its estimate is only as good as its samples per second).
     fn resample_ns(&self) -> u64 {
         let relative = u128::from(self.deviation) * 100 / u128::from(self.slow_mean.max(1));
         let steady = u128::from(STEADY_DEVIATION_PERCENT);
@@ -117,18 +102,12 @@ impl Entry {
         KEY_RESAMPLE_NS / boost as u64
     }
 
-    /// What a measurement of a settled key counts for. One function and grid can take very
-    /// different times launch by launch (a kernel with a grid-stride loop runs tensors of any size
-    /// on one grid), so a measurement far above the mean is usually the kernel's own, and counting
-    /// it for less charges the key under its mean (docs/compute-limit.md, "Long measurements"). A
-    /// measurement can also hold someone else's time (the host, another context), which is rare
-    /// and must not set a key's cost for the launches it stands for. So a measurement counts for
-    /// at most [`HIGH_BOUND`] times the key's recent highs: a long time that recurs is reached
-    /// within a few samples, a one-off stretch moves the estimate by a bounded step.
+    /// What a measurement of a settled key counts for: at most [`HIGH_BOUND`] times its recent
+    /// highs, themselves at most [`HIGH_CEILING`] times its estimate. A long time is usually the
+    /// kernel's own (one grid can run tensors of any size) and is reached within a few samples if
+    /// it recurs; a rare stretch by the host or another context moves the estimate a bounded step
+    /// (docs/compute-limit.md, "Long measurements").
     fn bounded(&mut self, measured_ns: u64) -> u64 {
-        // At most HIGH_CEILING times the estimate: a long time recurring in a few percent of the
-        // samples is still counted in full, while a high left from before the key became faster,
-        // or a ratchet of stretched samples, is not.
         let high = self
             .high
             .max(self.estimate)
@@ -136,6 +115,12 @@ impl Entry {
         let counted = measured_ns.min(high.saturating_mul(HIGH_BOUND));
         self.high = counted.max(high - (high - self.estimate) / SLOW_SMOOTHING);
         counted
+    }
+
+    /// A launch charged `charge` and not measured: corrected by the next measurement.
+    fn leave_uncorrected(&mut self, charge: u64) {
+        self.uncorrected += 1;
+        self.uncorrected_charged = self.uncorrected_charged.saturating_add(charge);
     }
 }
 
@@ -247,12 +232,9 @@ impl Estimates {
         if sample {
             // About KEY_RESAMPLE_NS worth of launches at the key's rate (at least
             // MIN_SAMPLE_STRIDE), spread uniformly over half to one and a half times that. The
-            // rate is smoothed over QUICK_SMOOTHING samples: a limited key runs faster while its
-            // estimate is low, and a stride following the latest rate gave the launches charged
-            // at a low estimate the longer batches (an under-charge of a key whose time varies:
-            // results/2026-12-02-fake-varying-key-spread.txt). The stride at most doubles from one sample to the next: the young samples
-            // are taken on consecutive launches, whose rate (a burst's) would put the next sample
-            // seconds away.
+            // rate is smoothed: a limited key runs faster while its estimate is low, and following
+            // the latest rate under-charges a varying key. The stride grows at most STRIDE_GROWTH
+            // times a sample: the young samples' rate is a burst's.
             let elapsed = now.saturating_sub(entry.last_sample_ns).max(1);
             if entry.issued > 0 {
                 let gap = elapsed / u64::from(entry.since_sample.max(1));
@@ -274,8 +256,7 @@ impl Estimates {
             entry.last_sample_ns = now;
             entry.since_sample = 0;
         } else {
-            entry.uncorrected += 1;
-            entry.uncorrected_charged = entry.uncorrected_charged.saturating_add(charge);
+            entry.leave_uncorrected(charge);
         }
         if sample && entry.issued > YOUNG_SAMPLES {
             self.last_global_sample_ns = now;
@@ -285,12 +266,8 @@ impl Estimates {
 
     /// A planned launch that will not run now (its stream is being captured, or the limit was
     /// lifted while it waited): as if it had not been planned, so that a young key still gets its
-    /// first measurements and no correction counts it.
-    ///
-    /// The process-wide sample slot and the key's rate window are not given back, and a
-    /// measurement that arrived in between has already settled the uncorrected launches (then
-    /// the next batch is reduced instead): both are off by one launch at most, and forgotten
-    /// launches are rare.
+    /// first measurements and no correction counts it. The process-wide sample slot and the rate
+    /// window are not given back: off by one launch at most, and rare.
     pub fn forget(&mut self, key: u64, plan: Plan) {
         if let Some(entry) = self.find(key) {
             if plan.sample {
@@ -303,17 +280,14 @@ impl Estimates {
         }
     }
 
-    /// A planned sample that could not be taken, or whose measurement cannot be trusted (the
-    /// launch call waited on the host long enough for the GPU to wait on it): the launch joins the
-    /// uncorrected ones, and the key is measured again within its next [`RETRY_SPREAD`] launches,
-    /// at random. Not always at the next: the launches that cannot be measured are not a random
-    /// choice, and the ones right after them need not be either (a kernel whose time alternates
-    /// launch by launch would be measured at its other time).
+    /// A planned sample that could not be taken or cannot be trusted (the launch call waited on the
+    /// host long enough for the GPU to wait on it): the launch joins the uncorrected ones, and the
+    /// key is measured again within its next [`RETRY_SPREAD`] launches, at random (the launch right
+    /// after is no random choice: a kernel alternating its time would be measured at the other).
     pub fn not_measured(&mut self, key: u64, charge: u64) {
         let spread = self.random_below(RETRY_SPREAD);
         if let Some(entry) = self.find(key) {
-            entry.uncorrected += 1;
-            entry.uncorrected_charged = entry.uncorrected_charged.saturating_add(charge);
+            entry.leave_uncorrected(charge);
             entry.issued = entry.issued.saturating_sub(1);
             entry.countdown = spread as u32;
         }
@@ -322,7 +296,9 @@ impl Estimates {
     /// A measurement of `measured_ns` for a launch of `key` that was charged `charged`. Returns
     /// the correction (ns to add to what was charged) for it and for the launches it stands for.
     pub fn measured(&mut self, key: u64, charged: u64, measured_ns: u64) -> i64 {
-        let measured_ns = measured_ns.min(LONGEST_MEASUREMENT_NS);
+        // At most the bucket's deepest debt: the driver's elapsed time is a float, and a garbage
+        // one must not become every new key's charge nor overflow the smoothing.
+        let measured_ns = measured_ns.min(DEBT_FLOOR_NS.unsigned_abs());
         let measured_ns = match self.find(key) {
             Some(entry) if entry.received >= SETTLED_SAMPLES => entry.bounded(measured_ns),
             _ => measured_ns,
@@ -590,7 +566,9 @@ mod tests {
     }
 
     #[test]
-    fn a_varying_key_is_sampled_more_often_than_a_steady_one() {
+    fn steady_keys_are_resampled_at_a_low_rate_and_varying_ones_more_often() {
+        // One launch every 10 us for two seconds, the times taken in turn; the samples of the
+        // second second, and the estimate.
         let samples = |times: [u64; 2]| {
             let mut estimates = Estimates::default();
             let (mut now, mut samples) = (0, 0);
@@ -602,14 +580,15 @@ mod tests {
                     samples += u64::from(launch >= 100_000);
                 }
             }
-            samples
+            (samples, estimates.estimate(7))
         };
-        let steady = samples([5_000, 5_000]);
-        let varying = samples([2_500, 7_500]);
+        let (steady, estimate) = samples([5_000, 5_000]);
+        let (varying, _) = samples([2_500, 7_500]);
         assert!(
             (15..=25).contains(&steady),
             "steady: {steady} samples in the 2nd second"
         );
+        assert_eq!(estimate, 5_000);
         assert!(
             varying >= 8 * steady,
             "varying: {varying} samples in the 2nd second (steady: {steady})"
@@ -630,12 +609,12 @@ mod tests {
         }
         settled(&mut estimates, 8, 1_000, &mut now);
         estimates.measured(8, 1_000, u64::MAX);
-        assert!(estimates.estimate(7) <= LONGEST_MEASUREMENT_NS);
+        assert!(estimates.estimate(7) <= DEBT_FLOOR_NS.unsigned_abs());
         assert!(estimates.estimate(8) <= 1_000 * HIGH_BOUND);
         // A key never measured is charged the prior, which follows the measurements.
         let plan = estimates.plan(9, now + 1);
         assert!(
-            plan.charge <= LONGEST_MEASUREMENT_NS,
+            plan.charge <= DEBT_FLOOR_NS.unsigned_abs(),
             "a new key charged {} ns",
             plan.charge
         );
@@ -660,24 +639,6 @@ mod tests {
             counted <= 32 * estimate,
             "counted {counted} ns on an estimate of {estimate} ns"
         );
-    }
-
-    #[test]
-    fn steady_keys_are_resampled_at_a_low_rate() {
-        let mut estimates = Estimates::default();
-        let mut now = 0;
-        let mut samples = 0;
-        // One launch every 10 us for two seconds; the second one's samples are counted.
-        for launch in 0..200_000 {
-            now += 10_000;
-            let plan = estimates.plan(7, now);
-            if plan.sample {
-                samples += u32::from(launch >= 100_000);
-                estimates.measured(7, plan.charge, 5_000);
-            }
-        }
-        assert!((15..=25).contains(&samples), "{samples} samples in the second second");
-        assert_eq!(estimates.estimate(7), 5_000);
     }
 
     #[test]
