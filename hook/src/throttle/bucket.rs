@@ -31,19 +31,9 @@ const CLOCK_BACKWARDS_NS: u64 = 1_000_000_000;
 /// Adds the wall time since the last refill at `limit` percent.
 pub fn refill(device: &ComputeDevice, now: u64, limit: u8) {
     let last = device.refilled_ns.load(Ordering::Acquire);
-    if last == 0 || last > now.saturating_add(CLOCK_BACKWARDS_NS) {
-        // First use, or a stale file: start with a full bucket.
-        if device
-            .refilled_ns
-            .compare_exchange(last, now, Ordering::AcqRel, Ordering::Relaxed)
-            .is_ok()
-        {
-            device.budget_ns.store(BURST_NS, Ordering::Release);
-            device.limit_percent.store(u32::from(limit), Ordering::Relaxed);
-        }
-        return;
-    }
-    if now < last.saturating_add(REFILL_QUANTUM_NS) {
+    // First use, or a stale file: start with a full bucket.
+    let restart = last == 0 || last > now.saturating_add(CLOCK_BACKWARDS_NS);
+    if !restart && now < last.saturating_add(REFILL_QUANTUM_NS) {
         return;
     }
     if device
@@ -51,10 +41,14 @@ pub fn refill(device: &ComputeDevice, now: u64, limit: u8) {
         .compare_exchange(last, now, Ordering::AcqRel, Ordering::Relaxed)
         .is_err()
     {
-        return; // another thread or process added this stretch
+        return; // another thread or process took this stretch
     }
-    let added = ((now - last) as u128 * u128::from(limit) / 100).min(i64::MAX as u128) as i64;
-    add(device, added);
+    if restart {
+        device.budget_ns.store(BURST_NS, Ordering::Release);
+    } else {
+        let added = ((now - last) as u128 * u128::from(limit) / 100).min(i64::MAX as u128) as i64;
+        add(device, added);
+    }
     device.limit_percent.store(u32::from(limit), Ordering::Relaxed);
 }
 
@@ -70,31 +64,27 @@ pub fn add(device: &ComputeDevice, delta: i64) {
 /// Refills, then admits a launch of `cost` ns if the budget allows it. `Err` holds how long (ns
 /// of wall time) until the budget is back at zero at this limit.
 ///
-/// Admission has hysteresis: a positive budget opens a burst, and while a burst is open launches
-/// are admitted down to [`BURST_DEBT_NS`] of debt; then it closes until the budget is positive
-/// again. Launches of every stream and thread of the container thus run in the same stretches of
-/// time, side by side as they run unlimited, instead of one by one as the refill trickles in
-/// (which would take the concurrency of a multi-stream job away). The long-run share is the
-/// refill's either way.
+/// A positive budget opens a burst, which admits launches down to [`BURST_DEBT_NS`] of debt, then
+/// closes until the budget is positive again: the container's streams run side by side in the
+/// same stretches, as unlimited, not one by one as the refill trickles in. The long-run share is
+/// the refill's either way.
 pub fn try_take(device: &ComputeDevice, now: u64, limit: u8, cost: u64) -> Result<(), u64> {
     refill(device, now, limit);
     let budget = device.budget_ns.load(Ordering::Acquire);
     let open = device.flags.load(Ordering::Relaxed) & BURST_OPEN != 0;
-    if budget > 0 || (open && budget > -BURST_DEBT_NS) {
-        let cost = cost.min(i64::MAX as u64) as i64;
+    let admitted = budget > 0 || (open && budget > -BURST_DEBT_NS);
+    let cost = cost.min(i64::MAX as u64) as i64;
+    if admitted {
         add(device, -cost);
-        let after = budget.saturating_sub(cost);
-        if after > -BURST_DEBT_NS {
-            if !open {
-                device.flags.fetch_or(BURST_OPEN, Ordering::Relaxed);
-            }
-        } else if open {
-            device.flags.fetch_and(!BURST_OPEN, Ordering::Relaxed);
-        }
-        return Ok(());
     }
-    if open {
+    let stays_open = admitted && budget.saturating_sub(cost) > -BURST_DEBT_NS;
+    if stays_open && !open {
+        device.flags.fetch_or(BURST_OPEN, Ordering::Relaxed);
+    } else if !stays_open && open {
         device.flags.fetch_and(!BURST_OPEN, Ordering::Relaxed);
+    }
+    if admitted {
+        return Ok(());
     }
     let deficit = budget.unsigned_abs().max(1);
     Err((deficit as u128 * 100 / u128::from(limit.max(1))).min(u64::MAX as u128) as u64)
