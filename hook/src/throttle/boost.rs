@@ -1,51 +1,30 @@
 //! Compensation for the GPU's boost clock.
 //!
-//! A GPU that a workload keeps busy all the time runs at the clock its power limit allows. Held to
-//! part of its time by the limiter, the same GPU stays under its power limit and runs at a higher
-//! clock, so each kernel takes less time and half of the GPU's time does more than half of the
-//! unlimited work (results/2026-11-30-h200-compute-time-share.txt). On a board with
-//! a profile the limit holds in work done, not only in time: a kernel is charged what it would
-//! take on the GPU busy with this container's work alone.
+//! Held to part of its time, a GPU stays under its power limit and runs at a higher clock than
+//! busy all the time, so half its time does more than half the unlimited work
+//! (results/2026-11-30-h200-compute-time-share.txt). On a board with a profile ([`Profile`], from
+//! `boards.toml` by NVML's name: [`super::boards`]) a kernel is charged what it would take on the
+//! GPU busy with this container's work alone, so the limit holds in work done. Without a profile,
+//! or with `VGPU_COMPUTE_PROFILE=off`, the factor is 1 ([`Compensation::TimeShare`]).
 //!
-//! That time comes from a model of the GPU's power, fed by NVML once a second, whose constants
-//! are the board's ([`Profile`], from `boards.toml` by NVML's name: [`super::boards`]). A GPU
-//! without a profile, or with `VGPU_COMPUTE_PROFILE=off`, has no model: its factor is 1
-//! ([`Compensation::TimeShare`]), and the limit is a share of its time.
+//! The model, fed by NVML once a second:
+//! - the GPU's power `P`, its enforced limit `P_cap`, an idle power of [`Profile::idle_share`] of
+//!   the board's default limit `P_rated` (idle power is the board's, whatever limit is set), and
+//!   the share `s` of the GPU's time the container's kernels take, trimmed to NVML's busy time
+//!   (the brackets also read gaps between kernels, which draw no dynamic power; [`busy_share`]);
+//! - dynamic power at full load at this clock: `(P - P_idle) / s`;
+//! - dynamic power grows as the clock to [`Profile::alpha`], a kernel's time shrinks as the clock
+//!   to [`Profile::beta`], so at full load each kernel would run slower by
+//!   `((P - P_idle) / s / (P_cap - P_idle)) ^ (beta / alpha)`: the factor charged.
 //!
-//! - the GPU's power `P` (NVML's average), its enforced power limit `P_cap`, an idle power of
-//!   [`Profile::idle_share`] of the board's default power limit `P_rated` (the clocks stay up
-//!   between kernels; idle power is the board's, whatever limit an administrator set), and the
-//!   share `s` of the GPU's time that kernels take: the container's own, measured by the sensor
-//!   before compensation and trimmed to NVML's busy time (the brackets also read the front end's
-//!   gaps between kernels, which draw no dynamic power) ([`busy_share`] says why NVML's
-//!   utilisation is used only without a clock reading);
-//! - the GPU's dynamic power were it busy all the time at this clock: `(P - P_idle) / s`;
-//! - dynamic power grows as the clock to the power [`Profile::alpha`], a kernel's time shrinks as
-//!   the clock to the power [`Profile::beta`] (a GEMM's time is not all compute); so a GPU over
-//!   its limit at full load would run each kernel slower by
-//!   `((P - P_idle) / s / (P_cap - P_idle)) ^ (beta / alpha)`, which is the factor charged.
-//!
-//! NVML cannot tell whose work the GPU's power is for: another container's work is counted as this
-//! one's, and the power alone would charge a container sharing a saturated GPU for a boost it does
-//! not get. The clock bounds that:
-//!
-//! - no work draws more than [`Profile::heaviest_work`] times the board's default power limit in
-//!   dynamic power at the highest clock `f_max` (were the GPU busy all the time), so no GPU busy
-//!   all the time settles below `f_floor = f_max * ((P_cap - P_idle) / (heaviest_work *
-//!   P_rated))^(1 / alpha)`, and a kernel running at the
-//!   present clock `f` takes at most `(f / f_floor)^beta` less time than it would at full load:
-//!   the factor never exceeds that. A GPU saturated by one GEMM runs near `f_floor`; the GEMMs of
-//!   several containers saturating it together run a little faster (the switches between their
-//!   contexts leave it idle a little), and each is charged the same bound, which their kernels do
-//!   gain over one GEMM alone at full load. One whose clock a power slowdown holds partly down
-//!   keeps the part of the boost its clock shows. The clock is one instantaneous reading (NVML's
-//!   power is a 1 s average), so the bound moves from reading to reading; the factor's smoothing
-//!   averages it;
-//! - without the clock readings, while the GPU reports a power or thermal slowdown the factor is
-//!   1 (the kernels may already run at the clock the power limit allows);
-//! - the factor never exceeds [`Profile::max_factor`], a little above the board's whole boost
-//!   range;
-//! - without NVML's power readings the factor stays 1 (time share).
+//! NVML's power counts other containers' work as this one's, so the clock bounds the factor: no
+//! work draws more than [`Profile::heaviest_work`] times `P_rated` at the highest clock `f_max`,
+//! so no GPU busy all the time settles below `f_floor = f_max * ((P_cap - P_idle) /
+//! (heaviest_work * P_rated))^(1 / alpha)`, and a kernel at the present clock `f` takes at most
+//! `(f / f_floor)^beta` less time than at full load. The clock is one instantaneous reading; the
+//! factor's smoothing averages it. Without a clock reading the factor is 1 while the GPU reports a
+//! power or thermal slowdown; it never exceeds [`Profile::max_factor`]; without NVML's power
+//! readings it is 1.
 
 /// A board's power model: the constants of the model above, fitted to one kind of GPU
 /// (`boards.toml`, which documents each; [`super::boards`] reads and checks them).
@@ -98,11 +77,10 @@ impl Compensation {
 }
 
 /// Below this measured share a reading says nothing of the container's work (NVML's figures are
-/// in whole percent; the power of a GPU this idle is mostly idle power).
+/// whole percent; the power of a GPU this idle is mostly idle power).
 pub const MIN_SHARE: f64 = 0.05;
-/// Weight of a new reading in the factor (readings come once a second; NVML's power is itself
-/// averaged over about a second). The first readings are taken whole (the runtime reads NVML
-/// every 250 ms in the first 1.5 s), so that a job is charged its boost from its second second.
+/// Weight of a new reading in the factor (NVML's power is itself a one-second average); the first
+/// readings are taken whole, so that a job is charged its boost from its second second.
 const SMOOTHING: f64 = 0.5;
 
 /// NVML's clock event reasons that mean the clock is held down by power or heat.
@@ -146,14 +124,9 @@ impl ClockReading {
 }
 
 /// The busy share `s` the power is divided by: the container's own (`own`, its kernels' measured
-/// time, trimmed), and where the clock bound cannot apply (no clock reading) NVML's utilisation of
-/// the whole GPU (`gpu`) when it is more.
-///
-/// With a clock reading the clock bounds the factor, so other containers' power cannot be charged
-/// beyond the boost the clock shows; NVML's utilisation would then only lower the factor where it
-/// reads more than the kernels' time, as it does for two processes of one container taking turns
-/// on the GPU (the switches between their contexts count as busy and draw little power): that
-/// under-charges their boost and lets them run over their limit
+/// time, trimmed), or without a clock reading NVML's utilisation of the whole GPU (`gpu`) when it
+/// is more. With a clock reading the clock bounds other containers' power, and NVML's figure,
+/// which counts context switches as busy, would under-charge two processes of one container
 /// (results/2026-12-01-h200-compute-two-processes.txt).
 pub fn busy_share(own: f64, gpu: Option<f64>, clock_known: bool) -> f64 {
     match gpu {
@@ -344,8 +317,8 @@ mod tests {
 
     #[test]
     fn a_gpu_at_its_power_limit_keeps_the_boost_its_clock_shows() {
-        // The H200 GEMM held to 75%: 658 W at 1860 MHz with a power-cap slowdown
-        // (-gemm75-clock-trace.txt); unlimited it runs at 1625 MHz (-compute-boost-clock-branch), so each product takes (1860 / 1625)^0.66 = 1.09 less time.
+        // The H200 GEMM held to 75%: 658 W at 1860 MHz with a power-cap slowdown; unlimited it
+        // runs at 1625 MHz, so each product takes (1860 / 1625)^0.66 = 1.09 less time.
         let factor = board().target_factor(at_clock(658.0, 1860.0, true), 0.75);
         assert!((1.07..=1.13).contains(&factor), "{factor}");
         // Without the clock, a slowed GPU is charged its time.
@@ -464,44 +437,35 @@ mod tests {
         assert_eq!(board().smoothed(1.2, 9.0, false), board().max_factor);
     }
 
-    /// Readings that call for every factor the H200's model gives, up to its largest.
-    fn hungry_readings() -> Vec<(PowerReading, f64)> {
-        vec![
+    #[test]
+    fn without_a_profile_or_with_off_a_board_is_charged_its_time_whatever_the_power() {
+        let modelled = boards::choose(ComputeProfile::Auto, Some("NVIDIA H200")).compensation;
+        let unknown = boards::choose(ComputeProfile::Auto, Some("NVIDIA A100-SXM4-80GB")).compensation;
+        let off = boards::choose(ComputeProfile::Off, Some("NVIDIA H200")).compensation;
+        assert!(modelled.reads_power());
+        for time_share in [unknown, off] {
+            assert_eq!(time_share, Compensation::TimeShare);
+            assert!(!time_share.reads_power());
+            assert_eq!(time_share.smoothed(1.0, 1.2, true), 1.0);
+            assert_eq!(time_share.smoothed(1.2, 1.2, false), 1.0);
+        }
+        // Readings that call for every factor the H200's model gives, up to its largest.
+        let hungry = [
             (h200(501.0), 0.5),
             (at_clock(501.0, 1980.0, false), 0.5),
             (at_clock(658.0, 1860.0, true), 0.75),
             (h200(650.0), 0.05),
             (h200(5000.0), 1.5),
-        ]
-    }
-
-    #[test]
-    fn a_board_without_a_profile_is_charged_its_time_whatever_the_power() {
-        let unknown = boards::choose(ComputeProfile::Auto, Some("NVIDIA A100-SXM4-80GB")).compensation;
-        assert_eq!(unknown, Compensation::TimeShare);
-        assert!(!unknown.reads_power());
-        for (reading, share) in hungry_readings() {
-            assert!(board().target_factor(reading, share) > 1.05, "{reading:?}");
-            assert_eq!(unknown.target_factor(Some(reading), share), 1.0, "{reading:?}");
-        }
-        assert_eq!(unknown.smoothed(1.0, 1.2, true), 1.0);
-        assert_eq!(unknown.smoothed(1.2, 1.2, false), 1.0);
-    }
-
-    #[test]
-    fn off_charges_a_profiled_board_its_time() {
-        let modelled = boards::choose(ComputeProfile::Auto, Some("NVIDIA H200")).compensation;
-        assert!(modelled.reads_power());
-        let off = boards::choose(ComputeProfile::Off, Some("NVIDIA H200")).compensation;
-        assert_eq!(off, Compensation::TimeShare);
-        for (reading, share) in hungry_readings() {
+        ];
+        for (reading, share) in hungry {
             let factor = modelled.target_factor(Some(reading), share);
             assert_eq!(factor, board().target_factor(reading, share));
             assert!(factor > 1.05, "{reading:?}");
-            assert_eq!(off.target_factor(Some(reading), share), 1.0, "{reading:?}");
+            for time_share in [unknown, off] {
+                assert_eq!(time_share.target_factor(Some(reading), share), 1.0, "{reading:?}");
+            }
         }
         assert_eq!(modelled.smoothed(1.0, 1.2, true), 1.2);
-        assert_eq!(off.smoothed(1.0, 1.2, true), 1.0);
         // Without a power reading even the model charges the time.
         assert_eq!(modelled.target_factor(None, 0.5), 1.0);
     }
