@@ -1,33 +1,22 @@
 //! Kernel activity for HAMi's monitor: the region's `last_kernel_time` (unix seconds of the last
-//! launch; HAMi exports it as the container's last-kernel metric and its priority feedback uses
-//! it), moved by every launch, limited or not, and written at attach (`session::start`).
+//! launch, HAMi's last-kernel metric and priority feedback), moved by every launch, limited or
+//! not, and written at attach (`session::start`) and at normal exit ([`write_at_exit`]).
 //!
-//! The unlimited launch path pays nothing for it: a background tick ([`TICK_PERIOD`]) that has
-//! written the time (at most once a second) turns the limiter's mode from `Off` to `Idle`. The
-//! fast path only goes to the driver directly while the mode is `Off`, so the next launch takes
-//! the handler's path once, where [`launched`] turns it back to `Off`: the next tick knows a launch
-//! happened. Launches on the limited path set a flag instead. So an unlimited launch makes no
-//! system call and no extra load, and the process's busy launches leave the fast path once a
-//! second.
+//! The unlimited launch path pays nothing for it: a tick ([`TICK_PERIOD`]) that has written the
+//! time (at most once a second) turns the mode from `Off` to `Idle`, and the fast path goes to the
+//! driver directly only while it is `Off`, so the next launch takes the handler's path once, where
+//! [`launched`] turns it back. Limited launches set a flag instead. So an unlimited launch makes
+//! no system call and no extra load, and busy launches leave the fast path once a second.
 //!
-//! The tick also follows the region's compute limits, which may change while the process runs
-//! (`crate::limits`): an unlimited process whose limit is raised starts limiting within its
-//! period, and one whose limit is lifted goes back to the fast path
-//! ([`super::runtime::follow_live_limits`]).
+//! The tick also follows the region's live compute limits
+//! ([`super::runtime::follow_live_limits`]), keeps the region's path naming the container's region
+//! ([`crate::session::keep_region_path`]), repairs the process's slot (`memory::restore`), and
+//! moves elastic memory back to the device when it has room ([`crate::memory::elastic_tick`]).
 //!
-//! At normal exit, a launch since the tick's last write is written too ([`write_at_exit`]).
-//!
-//! The tick also keeps the region's path naming the container's region
-//! ([`crate::session::keep_region_path`]: a file deleted or replaced under running processes is
-//! put back within a period), the process's slot holding what it holds (`memory::restore`: a copy
-//! written over the file is repaired at the next tick), and moves memory that elastic memory put
-//! in host memory back to the device when it has room ([`crate::memory::elastic_tick`]).
-//!
-//! The tick is started by the process's first launch, which always takes the handler's path (the
-//! limiter decides its mode there: [`ensure_tick`]); a process that never launches has none (and
-//! can be unloaded: a running thread pins the library). Fork: the child has no tick thread; the
-//! `pthread_atfork` child handler clears the flags and makes the limiter decide its mode again, so
-//! the child's first launch takes the handler's path and starts a tick of its own.
+//! The process's first launch, on the handler's path, starts the tick ([`ensure_tick`]); a process
+//! that never launches has none (and can be unloaded: a running thread pins the library). A forked
+//! child has no tick thread: the `pthread_atfork` handler clears the flags and makes the limiter
+//! decide its mode again, so the child's first launch starts a tick of its own.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;

@@ -1,27 +1,20 @@
 //! The one correction of the charges beyond the sensor's measurements: a factor per device that
-//! every measured or planned time is charged at, followed once a second from NVML's readings of
-//! the GPU in use. It is the product of two parts, both read from that GPU at run time:
+//! every measured or planned time is charged at, followed once a second from NVML. Two parts:
 //!
-//! - **NVML's trim** (at most 1): where NVML sees the GPU busy for less time than the sensor
-//!   measured the container's kernels, the charges are trimmed to what NVML sees. A bracket of
-//!   events reads a kernel's time plus some of the GPU's time between kernels (the front end
-//!   starting the next one, and on a stream with work queued more of the events' own time than
-//!   the [`super::sensor::BRACKET_OVERHEAD_NS`] taken off), which no bracket can separate from
-//!   the kernel. NVML's utilisation covers the whole GPU, so it can only show that the
-//!   container's measurements are too high, never too low (another container's work adds to
-//!   it). A reading far below the measured share is not this error but a GPU whose NVML does not
-//!   see the work (a VM, a pinned or broken figure): it is left out, and so is a share too small
-//!   to compare. The trim is the ratio of NVML's busy time to the measured busy time over a
-//!   window of recent readings (sums that decay with [`WINDOW_S`]): the charges follow the trim,
-//!   and the measurements with them, but their ratio to NVML's figure does not, so the first
-//!   readings already give it.
-//! - **The boost compensation** (at least 1, only on a board with a profile): the power model of
-//!   [`super::boost`], fed with the container's trimmed share (the GPU draws its dynamic power
-//!   while kernels run, not in the gaps the brackets also read).
+//! - **NVML's trim** (at most 1): a bracket reads a kernel's time plus some of the GPU's time
+//!   between kernels (the front end, and on a busy stream more of the events' own time than
+//!   [`super::sensor::BRACKET_OVERHEAD_NS`]), so where NVML sees the GPU busy for less than the
+//!   sensor measured, the charges are trimmed to NVML's figure. NVML covers the whole GPU, so it
+//!   can only show the measurements too high, never too low. A reading far below the measured
+//!   share is a GPU whose NVML does not see the work (a VM, a broken figure) and is left out, as
+//!   is a share too small to compare. The trim is NVML's busy time over the measured, summed over
+//!   readings that decay with [`WINDOW_S`]; the ratio does not move with the charges, so the
+//!   first readings already give it.
+//! - **The boost compensation** (at least 1, only on a board with a profile): [`super::boost`],
+//!   fed with the trimmed share (dynamic power is drawn while kernels run, not in the gaps).
 //!
-//! The measured share is the period's charged time divided by the factor it was charged at, so
-//! neither part feeds back into the other through the charges. Without NVML's readings the
-//! factor is 1: the limit is a share of the sensor's time.
+//! The measured share is the charged time divided by the factor it was charged at, so neither
+//! part feeds back into the other. Without NVML's readings the factor is 1.
 
 use super::boost::{self, Compensation, MIN_SHARE, PowerReading};
 
@@ -31,8 +24,7 @@ pub const MIN_TRIM: f64 = 0.85;
 /// too little: one sample of a job with phases swings by tens of points.
 pub const MIN_SAMPLES: usize = 4;
 /// The time constant of the trim's window, in seconds of readings: long enough to average
-/// NVML's per-sample swings, short enough to follow a change of work within a few seconds; a
-/// reading counts for at most two seconds (a poller late to read NVML).
+/// NVML's swings, short enough to follow a change of work within a few seconds.
 pub const WINDOW_S: f64 = 5.0;
 
 /// One NVML reading of a device, as the background thread takes it once a second.
@@ -90,6 +82,7 @@ impl Correction {
         let nvml_share = reading.samples.map(|(mean, _)| mean).or(reading.utilisation);
         let enough = reading.samples.is_none_or(|(_, count)| count >= MIN_SAMPLES);
         if !starting && enough && self.readings > 0 {
+            // A reading counts for at most two seconds (a poller late to read NVML).
             self.window.add(measured, nvml_share, seconds.min(2.0));
         }
         let clock_known = reading.power.is_some_and(|power| power.clock.is_some());

@@ -1,21 +1,16 @@
 //! Kernels of several streams that run side by side: the share of their bracketed time in which
 //! the GPU is busy with them together.
 //!
-//! A launch is charged its bracket's time, which counts the whole of a kernel that ran beside
-//! others; summed over several streams that overlap, the brackets exceed the time the container's
-//! kernels occupy the GPU. So each sample asks the GPU how many of the container's streams had
-//! work during its bracket: when it begins, an event (a *probe*) is recorded on each other stream
-//! of the device that launched recently, and completes when the work queued there by then has
-//! run. The part of the bracket before a probe completes is time that stream had work too. The
-//! bracket over the number of streams with work is the sample's share of the time they occupied
-//! the GPU together; accumulated over recent samples against the brackets, it is the factor every
-//! charge of the device is scaled by. A sample opens a window even with no other stream active
-//! (the other streams of a burst that begins after the limiter's pause start launching during its
-//! bracket, as members); one with no other stream active that cannot open a window counts in
-//! full.
+//! Brackets of overlapping streams, summed, exceed the time the container's kernels occupy the
+//! GPU. So when a sample begins, an event (a *probe*) is recorded on each other recently active
+//! stream of the device, completing when the work queued there has run: until then that stream
+//! had work too. The bracket over the number of streams with work is the sample's share; over
+//! recent samples it is the factor every charge of the device is scaled by. A sample opens a
+//! window even alone (a burst after the limiter's pause begins with one stream, the others join as
+//! members); one alone that cannot open a window counts in full.
 //!
-//! A stream whose queued work waits on another stream (an event wait) counts as having work while
-//! it waits; the limit is then looser than the share, by at most that stream's waiting time.
+//! A stream waiting on another stream's event counts as having work; the limit is then looser by
+//! at most that wait.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
@@ -229,19 +224,19 @@ mod tests {
     fn a_sample_opens_a_window_when_it_can_alone_or_not() {
         let (opened, until) = (1_000_000_000, 1_000_000_000 + WINDOW_NS);
         let later = opened + WINDOW_SPACING_NS;
-        assert_eq!(window_choice(true, later, opened, until), WindowChoice::Open);
-        assert_eq!(window_choice(false, later, opened, until), WindowChoice::Open);
-        assert_eq!(
-            window_choice(true, until, opened, until),
-            WindowChoice::Unseen,
-            "too soon"
-        );
-        assert_eq!(window_choice(false, until, opened, until), WindowChoice::Alone);
-        assert_eq!(
-            window_choice(true, opened + 1, opened, until),
-            WindowChoice::Unseen,
-            "open"
-        );
+        for (others_active, now, expected) in [
+            (true, later, WindowChoice::Open),
+            (false, later, WindowChoice::Open),
+            (true, until, WindowChoice::Unseen), // too soon
+            (false, until, WindowChoice::Alone),
+            (true, opened + 1, WindowChoice::Unseen), // open
+        ] {
+            assert_eq!(
+                window_choice(others_active, now, opened, until),
+                expected,
+                "{others_active} at {now}"
+            );
+        }
     }
 
     #[test]
