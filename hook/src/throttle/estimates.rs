@@ -413,6 +413,17 @@ mod tests {
         assert_eq!(estimates.plan(8, 201).charge, 2_000_000);
     }
 
+    impl Estimates {
+        /// Plans a launch of `key` at `now` and measures it at `took` when sampled; whether it was.
+        fn launch(&mut self, key: u64, now: u64, took: u64) -> bool {
+            let plan = self.plan(key, now);
+            if plan.sample {
+                self.measured(key, plan.charge, took);
+            }
+            plan.sample
+        }
+    }
+
     /// A settled key measured at `ns` for each of its samples, at one launch every 10 us.
     fn settled(estimates: &mut Estimates, key: u64, ns: u64, now: &mut u64) {
         while estimates
@@ -420,10 +431,7 @@ mod tests {
             .is_none_or(|entry| entry.received < SETTLED_SAMPLES + 1)
         {
             *now += 10_000;
-            let plan = estimates.plan(key, *now);
-            if plan.sample {
-                estimates.measured(key, plan.charge, ns);
-            }
+            estimates.launch(key, *now, ns);
         }
     }
 
@@ -551,10 +559,7 @@ mod tests {
         let mut now = GLOBAL_SAMPLE_INTERVAL_NS;
         for _ in 0..=YOUNG_SAMPLES {
             now += 2_000;
-            let plan = estimates.plan(7, now);
-            if plan.sample {
-                estimates.measured(7, plan.charge, 5_000);
-            }
+            estimates.launch(7, now, 5_000);
         }
         let next = (1..=100_000u64)
             .find(|_| {
@@ -574,9 +579,7 @@ mod tests {
             let (mut now, mut samples) = (0, 0);
             for launch in 0..200_000u64 {
                 now += 10_000;
-                let plan = estimates.plan(7, now);
-                if plan.sample {
-                    estimates.measured(7, plan.charge, times[(launch % 2) as usize]);
+                if estimates.launch(7, now, times[(launch % 2) as usize]) {
                     samples += u64::from(launch >= 100_000);
                 }
             }
@@ -651,11 +654,7 @@ mod tests {
             for key in 1..=8 {
                 now += 1_700_000;
                 launches += 1;
-                let plan = estimates.plan(key, now);
-                if plan.sample {
-                    samples += 1;
-                    estimates.measured(key, plan.charge, 500_000);
-                }
+                samples += u64::from(estimates.launch(key, now, 500_000));
             }
         }
         let settled = samples - 8 * u64::from(YOUNG_SAMPLES);
@@ -679,11 +678,7 @@ mod tests {
             now += 100_000;
             for count in positions.iter_mut() {
                 now += 3_000;
-                let plan = estimates.plan(7, now);
-                if plan.sample {
-                    *count += 1;
-                    estimates.measured(7, plan.charge, 3_000);
-                }
+                *count += u32::from(estimates.launch(7, now, 3_000));
             }
         }
         let total: u32 = positions.iter().sum();
@@ -710,10 +705,7 @@ mod tests {
         // A forgotten launch that was not to be measured is not corrected either.
         let mut estimates = Estimates::default();
         for i in 0..=YOUNG_SAMPLES {
-            let plan = estimates.plan(7, u64::from(i));
-            if plan.sample {
-                estimates.measured(7, plan.charge, 1_000);
-            }
+            estimates.launch(7, u64::from(i), 1_000);
         }
         let plan = estimates.plan(7, 20);
         assert!(!plan.sample);
