@@ -116,21 +116,14 @@ fn parse(text: &str) -> Result<Vec<(Vec<String>, Profile)>, String> {
         format!("{line}{}", error.message().trim().replace('\n', " "))
     })?;
     let mut boards: Vec<(Vec<String>, Profile)> = Vec::with_capacity(file.board.len());
+    let mut seen = std::collections::HashSet::new();
     for (index, board) in file.board.into_iter().enumerate() {
         let which = || {
             let first = board.names.first().map_or(String::new(), |name| format!(" ({name:?})"));
             format!("board {}{first}", index + 1)
         };
         let profile = board.check().map_err(|error| format!("{}: {error}", which()))?;
-        if let Some(name) = board
-            .names
-            .iter()
-            .enumerate()
-            .find(|(at, name)| {
-                board.names[..*at].contains(name) || boards.iter().any(|(names, _)| names.contains(name))
-            })
-            .map(|(_, name)| name)
-        {
+        if let Some(name) = board.names.iter().find(|name| !seen.insert((*name).clone())) {
             return Err(format!("{}: the name {name:?} is listed twice", which()));
         }
         boards.push((board.names, profile));
