@@ -39,6 +39,9 @@
 //                                                                 cuMemFreeAsync on a stream of its own
 //     vmm <bytes>          -> vmm <status> <handle>               cuMemCreate of pinned memory on the current
 //                                                                 context's device
+//     vmmxla <bytes>       -> vmmxla <status> <handle>            the same with the properties XLA's allocator
+//                                                                 asks for: GPUDirect RDMA, POSIX fd and fabric
+//                                                                 handles
 //     vmmrelease <handle>  -> vmmrelease <status>                 cuMemRelease
 //     mode                 -> mode <status> <mode>                this thread's capture interaction mode
 //                                                                 (cuThreadExchangeStreamCaptureMode, twice)
@@ -96,17 +99,22 @@ int main(void) {
         unsigned long long number = strtoull(arg, NULL, 10);
         if (common_command(command, number)) {
             // answered
-        } else if (strcmp(command, "vmm") == 0) {
+        } else if (strcmp(command, "vmm") == 0 || strcmp(command, "vmmxla") == 0) {
             CUdevice device = 0;
             CUmemGenericAllocationHandle handle = 0;
             CUmemAllocationProp prop;
             memset(&prop, 0, sizeof prop);
             prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
             prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+            if (strcmp(command, "vmmxla") == 0) {
+                prop.allocFlags.gpuDirectRDMACapable = 1;
+                prop.requestedHandleTypes =
+                    (CUmemAllocationHandleType)(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR | CU_MEM_HANDLE_TYPE_FABRIC);
+            }
             CUresult status = cuCtxGetDevice(&device);
             prop.location.id = device;
             if (status == CUDA_SUCCESS) status = cuMemCreate(&handle, (size_t)number, &prop, 0);
-            printf("vmm %d %llu\n", (int)status, (unsigned long long)handle);
+            printf("%s %d %llu\n", command, (int)status, (unsigned long long)handle);
         } else if (strcmp(command, "vmmrelease") == 0) {
             printf("vmmrelease %d\n", (int)cuMemRelease((CUmemGenericAllocationHandle)number));
         } else if (strcmp(command, "asyncalloc") == 0) {

@@ -197,11 +197,21 @@ pub(super) fn create_on_host(
     let Some(region_index) = accounting.device(device).map(|entry| entry.region_index) else {
         return refused;
     };
-    let mut on_host = *prop;
-    on_host.location = located(CU_MEM_LOCATION_TYPE_HOST_NUMA, host_numa_node(device));
-    // SAFETY: the application's out-pointer (checked non-null by the caller) and a copy of its
-    // properties with another location.
-    let created = in_relaxed_capture_mode(|| unsafe { create(handle, bytes as usize, &on_host, 0) });
+    let node = host_numa_node(device);
+    let mut created = status;
+    let mut dropped = None;
+    for (on_host, without) in host_properties(prop, node) {
+        // SAFETY: the application's out-pointer (checked non-null by the caller) and a copy of its
+        // properties with another location.
+        created = in_relaxed_capture_mode(|| unsafe { create(handle, bytes as usize, &on_host, 0) });
+        dropped = without;
+        if !matches!(
+            created,
+            CUDA_ERROR_INVALID_VALUE | CUDA_ERROR_NOT_SUPPORTED | CUDA_ERROR_NOT_PERMITTED
+        ) {
+            break;
+        }
+    }
     if created != CUDA_SUCCESS {
         static SAID: AtomicBool = AtomicBool::new(false);
         if !SAID.swap(true, Ordering::Relaxed) {
@@ -211,6 +221,15 @@ pub(super) fn create_on_host(
             );
         }
         return refused;
+    }
+    if let Some(without) = dropped {
+        static SAID: AtomicBool = AtomicBool::new(false);
+        if !SAID.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "host memory for VMM allocations of device {device} is made {without}, which the driver refuses \
+                 for host memory: exporting such an allocation fails"
+            );
+        }
     }
     record_host_backed(accounting, region_index, bytes, true);
     static SAID: AtomicBool = AtomicBool::new(false);
@@ -222,6 +241,30 @@ pub(super) fn create_on_host(
         );
     }
     (CUDA_SUCCESS, Family::SpillHandle)
+}
+
+/// The properties a VMM allocation is made with in host memory, tried in turn until the driver
+/// takes one, each with what it leaves out of the application's: first the application's own on
+/// the host NUMA node `node`; then without what only device memory has (GPUDirect RDMA,
+/// compression, usage flags) or needs a fabric (fabric handles); then without shareable handles;
+/// then on no particular node (where the system has no NUMA nodes for the driver), which admits
+/// no shareable handles either.
+fn host_properties(prop: &CUmemAllocationProp, node: i32) -> [(CUmemAllocationProp, Option<&'static str>); 4] {
+    let mut own = *prop;
+    own.location = located(CU_MEM_LOCATION_TYPE_HOST_NUMA, node);
+    let mut plain = own;
+    plain.allocFlags = Default::default();
+    plain.requestedHandleTypes &= !CU_MEM_HANDLE_TYPE_FABRIC;
+    let mut private = plain;
+    private.requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE;
+    let mut anywhere = private;
+    anywhere.location = located(CU_MEM_LOCATION_TYPE_HOST, 0);
+    [
+        (own, None),
+        (plain, Some("without GPUDirect RDMA, compression and fabric handles")),
+        (private, Some("without shareable handles")),
+        (anywhere, Some("on no particular NUMA node, without shareable handles")),
+    ]
 }
 
 /// The host NUMA node nearest `device` (0 where the driver does not say).

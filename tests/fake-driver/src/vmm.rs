@@ -69,7 +69,17 @@ pub unsafe extern "C" fn cuMemCreate(
                 let ordinal = i32::from(device);
                 (ordinal, Some(state.device(ordinal)?))
             }
-            CU_MEM_LOCATION_TYPE_HOST | CU_MEM_LOCATION_TYPE_HOST_NUMA | CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT => {
+            // As the driver documents: no shareable handles for memory of no particular node, and
+            // HOST_NUMA_CURRENT is for pools only. Device features (GPUDirect RDMA, fabric
+            // handles) are refused too: an H100 refused XLA's properties, which may ask for both,
+            // on a host node.
+            CU_MEM_LOCATION_TYPE_HOST | CU_MEM_LOCATION_TYPE_HOST_NUMA => {
+                let device_only = prop.allocFlags.gpuDirectRDMACapable != 0
+                    || prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_FABRIC != 0;
+                let shareable = prop.requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE;
+                if device_only || (prop.location.type_ == CU_MEM_LOCATION_TYPE_HOST && shareable) {
+                    return Err(CUDA_ERROR_INVALID_VALUE);
+                }
                 (0, None)
             }
             _ => return Err(CUDA_ERROR_INVALID_VALUE),

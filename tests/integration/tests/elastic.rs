@@ -192,15 +192,17 @@ fn within_the_limit_the_device_cannot_back_an_allocation_host_memory_does() {
 /// A VMM allocation (`cuMemCreate`: JAX's allocator, PyTorch's expandable segments) the device
 /// cannot back is made in host memory, charged and shown host-backed like a spill, and released
 /// with its handle; without the variable the refusal stands.
+/// `vmmxla` asks for what XLA's allocator asks for (GPUDirect RDMA, fabric and POSIX fd handles),
+/// which the fake, like the H100, refuses for host memory: the host allocation is made without.
 #[test]
 fn a_vmm_allocation_the_device_cannot_back_is_made_in_host_memory() {
-    for oversubscribe in [Some("true"), None] {
+    for (oversubscribe, command) in [(Some("true"), "vmm"), (Some("true"), "vmmxla"), (None, "vmm")] {
         let dir = ScratchDir::new("elastic-vmm");
         let truth = dir.truth();
         let _other = other_container(&dir);
         let mut process = container(&dir, oversubscribe);
         assert_eq!(status(&process.ask(&format!("alloc {ON_DEVICE}"))), CUDA_SUCCESS);
-        let answer = process.ask(&format!("vmm {SPILLED}"));
+        let answer = process.ask(&format!("{command} {SPILLED}"));
         if oversubscribe.is_none() {
             assert_eq!(
                 status(&answer),
