@@ -71,8 +71,8 @@ pub unsafe extern "C" fn cuMemCreate(
             }
             // As the driver documents: no shareable handles for memory of no particular node, and
             // HOST_NUMA_CURRENT is for pools only. Device features (GPUDirect RDMA, fabric
-            // handles) are refused too: an H100 refused XLA's properties, which may ask for both,
-            // on a host node.
+            // handles) are refused too, as a driver may refuse them for host memory
+            // (results/2026-12-07-h100-elastic-jax-e945559.txt).
             CU_MEM_LOCATION_TYPE_HOST | CU_MEM_LOCATION_TYPE_HOST_NUMA => {
                 let device_only = prop.allocFlags.gpuDirectRDMACapable != 0
                     || prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_FABRIC != 0;
