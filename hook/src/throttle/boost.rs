@@ -317,8 +317,9 @@ mod tests {
 
     #[test]
     fn a_gpu_at_its_power_limit_keeps_the_boost_its_clock_shows() {
-        // The H200 GEMM held to 75%: 658 W at 1860 MHz with a power-cap slowdown; unlimited it
-        // runs at 1625 MHz, so each product takes (1860 / 1625)^0.66 = 1.09 less time.
+        // The H200 GEMM held to 75% and unlimited (results/2026-11-30-h200-gemm75-clock-trace.txt,
+        // results/2026-11-30-h200-compute-boost-clock-branch.txt): each product takes
+        // (1860 / 1625)^0.66 = 1.09 less time held.
         let factor = board().target_factor(at_clock(658.0, 1860.0, true), 0.75);
         assert!((1.07..=1.13).contains(&factor), "{factor}");
         // Without the clock, a slowed GPU is charged its time.
