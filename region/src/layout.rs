@@ -46,6 +46,12 @@ pub const SLOT_IDLE_RELEASE: u32 = 2;
 /// the container by priority (`CUDA_PRIORITY_RELEASE`); it asks for the restore once unblocked.
 pub const SLOT_PRIORITY_RELEASE: u32 = 4;
 
+/// HAMi-core's `recent_kernel` of an active container: written at creation and at each limited
+/// launch; HAMi's monitor counts it down to tell active containers from idle ones.
+pub const RECENT_KERNEL_ACTIVE: i32 = 2;
+/// [`ComputeDevice::flags`] bit: a burst is open.
+pub const DEVICE_BURST_OPEN: u32 = 1;
+
 /// The extension's magic: the ASCII bytes `VGPUEXT1` as they lie in the file.
 pub const EXTENSION_MAGIC: u64 = u64::from_le_bytes(*b"VGPUEXT1");
 /// Layout version of [`Extension`]; a change of meaning of any existing byte increments it.
@@ -248,8 +254,8 @@ pub struct ComputeDevice {
     pub launches: AtomicU64,
     /// Limit in percent of the process that refilled the bucket last.
     pub limit_percent: AtomicU32,
-    /// Bit 0: a burst is open (the bucket admits launches down to a bounded debt, so that the
-    /// container's streams run together as they do unlimited); other bits reserved, 0.
+    /// [`DEVICE_BURST_OPEN`]: a burst is open (the bucket admits launches down to a bounded debt,
+    /// so that the container's streams run together as they do unlimited); other bits reserved, 0.
     pub flags: AtomicU32,
     /// Reserved; 0.
     pub reserved: [AtomicU64; 2],

@@ -78,11 +78,12 @@ use std::time::{Duration, Instant, SystemTime};
 pub use anchor::PathState;
 pub use error::{ChargeError, InitError, LayoutError, Refused, RegionError, UnsafeFile};
 pub use layout::{
-    COMPUTE_OFFSET, ComputeDevice, DeviceMemory, DeviceUtil, EXTENSION_MAGIC, EXTENSION_OFFSET, EXTENSION_SIZE,
-    EXTENSION_VERSION, Extension, FAVOUR_LOCK_OFFSET, FILE_LOCK_OFFSET, HAMI_INITIALIZED_FLAG, HAMI_MAJOR_VERSION,
-    HAMI_MINOR_VERSION, HAMI_REGION_SIZE, HOST_BACKED_OFFSET, LockWords, MAX_DEVICES, MAX_SLOTS, OpaqueStorage,
-    ProcSlot, REGION_FILE_SIZE, RegionFile, SLOT_EXTENSIONS_OFFSET, SLOT_FREE, SLOT_IDLE_RELEASE, SLOT_LIVE,
-    SLOT_PRIORITY_RELEASE, SLOT_RELEASED, SharedRegion, SlotExtension, UUID_BYTES, layout_listing,
+    COMPUTE_OFFSET, ComputeDevice, DEVICE_BURST_OPEN, DeviceMemory, DeviceUtil, EXTENSION_MAGIC, EXTENSION_OFFSET,
+    EXTENSION_SIZE, EXTENSION_VERSION, Extension, FAVOUR_LOCK_OFFSET, FILE_LOCK_OFFSET, HAMI_INITIALIZED_FLAG,
+    HAMI_MAJOR_VERSION, HAMI_MINOR_VERSION, HAMI_REGION_SIZE, HOST_BACKED_OFFSET, LockWords, MAX_DEVICES, MAX_SLOTS,
+    OpaqueStorage, ProcSlot, RECENT_KERNEL_ACTIVE, REGION_FILE_SIZE, RegionFile, SLOT_EXTENSIONS_OFFSET, SLOT_FREE,
+    SLOT_IDLE_RELEASE, SLOT_LIVE, SLOT_PRIORITY_RELEASE, SLOT_RELEASED, SharedRegion, SlotExtension, UUID_BYTES,
+    layout_listing,
 };
 pub use process::process_start_time;
 pub use snapshot::{ComputeCounters, ExtensionSnapshot, MemoryUsage, ProcessSnapshot, Snapshot, read_snapshot};
@@ -112,9 +113,9 @@ enum Reap {
 /// Where the next quick reap starts its `/proc` checks (a hint shared by the process's regions).
 static QUICK_REAP_CURSOR: AtomicUsize = AtomicUsize::new(0);
 
-/// HAMi-core's creator defaults for the fields its monitor owns.
+/// HAMi-core's creator default for the switch its monitor owns (`recent_kernel` starts at
+/// [`RECENT_KERNEL_ACTIVE`]).
 const INITIAL_UTILIZATION_SWITCH: i32 = 1;
-const INITIAL_RECENT_KERNEL: i32 = 2;
 
 /// The longest a process defers its data calls to one value of `memory_quiesce`: a measurement
 /// takes milliseconds, so a value that stays longer was left or pinned by a writer (a live pid
@@ -1426,7 +1427,7 @@ fn write_initial_state(file: &RegionFile, init: &InitParams) {
     }
     hami.utilization_switch
         .store(INITIAL_UTILIZATION_SWITCH, Ordering::Relaxed);
-    hami.recent_kernel.store(INITIAL_RECENT_KERNEL, Ordering::Relaxed);
+    hami.recent_kernel.store(RECENT_KERNEL_ACTIVE, Ordering::Relaxed);
     hami.priority.store(init.priority, Ordering::Relaxed);
     let now = SystemTime::now()
         .duration_since(SystemTime::UNIX_EPOCH)

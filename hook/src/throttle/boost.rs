@@ -84,7 +84,19 @@ pub const MIN_SHARE: f64 = 0.05;
 const SMOOTHING: f64 = 0.5;
 
 /// NVML's clock event reasons that mean the clock is held down by power or heat.
-pub const SLOWDOWN_REASONS: u64 = 0x4 | 0x8 | 0x20 | 0x40 | 0x80;
+fn slowed_by_power_or_heat(reasons: u64) -> bool {
+    use crate::sys::nvml::{
+        nvmlClocksEventReasonSwPowerCap, nvmlClocksEventReasonSwThermalSlowdown,
+        nvmlClocksThrottleReasonHwPowerBrakeSlowdown, nvmlClocksThrottleReasonHwSlowdown,
+        nvmlClocksThrottleReasonHwThermalSlowdown,
+    };
+    let slowdowns = nvmlClocksEventReasonSwPowerCap
+        | nvmlClocksThrottleReasonHwSlowdown
+        | nvmlClocksEventReasonSwThermalSlowdown
+        | nvmlClocksThrottleReasonHwThermalSlowdown
+        | nvmlClocksThrottleReasonHwPowerBrakeSlowdown;
+    reasons & u64::from(slowdowns) != 0
+}
 
 /// One NVML reading of a GPU.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -209,7 +221,7 @@ pub fn read(device: crate::sys::nvml::nvmlDevice_t) -> Option<PowerReading> {
     if unsafe { get_reasons(device, &mut reasons) } != NVML_SUCCESS {
         return None;
     }
-    let slowed = reasons & SLOWDOWN_REASONS != 0;
+    let slowed = slowed_by_power_or_heat(reasons);
     Some(PowerReading {
         watts: f64::from(milliwatts) / 1000.0,
         limit_watts: f64::from(limit_milliwatts) / 1000.0,

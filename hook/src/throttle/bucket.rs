@@ -9,7 +9,7 @@
 
 use std::sync::atomic::Ordering;
 
-use vgpu_region::ComputeDevice;
+use vgpu_region::{ComputeDevice, DEVICE_BURST_OPEN};
 
 /// Most GPU time the bucket holds: how far a process that was idle (or below its limit) may run
 /// ahead at full speed. Short enough that a competitor never waits long, long enough that work
@@ -21,8 +21,6 @@ pub const DEBT_FLOOR_NS: i64 = -2_000_000_000;
 /// to fill the GPU together, short enough that a burst and the pause after it stay far below the
 /// one-second scale of every target and of HAMi's monitor.
 pub const BURST_DEBT_NS: i64 = 4_000_000;
-/// `ComputeDevice::flags` bit: a burst is open.
-const BURST_OPEN: u32 = 1;
 /// Refills closer together than this are skipped (fewer contended writes to the shared line).
 const REFILL_QUANTUM_NS: u64 = 20_000;
 /// A clock more than this far behind `refilled_ns` means the file outlived a reboot: restart.
@@ -71,7 +69,7 @@ pub fn add(device: &ComputeDevice, delta: i64) {
 pub fn try_take(device: &ComputeDevice, now: u64, limit: u8, cost: u64) -> Result<(), u64> {
     refill(device, now, limit);
     let budget = device.budget_ns.load(Ordering::Acquire);
-    let open = device.flags.load(Ordering::Relaxed) & BURST_OPEN != 0;
+    let open = device.flags.load(Ordering::Relaxed) & DEVICE_BURST_OPEN != 0;
     let admitted = budget > 0 || (open && budget > -BURST_DEBT_NS);
     let cost = cost.min(i64::MAX as u64) as i64;
     if admitted {
@@ -79,9 +77,9 @@ pub fn try_take(device: &ComputeDevice, now: u64, limit: u8, cost: u64) -> Resul
     }
     let stays_open = admitted && budget.saturating_sub(cost) > -BURST_DEBT_NS;
     if stays_open && !open {
-        device.flags.fetch_or(BURST_OPEN, Ordering::Relaxed);
+        device.flags.fetch_or(DEVICE_BURST_OPEN, Ordering::Relaxed);
     } else if !stays_open && open {
-        device.flags.fetch_and(!BURST_OPEN, Ordering::Relaxed);
+        device.flags.fetch_and(!DEVICE_BURST_OPEN, Ordering::Relaxed);
     }
     if admitted {
         return Ok(());
@@ -142,13 +140,13 @@ mod tests {
             admitted += 1;
         }
         assert_eq!(admitted, 5, "1 us of budget and 4 ms of debt admit five 1 ms launches");
-        assert_eq!(d.flags.load(Ordering::Relaxed) & BURST_OPEN, 0);
+        assert_eq!(d.flags.load(Ordering::Relaxed) & DEVICE_BURST_OPEN, 0);
         // Closed: a small refill that leaves debt admits nothing.
         d.budget_ns.store(-1_000, Ordering::Relaxed);
         assert!(try_take(&d, now, 50, 1).is_err());
         d.budget_ns.store(1, Ordering::Relaxed);
         assert_eq!(try_take(&d, now, 50, 2_000_000), Ok(()));
-        assert_eq!(d.flags.load(Ordering::Relaxed) & BURST_OPEN, BURST_OPEN);
+        assert_eq!(d.flags.load(Ordering::Relaxed) & DEVICE_BURST_OPEN, DEVICE_BURST_OPEN);
         assert_eq!(try_take(&d, now, 50, 1_000_000), Ok(()), "open: admitted in debt");
     }
 

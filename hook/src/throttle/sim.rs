@@ -32,7 +32,7 @@ use super::correction::{Correction, Reading};
 use super::estimates::Estimates;
 use super::overlap::{self, WindowChoice};
 use super::runtime::admission::{MAX_WAIT_NS, MIN_WAIT_NS};
-use super::runtime::poller::{NVML_PERIOD_NS, POLL_BUSY, START_NVML_PERIOD_NS, START_PHASE_NS};
+use super::runtime::poller::{NVML_PERIOD_NS, POLL_BUSY, PUBLISH_PERIOD_NS, START_PHASE_NS};
 use super::sensor::{BRACKET_OVERHEAD_NS, WINDOW_TIMEOUT_NS, without_bracket_overhead};
 use crate::sys::cuda::CUstream;
 
@@ -452,7 +452,7 @@ pub fn run(job: &Job) -> Outcome {
                 }
             }
             let starting = now - start < START_PHASE_NS;
-            let period = if starting { START_NVML_PERIOD_NS } else { NVML_PERIOD_NS };
+            let period = if starting { PUBLISH_PERIOD_NS } else { NVML_PERIOD_NS };
             if now - process.last_nvml >= period {
                 let busy = busy_share(&gpu, &neighbours[container], process.last_nvml, now, None);
                 let reading = Reading {

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use vgpu_config::UtilizationPolicy;
-use vgpu_region::{ComputeDevice, SharedRegion};
+use vgpu_region::{ComputeDevice, RECENT_KERNEL_ACTIVE, SharedRegion};
 
 use crate::capture::capturing;
 use crate::sys::cuda::{CUDA_SUCCESS, CUresult, CUstream};
@@ -21,9 +21,6 @@ pub(in crate::throttle) const MIN_WAIT_NS: u64 = 100_000;
 /// Longest sleep before the controls (switch, `recent_kernel`, the limit) are looked at again: also
 /// the poll period of a launch held by `recent_kernel` = -1.
 pub(in crate::throttle) const MAX_WAIT_NS: u64 = 10_000_000;
-/// HAMi-core writes this into `recent_kernel` at each limited launch; HAMi's monitor counts it
-/// down to tell active containers from idle ones.
-const RECENT_KERNEL_ACTIVE: i32 = 2;
 
 /// What the limited path decided before a launch, finished by [`after`].
 pub struct Ticket {

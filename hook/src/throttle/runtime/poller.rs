@@ -20,18 +20,18 @@ use super::{Device, FACTOR_UNIT, POLLER_IN_DRIVER, RUNTIME, Runtime, SHUTDOWN, a
 /// The background thread's period while samples are in flight, and while none are.
 pub(in crate::throttle) const POLL_BUSY: Duration = Duration::from_millis(1);
 const POLL_IDLE: Duration = Duration::from_millis(20);
-/// How often the process's utilisation is published, and over how many periods it is averaged
-/// (4 x 250 ms: the last second).
-const PUBLISH_PERIOD_NS: u64 = 250_000_000;
-const PUBLISH_WINDOW: usize = 4;
+/// How often the process's utilisation is published.
+pub(in crate::throttle) const PUBLISH_PERIOD_NS: u64 = 250_000_000;
 /// How often NVML is read, for the correction ([`crate::throttle::correction`]).
 pub(in crate::throttle) const NVML_PERIOD_NS: u64 = 1_000_000_000;
-/// For this long after the poller starts, NVML is read every [`START_NVML_PERIOD_NS`] and the
-/// boost factor takes each reading whole: the factor follows the power as it ramps up, so a
-/// power-hungry job is not run ahead of its share for its whole first second. NVML's utilisation
-/// is compared from then on (its figure covers up to a second before it is read).
+/// The published utilisation averages the publications of one NVML period: the second NVML's own
+/// utilisation covers.
+const PUBLISH_WINDOW: usize = (NVML_PERIOD_NS / PUBLISH_PERIOD_NS) as usize;
+/// For this long after the poller starts, NVML is read at every publication and the boost factor
+/// takes each reading whole: the factor follows the power as it ramps up, so a power-hungry job is
+/// not run ahead of its share for its whole first second. NVML's utilisation is compared from then
+/// on (its figure covers up to a second before it is read).
 pub(in crate::throttle) const START_PHASE_NS: u64 = 1_500_000_000;
-pub(in crate::throttle) const START_NVML_PERIOD_NS: u64 = 250_000_000;
 
 /// The background thread's own state between periods.
 struct PollState {
@@ -170,7 +170,7 @@ impl Runtime {
             state.publications += 1;
         }
         let starting = now.saturating_sub(state.started) < START_PHASE_NS;
-        let period = if starting { START_NVML_PERIOD_NS } else { NVML_PERIOD_NS };
+        let period = if starting { PUBLISH_PERIOD_NS } else { NVML_PERIOD_NS };
         if now.saturating_sub(state.last_nvml) >= period {
             state.last_nvml = now;
             self.nvml_step(state, now, starting);
