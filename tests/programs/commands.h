@@ -18,7 +18,8 @@ static inline nvmlReturn_t nvml_device(unsigned index, nvmlDevice_t *device) {
     return nvmlDeviceGetHandleByIndex_v2(index, device);
 }
 
-// init, ctx <ordinal>, alloc <bytes> and free <pointer>: answered, and 1 returned; exit <code>:
+// init, ctx <ordinal>, alloc <bytes>, free <pointer>, asyncfree <pointer> (on the legacy stream)
+// and reset <ordinal> (the primary context): answered, and 1 returned; exit <code>:
 // calls exit() (atexit handlers and destructors run; "quit" returns from main instead); 0 for any
 // other command.
 static inline int common_command(const char *command, unsigned long long number) {
@@ -37,6 +38,10 @@ static inline int common_command(const char *command, unsigned long long number)
         printf("alloc %d %llu\n", (int)status, (unsigned long long)p);
     } else if (strcmp(command, "free") == 0) {
         printf("free %d\n", (int)cuMemFree_v2((CUdeviceptr)number));
+    } else if (strcmp(command, "asyncfree") == 0) {
+        printf("asyncfree %d\n", (int)cuMemFreeAsync((CUdeviceptr)number, 0));
+    } else if (strcmp(command, "reset") == 0) {
+        printf("reset %d\n", (int)cuDevicePrimaryCtxReset((CUdevice)number));
     } else if (strcmp(command, "exit") == 0) {
         fflush(stdout);
         exit((int)number);

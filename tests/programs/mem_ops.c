@@ -121,8 +121,6 @@ int main(void) {
             CUdeviceptr p = 0;
             CUresult status = cuMemAllocAsync(&p, (size_t)number, 0);
             printf("asyncalloc %d %llu\n", (int)status, (unsigned long long)p);
-        } else if (strcmp(command, "asyncfree") == 0) {
-            printf("asyncfree %d\n", (int)cuMemFreeAsync((CUdeviceptr)number, 0));
         } else if (strcmp(command, "capture") == 0) {
             printf("capture %d\n", (int)cuStreamBeginCapture_v2(capture_stream(), (CUstreamCaptureMode)number));
         } else if (strcmp(command, "capalloc") == 0) {
@@ -169,8 +167,6 @@ int main(void) {
             printf("otherasync %d %d\n", (int)job.alloc_status, (int)job.free_status);
         } else if (strcmp(command, "sync") == 0) {
             printf("sync %d\n", (int)cuCtxSynchronize());
-        } else if (strcmp(command, "reset") == 0) {
-            printf("reset %d\n", (int)cuDevicePrimaryCtxReset((CUdevice)number));
         } else if (strcmp(command, "allocnull") == 0) {
             printf("allocnull %d\n", (int)cuMemAlloc_v2(NULL, (size_t)number));
         } else if (strcmp(command, "info") == 0) {

@@ -3,10 +3,11 @@
 
 use vgpu_region::MemoryKind;
 
-use super::accounting::{accounting, unaccounted};
+use super::accounting::{Accounting, accounting, unaccounted};
 use super::charge::{release_owned_by, released};
 use super::ledger::Family;
 use super::measure::{measured, measured_and_recorded};
+use super::spill::between_moves;
 use super::units::read;
 use crate::sys::cuda::*;
 
@@ -17,13 +18,15 @@ pub fn ctx_create(call: impl FnOnce() -> CUresult, pctx: *mut CUcontext, dev: CU
 
 /// `cuCtxDestroy` and `_v2`.
 pub fn ctx_destroy(call: impl FnOnce() -> CUresult, ctx: CUcontext) -> CUresult {
-    let result = released(Family::Context, ctx as u64, call);
-    if result == CUDA_SUCCESS
-        && let Some(accounting) = accounting()
-    {
-        release_owned_by(accounting, ctx as u64);
-    }
-    result
+    between_moves(|| {
+        let result = released(Family::Context, ctx as u64, call);
+        if result == CUDA_SUCCESS
+            && let Some(accounting) = accounting()
+        {
+            release_owned_by(accounting, ctx as u64);
+        }
+        result
+    })
 }
 
 /// `cuDevicePrimaryCtxRetain`: the first retain creates the primary context and is charged.
@@ -63,6 +66,15 @@ pub fn primary_ctx_reset(call: impl FnOnce() -> CUresult, dev: CUdevice) -> CUre
 
 fn primary_ctx_drop(call: impl FnOnce() -> CUresult, device: CUdevice, reset: bool) -> CUresult {
     let Some(accounting) = accounting() else { return call() };
+    between_moves(|| primary_ctx_dropped(accounting, call, device, reset))
+}
+
+fn primary_ctx_dropped(
+    accounting: Accounting,
+    call: impl FnOnce() -> CUresult,
+    device: CUdevice,
+    reset: bool,
+) -> CUresult {
     accounting.ledger().with_primary(device, |primary| {
         let result = call();
         if result == CUDA_SUCCESS {

@@ -85,18 +85,36 @@ pub struct Spills {
     any: AtomicBool,
     /// When the device's free memory was last looked at for a move back.
     move_back_checked_ns: AtomicU64,
-    /// Held by the one move back under way (a move of gigabytes outlasts the period).
+    /// Held while the library works on spills with the driver (a move back, which outlasts the
+    /// period when it moves gigabytes, and frees of spills) and while a context is destroyed: a
+    /// spill is never freed while it moves, nor a context destroyed while the library uses it.
     moving: Mutex<()>,
-    /// The context of the latest spill, made current on the tick's thread.
+    /// A context of a live spill (the latest's), made current on the tick's thread.
     context: AtomicU64,
     /// The library's own non-blocking streams for moves, by context (a stream belongs to one).
     streams: Mutex<Vec<(u64, u64)>>,
 }
 
 impl Spills {
+    /// Sets [`Spills::any`] under both locks, so that a spill or a deferred free added meanwhile
+    /// (which sets it under its own) is never overwritten by a stale `false`.
     fn note_any(&self) {
-        let any = !self.live.lock().is_empty() || !self.deferred.lock().is_empty();
-        self.any.store(any, Ordering::Release);
+        let live = self.live.lock();
+        let deferred = self.deferred.lock();
+        self.any
+            .store(!live.is_empty() || !deferred.is_empty(), Ordering::Release);
+    }
+}
+
+/// Runs `call` (a context's destruction) with no move back or free of a spill under way, when
+/// the process has spills: the driver forbids using a context while it is destroyed.
+pub(super) fn between_moves<R>(call: impl FnOnce() -> R) -> R {
+    match super::accounting::accounting() {
+        Some(accounting) if accounting.spills().any.load(Ordering::Acquire) => {
+            let _moving = accounting.spills().moving.lock();
+            call()
+        }
+        _ => call(),
     }
 }
 
@@ -119,19 +137,23 @@ pub(super) fn serve(accounting: Accounting, status: CUresult, ordinal: CUdevice,
     let (pointer, head) = in_relaxed_capture_mode(|| place(spills, ordinal, bytes))?;
     let host_bytes = bytes - head;
     let context = current_context();
-    spills.live.lock().insert(
-        pointer,
-        Spill {
-            bytes,
-            ordinal,
-            region_index: device.region_index,
-            host_bytes,
-            context,
-        },
-    );
-    spills.any.store(true, Ordering::Release);
-    spills.context.store(context, Ordering::Relaxed);
+    // Recorded before the spill is live, so that a move back never subtracts its bytes first.
     record_host_backed(accounting, device.region_index, host_bytes, true);
+    {
+        let mut live = spills.live.lock();
+        live.insert(
+            pointer,
+            Spill {
+                bytes,
+                ordinal,
+                region_index: device.region_index,
+                host_bytes,
+                context,
+            },
+        );
+        spills.any.store(true, Ordering::Release);
+    }
+    spills.context.store(context, Ordering::Relaxed);
     static SAID: AtomicBool = AtomicBool::new(false);
     if !SAID.swap(true, Ordering::Relaxed) {
         tracing::warn!(
@@ -296,7 +318,9 @@ pub(super) fn release_handle(_: Accounting, handle: u64, call: impl FnOnce() -> 
 /// plain pointer never comes here, so elastic memory costs it nothing.
 #[cold]
 #[inline(never)]
-pub(super) fn free(_: Accounting, pointer: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+pub(super) fn free(accounting: Accounting, pointer: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    let spills = accounting.spills();
+    let _moving = spills.any.load(Ordering::Acquire).then(|| spills.moving.lock());
     released_after(Family::Spill, pointer, call, |accounting, _| {
         forget_spill(accounting, pointer)
     })
@@ -318,20 +342,23 @@ fn forget_spill(accounting: Accounting, pointer: u64) {
 /// waiting frees (whose events went too) and the context's stream.
 pub(super) fn forget_context(accounting: Accounting, context: u64) {
     let spills = accounting.spills();
+    // A reset primary context often comes back with the same handle: its stream must not.
+    spills.streams.lock().retain(|(of, _)| *of != context);
     if !spills.any.load(Ordering::Acquire) {
         return;
     }
-    let gone: Vec<(u64, Spill)> = {
+    let (gone, remaining): (Vec<(u64, Spill)>, Option<u64>) = {
         let mut live = spills.live.lock();
         let pointers: Vec<u64> = live
             .iter()
             .filter(|(_, spill)| spill.context == context)
             .map(|(pointer, _)| *pointer)
             .collect();
-        pointers
+        let gone = pointers
             .into_iter()
             .filter_map(|pointer| live.remove(&pointer).map(|spill| (pointer, spill)))
-            .collect()
+            .collect();
+        (gone, live.values().next_back().map(|spill| spill.context))
     };
     for (_, spill) in &gone {
         if spill.host_bytes > 0 {
@@ -342,10 +369,10 @@ pub(super) fn forget_context(accounting: Accounting, context: u64) {
         .deferred
         .lock()
         .retain(|free| !gone.iter().any(|(pointer, _)| *pointer == free.pointer));
-    spills.streams.lock().retain(|(of, _)| *of != context);
+    // The tick's context: another live spill's.
     let _ = spills
         .context
-        .compare_exchange(context, 0, Ordering::AcqRel, Ordering::Relaxed);
+        .compare_exchange(context, remaining.unwrap_or(0), Ordering::AcqRel, Ordering::Relaxed);
     spills.note_any();
 }
 
@@ -353,7 +380,8 @@ pub(super) fn forget_context(accounting: Accounting, context: u64) {
 /// `stream` reaches this point (its event is recorded now; the free itself happens here when the
 /// stream has already passed it, else at the tick, a synchronisation of a process with pools or a
 /// refusal, or at once, after the stream is synchronised, when no event can be recorded); any
-/// other pointer goes to the driver as it is.
+/// other pointer goes to the driver as it is. On a stream being captured it is refused
+/// ([`refused_in_capture`]).
 #[cold]
 #[inline(never)]
 pub(super) fn free_when_reached(
@@ -365,11 +393,17 @@ pub(super) fn free_when_reached(
     if !accounting.spills().live.lock().contains_key(&pointer) {
         return call();
     }
+    if let Some(status) = refused_in_capture(stream) {
+        return status;
+    }
     match record_event(stream) {
         Some(event) => {
             let spills = accounting.spills();
-            spills.deferred.lock().push(DeferredFree { event, pointer });
-            spills.any.store(true, Ordering::Release);
+            {
+                let mut deferred = spills.deferred.lock();
+                deferred.push(DeferredFree { event, pointer });
+                spills.any.store(true, Ordering::Release);
+            }
             let _ = collect(accounting);
             CUDA_SUCCESS
         }
@@ -378,14 +412,42 @@ pub(super) fn free_when_reached(
                 // SAFETY: the application's stream, as it passed it.
                 let _ = unsafe { synchronize(stream) };
             }
+            let _moving = accounting.spills().moving.lock();
             free_now(accounting, pointer)
         }
     }
 }
 
-/// From the library's tick (every half second in a process that launches): [`collect`] with the
-/// spills' context current on the tick's thread, so that a job whose allocator no longer calls
-/// the driver (PyTorch's cache, once warm) still gets its memory back on the device.
+/// A spill's stream-ordered free on a stream that is being captured: the point it would wait for
+/// is a node of the graph, not of the stream, and the graph may run many times or never, so the
+/// free is refused (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, the driver's answer to what a
+/// capture cannot take) and the memory stays the application's; a stream the driver cannot ask
+/// gets the driver's answer. `None`: not capturing.
+fn refused_in_capture(stream: CUstream) -> Option<CUresult> {
+    let is_capturing = real::cuStreamIsCapturing()?;
+    let mut capture = CU_STREAM_CAPTURE_STATUS_NONE;
+    // SAFETY: the application's stream and a valid out-pointer to a local.
+    let status = unsafe { is_capturing(stream, &mut capture) };
+    if status != CUDA_SUCCESS {
+        return Some(status);
+    }
+    if capture == CU_STREAM_CAPTURE_STATUS_NONE {
+        return None;
+    }
+    static SAID: AtomicBool = AtomicBool::new(false);
+    if !SAID.swap(true, Ordering::Relaxed) {
+        tracing::warn!(
+            "cuMemFreeAsync of memory served from host memory (CUDA_OVERSUBSCRIBE) on a stream being captured: \
+             refused (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED); free it outside the capture"
+        );
+    }
+    Some(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
+}
+
+/// From the library's tick (every half second in a process that launches): [`collect`] with a
+/// live spill's context current on the tick's thread, so that a job whose allocator no longer
+/// calls the driver (PyTorch's cache, once warm) still gets its memory back on the device. A tick
+/// that finds the library already working on spills leaves it to that.
 pub fn tick() {
     let Some(accounting) = super::accounting::accounting() else {
         return;
@@ -397,13 +459,16 @@ pub fn tick() {
     let Some(set_current) = real::cuCtxSetCurrent() else {
         return;
     };
+    let Some(_moving) = spills.moving.try_lock() else {
+        return;
+    };
     let context = spills.context.load(Ordering::Relaxed) as CUcontext;
-    // SAFETY: a context of this process's (the latest spill's), or null; the tick's thread has
-    // no other.
+    // SAFETY: a context of this process's (a live spill's: contexts are destroyed only while no
+    // one works on spills), or null; the tick's thread has no other.
     if unsafe { set_current(context) } != CUDA_SUCCESS {
         return;
     }
-    let _ = collect(accounting);
+    let _ = in_relaxed_capture_mode(|| collect_while_moving(accounting));
     // SAFETY: as above: the tick's thread goes back to having no current context.
     let _ = unsafe { set_current(std::ptr::null_mut()) };
 }
@@ -421,10 +486,12 @@ pub(super) fn collect(accounting: Accounting) -> bool {
 #[cold]
 #[inline(never)]
 fn collect_in_relaxed_mode(accounting: Accounting) -> bool {
-    in_relaxed_capture_mode(|| collect_now(accounting))
+    let _moving = accounting.spills().moving.lock();
+    in_relaxed_capture_mode(|| collect_while_moving(accounting))
 }
 
-fn collect_now(accounting: Accounting) -> bool {
+/// [`collect`], its caller holding [`Spills::moving`].
+fn collect_while_moving(accounting: Accounting) -> bool {
     let spills = accounting.spills();
     let reached: Vec<DeferredFree> = {
         let mut deferred = spills.deferred.lock();
@@ -434,10 +501,22 @@ fn collect_now(accounting: Accounting) -> bool {
         *deferred = waiting;
         reached
     };
-    let freed = !reached.is_empty();
+    let mut freed = false;
+    let mut failed = Vec::new();
     for free in reached {
-        destroy_event(free.event);
-        let _ = free_now(accounting, free.pointer);
+        if free_now(accounting, free.pointer) == CUDA_SUCCESS {
+            destroy_event(free.event);
+            freed = true;
+        } else {
+            failed.push(free);
+        }
+    }
+    if !failed.is_empty() {
+        static SAID: AtomicBool = AtomicBool::new(false);
+        if !SAID.swap(true, Ordering::Relaxed) {
+            tracing::warn!("the driver refused a stream-ordered free of host-backed memory: it is tried again");
+        }
+        spills.deferred.lock().extend(failed);
     }
     spills.note_any();
     let now = vgpu_region::monotonic_ns();
@@ -453,19 +532,24 @@ fn collect_now(accounting: Accounting) -> bool {
     freed
 }
 
-/// Frees a spilled pointer with the driver and releases its charge; a pointer that is no longer
-/// a live spill (its context was destroyed) is not the library's to free.
+/// Frees a spilled pointer with the driver, in its own context (made current for the free), and
+/// releases its charge; a pointer that is no longer a live spill (its context was destroyed) is
+/// not the library's to free. The caller holds [`Spills::moving`].
 fn free_now(accounting: Accounting, pointer: u64) -> CUresult {
     let Some(driver_free) = real::cuMemFree_v2() else {
         return CUDA_ERROR_NOT_INITIALIZED;
     };
-    if !accounting.spills().live.lock().contains_key(&pointer) {
+    let Some(context) = accounting.spills().live.lock().get(&pointer).map(|spill| spill.context) else {
         return CUDA_SUCCESS;
+    };
+    let thread_context = current_context();
+    if !make_current(context) {
+        return CUDA_ERROR_INVALID_CONTEXT;
     }
     // SAFETY: the pointer came from cuMemAllocManaged here and is still live.
     let free = || unsafe { driver_free(pointer) };
     let forget = |accounting| forget_spill(accounting, pointer);
-    released_with(
+    let status = released_with(
         Family::Spill,
         pointer,
         free,
@@ -477,18 +561,17 @@ fn free_now(accounting: Accounting, pointer: u64) -> CUresult {
             }
             status
         },
-    )
+    );
+    make_current(thread_context);
+    status
 }
 
 /// Moves the tails of the spills back onto their devices, oldest first, as much of each as its
-/// device has room for; one move back at a time (another that finds one under way leaves it). The
-/// driver's free memory is the current context's device's: each spill's own context is made
-/// current while it moves (and the thread's own made current again after).
+/// device has room for; the caller holds [`Spills::moving`]. The driver's free memory is the
+/// current context's device's: each spill's own context is made current while it moves (and the
+/// thread's own made current again after).
 fn move_back(accounting: Accounting) {
     let spills = accounting.spills();
-    let Some(_moving) = spills.moving.try_lock() else {
-        return;
-    };
     let on_host: Vec<(u64, Spill)> = spills
         .live
         .lock()

@@ -33,6 +33,7 @@ const LIMIT: &str = "600m";
 
 const CUDA_SUCCESS: i32 = 0;
 const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
+const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: i32 = 900;
 
 fn setup(run: Run, dir: &ScratchDir) -> Run {
     run.env("CUDA_DEVICE_MEMORY_SHARED_CACHE", dir.region())
@@ -64,6 +65,19 @@ fn other_container_holding(dir: &ScratchDir, parts: &[u64]) -> (Session, Vec<u64
         })
         .collect();
     (other, pointers)
+}
+
+/// A process without the library, on a fake of `devices` GPUs, holding all of GPU `ordinal` but
+/// [`LEFT_FREE`].
+fn other_container_on(dir: &ScratchDir, devices: u32, ordinal: u32) -> Session {
+    let mut other = setup(Run::new(&compiled_program("mem_ops")), dir)
+        .env("FAKE_CUDA_DEVICES", devices.to_string())
+        .spawn(Duration::from_secs(60));
+    assert_eq!(other.ask("init"), "init 0");
+    assert_eq!(other.ask(&format!("ctx {ordinal}")), "ctx 0");
+    let held = DEVICE - LEFT_FREE - CONTEXT;
+    assert_eq!(status(&other.ask(&format!("alloc {held}"))), CUDA_SUCCESS);
+    other
 }
 
 /// A process of the container that launches (so that the library's tick runs, which moves spills
@@ -392,17 +406,7 @@ fn an_allocation_larger_than_the_devices_room_spills_only_its_tail() {
 fn a_spill_moves_back_when_its_gpu_has_room_whichever_gpu_is_current() {
     let dir = ScratchDir::new("elastic-two-gpus");
     let truth = dir.truth();
-    let hold = |ordinal: u32| {
-        let mut other = setup(Run::new(&compiled_program("mem_ops")), &dir)
-            .env("FAKE_CUDA_DEVICES", "2")
-            .spawn(Duration::from_secs(60));
-        assert_eq!(other.ask("init"), "init 0");
-        assert_eq!(other.ask(&format!("ctx {ordinal}")), "ctx 0");
-        let held = DEVICE - LEFT_FREE - CONTEXT;
-        assert_eq!(status(&other.ask(&format!("alloc {held}"))), CUDA_SUCCESS);
-        other
-    };
-    let (holds_1, _holds_0) = (hold(1), hold(0));
+    let (holds_1, _holds_0) = (other_container_on(&dir, 2, 1), other_container_on(&dir, 2, 0));
     let mut process = launching_container(&dir, 2, 1);
     assert_eq!(fill_and_spill(&mut process).0, CUDA_SUCCESS, "GPU 1");
     assert_eq!(process.ask("ctx 0"), "ctx 0");
@@ -439,6 +443,80 @@ fn a_destroyed_context_takes_its_spills_with_it() {
     assert_eq!(status(&process.ask("reset 0")), CUDA_SUCCESS);
     assert_eq!(held(&dir, process.pid()), (0, 0), "(data, host-backed) after the reset");
     assert_eq!(truth.host_resident(), 0);
+}
+
+/// A stream-ordered free that the tick completes is made in its spill's own context, whichever
+/// context the tick has current: here the latest spill's context was destroyed before it.
+#[test]
+fn a_stream_ordered_free_completed_by_the_tick_is_made_in_its_spills_context() {
+    let dir = ScratchDir::new("elastic-async-own-context");
+    let truth = dir.truth();
+    let (_holds_1, _holds_0) = (other_container_on(&dir, 2, 1), other_container_on(&dir, 2, 0));
+    let mut process = setup(Run::new(&compiled_program("monitor_launch")).hooked(), &dir)
+        .env("FAKE_CUDA_DEVICES", "2")
+        .env("CUDA_DEVICE_MEMORY_LIMIT", LIMIT)
+        .env("CUDA_OVERSUBSCRIBE", "true")
+        // The free still waits for its stream when cuMemFreeAsync returns: the tick does it.
+        .env("FAKE_CUDA_EVENT_NS", "1000000")
+        .spawn(Duration::from_secs(60));
+    assert_eq!(process.ask("init"), "init 0");
+    assert_eq!(process.ask("ctx 1"), "ctx 0");
+    let (spill_status, on_gpu_1) = fill_and_spill(&mut process);
+    assert_eq!(spill_status, CUDA_SUCCESS, "GPU 1");
+    assert_eq!(process.ask("ctx 0"), "ctx 0");
+    assert_eq!(fill_and_spill(&mut process).0, CUDA_SUCCESS, "GPU 0");
+    launch(&mut process);
+    assert_eq!(status(&process.ask("reset 0")), CUDA_SUCCESS);
+    assert_eq!(
+        truth.host_resident(),
+        SPILLED,
+        "GPU 1's spill after GPU 0's context went"
+    );
+    assert_eq!(process.ask("ctx 1"), "ctx 0");
+    assert_eq!(status(&process.ask(&format!("asyncfree {on_gpu_1}"))), CUDA_SUCCESS);
+    let host_backed = || {
+        snapshot(&dir)
+            .processes
+            .iter()
+            .find(|p| p.pid == process.pid() as i32 && p.status == SLOT_LIVE)
+            .map(|p| (p.host_backed[0], p.host_backed[1], p.memory[1].data))
+    };
+    within_5_s(|| truth.host_resident() == 0 && host_backed() == Some((0, 0, ON_DEVICE)));
+    assert_eq!(truth.host_resident(), 0, "host memory 5 s after the free");
+    assert_eq!(
+        host_backed(),
+        Some((0, 0, ON_DEVICE)),
+        "host-backed bytes of GPU 0 and GPU 1, data of GPU 1"
+    );
+}
+
+/// A spill's stream-ordered free on a stream being captured is refused, as the driver refuses
+/// what a capture cannot take (the point it would wait for is a graph's node, and freeing the
+/// memory then would free it under the graph's kernels): the memory stays, charged, until a free
+/// outside the capture.
+#[test]
+fn a_stream_ordered_free_of_a_spill_in_a_capture_is_refused_and_the_memory_kept() {
+    let dir = ScratchDir::new("elastic-capture-free");
+    let truth = dir.truth();
+    let _other = other_container(&dir);
+    let mut process = container(&dir, Some("true"));
+    let (spill_status, spilled) = fill_and_spill(&mut process);
+    assert_eq!(spill_status, CUDA_SUCCESS);
+    assert_eq!(process.ask("capture 0"), "capture 0");
+    let answer = process.ask(&format!("capfree {spilled}"));
+    assert_eq!(status(&answer), CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, "{answer}");
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(
+        held(&dir, process.pid()),
+        (ON_DEVICE + SPILLED, SPILLED),
+        "during the capture"
+    );
+    assert_eq!(truth.host_resident(), SPILLED, "during the capture");
+    let end = process.ask("endcapture");
+    assert_eq!(status(&end), CUDA_SUCCESS, "{end}");
+    assert_eq!(status(&process.ask(&format!("free {spilled}"))), CUDA_SUCCESS);
+    assert_eq!(held(&dir, process.pid()), (ON_DEVICE, 0), "after cuMemFree");
+    assert_eq!(truth.host_resident(), 0, "after cuMemFree");
 }
 
 #[test]
