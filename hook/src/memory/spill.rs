@@ -318,9 +318,13 @@ pub(super) fn release_handle(_: Accounting, handle: u64, call: impl FnOnce() -> 
 /// plain pointer never comes here, so elastic memory costs it nothing.
 #[cold]
 #[inline(never)]
-pub(super) fn free(accounting: Accounting, pointer: u64, call: impl FnOnce() -> CUresult) -> CUresult {
-    let spills = accounting.spills();
-    let _moving = spills.any.load(Ordering::Acquire).then(|| spills.moving.lock());
+pub(super) fn free(_: Accounting, pointer: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    // The accounting is looked up again rather than taken from the caller, which then passes it
+    // nothing: the plain free's code stays as it was without elastic memory.
+    let spills = super::accounting::accounting().map(|accounting| accounting.spills());
+    let _moving = spills
+        .filter(|spills| spills.any.load(Ordering::Acquire))
+        .map(|spills| spills.moving.lock());
     released_after(Family::Spill, pointer, call, |accounting, _| {
         forget_spill(accounting, pointer)
     })
