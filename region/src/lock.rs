@@ -36,10 +36,11 @@
 //!   favoured process that dies (the kernel drops its file locks) or a token a writer made up
 //!   holds nobody back.
 //!
-//! The words of [`LockWords`] are only hints. A writer can make a sleeper sleep [`SLEEP_AT_MOST`]
-//! (a lower `sleepers`: no wake-up), cost releases a useless wake-up and sleepers longer sleeps,
-//! up to [`SLEEP_AMONG_MANY`] (a higher one: each useless wake-up takes one off), make waiters spin until the deadline (changing `wake` without end),
-//! cost one `F_OFD_GETLK` (a `favoured` token nobody holds), or make the next holder recompute the
+//! The words of [`LockWords`] are only hints. A writer can make a sleeper miss its wake-up and
+//! sleep out its sleep, at most [`SLEEP_AMONG_MANY`] (a lower `sleepers`: no wake-up), cost
+//! releases a useless wake-up and sleepers longer sleeps, up to [`SLEEP_AMONG_MANY`] too (a higher
+//! one: each useless wake-up takes one off), make waiters spin until the deadline (changing
+//! `wake` without end), cost one `F_OFD_GETLK` (a `favoured` token nobody holds), or make the next holder recompute the
 //! totals (a nonzero `holder`); every wait stays bounded by [`LOCK_TIMEOUT`]. Holding the file
 //! locks themselves takes opening the file, which any process that can write it can do: that
 //! makes everyone wait for the deadline, as holding any lock would.

@@ -121,7 +121,7 @@ fn spilled_from_pool(
 pub fn synchronized(call: impl FnOnce() -> CUresult) -> CUresult {
     let result = call();
     if let Some(accounting) = accounting() {
-        let _ = spill::collect(accounting);
+        let _ = spill::collect_unless_busy(accounting);
         if accounting.ledger().has_pools() {
             sync_pools(accounting);
         }

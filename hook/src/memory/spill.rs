@@ -151,9 +151,10 @@ pub(super) fn serve(accounting: Accounting, status: CUresult, ordinal: CUdevice,
                 context,
             },
         );
+        // The tick's context before the flag that lets the tick run.
+        spills.context.store(context, Ordering::Relaxed);
         spills.any.store(true, Ordering::Release);
     }
-    spills.context.store(context, Ordering::Relaxed);
     static SAID: AtomicBool = AtomicBool::new(false);
     if !SAID.swap(true, Ordering::Relaxed) {
         tracing::warn!(
@@ -323,7 +324,7 @@ pub(super) fn free(_: Accounting, pointer: u64, call: impl FnOnce() -> CUresult)
     // nothing: the plain free's code stays as it was without elastic memory.
     let spills = super::accounting::accounting().map(|accounting| accounting.spills());
     let _moving = spills
-        .filter(|spills| spills.any.load(Ordering::Acquire))
+        .filter(|spills| spills.any.load(Ordering::Acquire) && spills.live.lock().contains_key(&pointer))
         .map(|spills| spills.moving.lock());
     released_after(Family::Spill, pointer, call, |accounting, _| {
         forget_spill(accounting, pointer)
@@ -349,6 +350,9 @@ pub(super) fn forget_context(accounting: Accounting, context: u64) {
     // A reset primary context often comes back with the same handle: its stream must not.
     spills.streams.lock().retain(|(of, _)| *of != context);
     if !spills.any.load(Ordering::Acquire) {
+        let _ = spills
+            .context
+            .compare_exchange(context, 0, Ordering::AcqRel, Ordering::Relaxed);
         return;
     }
     let (gone, remaining): (Vec<(u64, Spill)>, Option<u64>) = {
@@ -408,16 +412,18 @@ pub(super) fn free_when_reached(
                 deferred.push(DeferredFree { event, pointer });
                 spills.any.store(true, Ordering::Release);
             }
-            let _ = collect(accounting);
+            let _ = collect_unless_busy(accounting);
             CUDA_SUCCESS
         }
         None => {
-            if let Some(synchronize) = real::cuStreamSynchronize() {
-                // SAFETY: the application's stream, as it passed it.
-                let _ = unsafe { synchronize(stream) };
-            }
             let _moving = accounting.spills().moving.lock();
-            free_now(accounting, pointer)
+            in_relaxed_capture_mode(|| {
+                if let Some(synchronize) = real::cuStreamSynchronize() {
+                    // SAFETY: the application's stream, as it passed it.
+                    let _ = unsafe { synchronize(stream) };
+                }
+                free_now(accounting, pointer)
+            })
         }
     }
 }
@@ -478,19 +484,29 @@ pub fn tick() {
 }
 
 /// Frees the deferred pointers whose streams have passed their free, and moves spilled memory
-/// back to the device when it has room (at most every [`MOVE_BACK_PERIOD_NS`]). Called from the
-/// tick, synchronisations of a process with pools and before a refusal; the driver calls are made in relaxed
-/// capture mode, so that another thread's stream capture is never invalidated by them. Whether a
-/// deferred free was done.
+/// back to the device when it has room (at most every [`MOVE_BACK_PERIOD_NS`]); the driver calls
+/// are made in relaxed capture mode, so that another thread's stream capture is never invalidated
+/// by them. Before a refusal, which waits for a move under way (it may free what the refusal
+/// needs). Whether a deferred free was done.
 #[inline(always)]
 pub(super) fn collect(accounting: Accounting) -> bool {
-    accounting.spills().any.load(Ordering::Acquire) && collect_in_relaxed_mode(accounting)
+    accounting.spills().any.load(Ordering::Acquire) && collect_in_relaxed_mode(accounting, true)
+}
+
+/// [`collect`] at a synchronisation or a stream-ordered free, which leave a move under way (it
+/// may take seconds) to finish what they came for.
+#[inline(always)]
+pub(super) fn collect_unless_busy(accounting: Accounting) -> bool {
+    accounting.spills().any.load(Ordering::Acquire) && collect_in_relaxed_mode(accounting, false)
 }
 
 #[cold]
 #[inline(never)]
-fn collect_in_relaxed_mode(accounting: Accounting) -> bool {
-    let _moving = accounting.spills().moving.lock();
+fn collect_in_relaxed_mode(accounting: Accounting, wait: bool) -> bool {
+    let moving = &accounting.spills().moving;
+    let Some(_moving) = (if wait { Some(moving.lock()) } else { moving.try_lock() }) else {
+        return false;
+    };
     in_relaxed_capture_mode(|| collect_while_moving(accounting))
 }
 
@@ -547,11 +563,18 @@ fn free_now(accounting: Accounting, pointer: u64) -> CUresult {
         return CUDA_SUCCESS;
     };
     let thread_context = current_context();
-    if !make_current(context) {
-        return CUDA_ERROR_INVALID_CONTEXT;
-    }
-    // SAFETY: the pointer came from cuMemAllocManaged here and is still live.
-    let free = || unsafe { driver_free(pointer) };
+    let context_gone = !make_current(context);
+    let free = || {
+        if context_gone {
+            // Its context went without the library seeing it: the driver freed the memory then.
+            return CUDA_SUCCESS;
+        }
+        // SAFETY: the pointer came from cuMemAllocManaged here and is still live.
+        match unsafe { driver_free(pointer) } {
+            CUDA_ERROR_INVALID_CONTEXT | CUDA_ERROR_CONTEXT_IS_DESTROYED => CUDA_SUCCESS,
+            status => status,
+        }
+    };
     let forget = |accounting| forget_spill(accounting, pointer);
     let status = released_with(
         Family::Spill,

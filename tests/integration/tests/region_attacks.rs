@@ -200,7 +200,13 @@ fn attack(label: &str, spare: Spare, seconds: u64) -> Outcome {
         .collect();
     for worker in &mut workers {
         let ready = worker.read_line().unwrap_or_default();
-        assert!(ready.starts_with("ready "), "a worker did not start: {ready:?}");
+        if !ready.starts_with("ready ") {
+            let output = worker.finish();
+            panic!(
+                "a worker did not start: {ready:?}; its stderr: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
     }
     let live_slots = live_slots(&dir.region());
     let spared = spared_ranges(&live_slots, spare);
