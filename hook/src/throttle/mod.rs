@@ -94,6 +94,10 @@ pub fn unlimited() -> bool {
 /// region's own, so that its fields and the bucket's agree).
 pub(crate) use vgpu_region::monotonic_ns as now_ns;
 
+/// The unit of the factors charges are scaled by (the correction, the streams' overlap):
+/// thousandths.
+pub(in crate::throttle) const FACTOR_UNIT: u32 = 1000;
+
 /// A launch's stream as the driver reads it: for the per-thread-default-stream variants (which
 /// the generator marks with `per_thread`), a null stream is the calling thread's stream.
 #[derive(Clone, Copy)]

@@ -37,8 +37,8 @@ use parking_lot::Mutex;
 use std::ffi::{c_uint, c_void};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
-use super::now_ns;
 use super::overlap::{self, RecentStreams, WindowChoice};
+use super::{FACTOR_UNIT, now_ns};
 use crate::capture::in_relaxed_capture_mode;
 use crate::hooks::real;
 use crate::sys::cuda::{
@@ -533,7 +533,7 @@ impl Sensor {
     /// The overlap factor charges are scaled by, in thousandths ([`overlap`]).
     pub fn overlap_permille(&self) -> u64 {
         match self.overlap_permille.load(Ordering::Relaxed) {
-            0 => 1000,
+            0 => u64::from(FACTOR_UNIT),
             permille => permille,
         }
     }
@@ -891,7 +891,7 @@ impl Sensor {
             for (reading, streams) in overlaps {
                 window.add((reading as f64 / streams) as u64, reading);
             }
-            let permille = (window.factor() * 1000.0).round() as u64;
+            let permille = (window.factor() * f64::from(FACTOR_UNIT)).round() as u64;
             self.overlap_permille.store(permille.max(1), Ordering::Relaxed);
         }
         done

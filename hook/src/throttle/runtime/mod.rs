@@ -21,13 +21,10 @@ use vgpu_region::{ComputeDevice, MAX_DEVICES};
 
 use super::estimates::Estimates;
 use super::sensor::Sensor;
-use super::{MODE, Mode, activity, bucket};
+use super::{FACTOR_UNIT, MODE, Mode, activity, bucket};
 use crate::sys::cuda::{CUDA_ERROR_NOT_INITIALIZED, CUresult, CUstream};
 
 pub use admission::{after, before};
-
-/// The unit of the factors charges are scaled by (the correction, the overlap): thousandths.
-const FACTOR_UNIT: u32 = 1000;
 
 static RUNTIME: AtomicPtr<Runtime> = AtomicPtr::new(std::ptr::null_mut());
 /// Set at process exit: the background thread stops calling the driver, launches stop waiting.

@@ -15,7 +15,8 @@ use crate::throttle::now_ns;
 use crate::throttle::sensor::Measured;
 use crate::throttle::{boards, nvml_reading};
 
-use super::{Device, FACTOR_UNIT, POLLER_IN_DRIVER, RUNTIME, Runtime, SHUTDOWN, add_signed, at_exit};
+use super::{Device, POLLER_IN_DRIVER, RUNTIME, Runtime, SHUTDOWN, add_signed, at_exit};
+use crate::throttle::FACTOR_UNIT;
 
 /// The background thread's period while samples are in flight, and while none are.
 pub(in crate::throttle) const POLL_BUSY: Duration = Duration::from_millis(1);
