@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use vgpu_integration::answer_status as status;
 use vgpu_integration::{Run, ScratchDir, Session, command, compiled_program};
-use vgpu_region::{SLOT_LIVE, Snapshot, read_snapshot};
+use vgpu_region::{ProcessSnapshot, SLOT_LIVE, Snapshot, read_snapshot};
 use vgpu_test_spawn::output_started;
 
 const MIB: u64 = 1 << 20;
@@ -131,13 +131,17 @@ fn snapshot(dir: &ScratchDir) -> Snapshot {
     read_snapshot(&bytes).expect("decode the region")
 }
 
-/// (data bytes, host-backed bytes) of `pid`'s live slot on region device 0.
-fn held(dir: &ScratchDir, pid: u32) -> (u64, u64) {
+/// `pid`'s live slot.
+fn live_process(dir: &ScratchDir, pid: u32) -> Option<ProcessSnapshot> {
     snapshot(dir)
         .processes
-        .iter()
+        .into_iter()
         .find(|process| process.pid == pid as i32 && process.status == SLOT_LIVE)
-        .map_or((0, 0), |process| (process.memory[0].data, process.host_backed[0]))
+}
+
+/// (data bytes, host-backed bytes) of `pid`'s live slot on region device 0.
+fn held(dir: &ScratchDir, pid: u32) -> (u64, u64) {
+    live_process(dir, pid).map_or((0, 0), |process| (process.memory[0].data, process.host_backed[0]))
 }
 
 /// The container's first two allocations: one on the device, one beyond it.
@@ -414,13 +418,7 @@ fn a_spill_moves_back_when_its_gpu_has_room_whichever_gpu_is_current() {
     assert_eq!(truth.host_resident(), 2 * SPILLED);
     launch(&mut process);
     holds_1.kill();
-    let host_backed = || {
-        snapshot(&dir)
-            .processes
-            .iter()
-            .find(|p| p.pid == process.pid() as i32 && p.status == SLOT_LIVE)
-            .map(|p| (p.host_backed[0], p.host_backed[1]))
-    };
+    let host_backed = || live_process(&dir, process.pid()).map(|p| (p.host_backed[0], p.host_backed[1]));
     within_5_s(|| truth.host_resident() == SPILLED && host_backed() == Some((SPILLED, 0)));
     assert_eq!(truth.host_resident(), SPILLED, "host memory 5 s after GPU 1 had room");
     assert_eq!(
@@ -474,13 +472,8 @@ fn a_stream_ordered_free_completed_by_the_tick_is_made_in_its_spills_context() {
     );
     assert_eq!(process.ask("ctx 1"), "ctx 0");
     assert_eq!(status(&process.ask(&format!("asyncfree {on_gpu_1}"))), CUDA_SUCCESS);
-    let host_backed = || {
-        snapshot(&dir)
-            .processes
-            .iter()
-            .find(|p| p.pid == process.pid() as i32 && p.status == SLOT_LIVE)
-            .map(|p| (p.host_backed[0], p.host_backed[1], p.memory[1].data))
-    };
+    let host_backed =
+        || live_process(&dir, process.pid()).map(|p| (p.host_backed[0], p.host_backed[1], p.memory[1].data));
     within_5_s(|| truth.host_resident() == 0 && host_backed() == Some((0, 0, ON_DEVICE)));
     assert_eq!(truth.host_resident(), 0, "host memory 5 s after the free");
     assert_eq!(
@@ -531,15 +524,8 @@ fn the_exit_of_a_process_releases_its_spilled_memory() {
     process.send("exit 0");
     let output = process.finish();
     assert!(output.status.success(), "{output:?}");
-    let snapshot = snapshot(&dir);
-    assert!(
-        snapshot
-            .processes
-            .iter()
-            .all(|p| p.pid != pid as i32 || p.status != SLOT_LIVE),
-        "the exited process still has a slot"
-    );
-    assert!(snapshot.processes.iter().all(|p| p.host_backed == [0; 16]));
+    assert!(live_process(&dir, pid).is_none(), "the exited process still has a slot");
+    assert!(snapshot(&dir).processes.iter().all(|p| p.host_backed == [0; 16]));
     assert_eq!(truth.host_resident(), 0);
 }
 
@@ -555,17 +541,10 @@ fn a_forked_child_that_spills_and_exits_leaves_only_the_parents() {
     let answer = process.ask(&format!("forkexit {}", 100 * MIB));
     let fields: Vec<&str> = answer.split_whitespace().collect();
     assert_eq!(fields.get(1), Some(&"0"), "the child's allocation failed: {answer}");
-    let child: i32 = fields.get(2).and_then(|pid| pid.parse().ok()).expect("child pid");
+    let child: u32 = fields.get(2).and_then(|pid| pid.parse().ok()).expect("child pid");
     truth.reclaim_dead();
     assert_eq!(truth.host_resident(), SPILLED, "host memory after the child's exit");
-    let snapshot = snapshot(&dir);
-    assert!(
-        snapshot
-            .processes
-            .iter()
-            .all(|p| p.pid != child || p.status != SLOT_LIVE),
-        "the child's slot outlived it"
-    );
+    assert!(live_process(&dir, child).is_none(), "the child's slot outlived it");
     assert_eq!(
         held(&dir, process.pid()),
         (ON_DEVICE + SPILLED, SPILLED),
