@@ -40,10 +40,10 @@
 //! sleep out its sleep, at most [`SLEEP_AMONG_MANY`] (a lower `sleepers`: no wake-up), cost
 //! releases a useless wake-up and sleepers longer sleeps, up to [`SLEEP_AMONG_MANY`] too (a higher
 //! one: each useless wake-up takes one off), make waiters spin until the deadline (changing
-//! `wake` without end), cost one `F_OFD_GETLK` (a `favoured` token nobody holds), or make the next holder recompute the
-//! totals (a nonzero `holder`); every wait stays bounded by [`LOCK_TIMEOUT`]. Holding the file
-//! locks themselves takes opening the file, which any process that can write it can do: that
-//! makes everyone wait for the deadline, as holding any lock would.
+//! `wake` without end), cost one `F_OFD_GETLK` (a `favoured` token nobody holds), or make the
+//! next holder recompute the totals (a nonzero `holder`); every wait stays bounded by
+//! [`LOCK_TIMEOUT`]. Holding the file locks themselves takes opening the file, which any process
+//! that can write it can do: that makes everyone wait for the deadline, as holding any lock would.
 //!
 //! **Fork.** A child shares the parent's descriptions, and with them the parent's lock: it must
 //! never lock through them, and must not keep them open either (a parent killed while holding

@@ -5,6 +5,8 @@
 //     alloc <bytes>        -> alloc <status> <pointer>            cuMemAlloc_v2
 //     allocnull <bytes>    -> allocnull <status>                  cuMemAlloc_v2 with a null out-pointer
 //     free <pointer>       -> free <status>                       cuMemFree_v2
+//     asyncfree <pointer>  -> asyncfree <status>                  cuMemFreeAsync on the legacy stream
+//     reset <ordinal>      -> reset <status>                      cuDevicePrimaryCtxReset
 //     info                 -> info <status> <free> <total>        cuMemGetInfo_v2
 //     infop <mask>         -> infop <status> <free> <total>       cuMemGetInfo_v2, an output passed only
 //                                                                 where the mask has its bit (1 free, 2

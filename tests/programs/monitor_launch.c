@@ -5,6 +5,8 @@
 //     ctx <ordinal>        -> ctx <status>                           retain the primary context, make it current
 //     alloc <bytes>        -> alloc <status> <pointer>               cuMemAlloc_v2
 //     free <pointer>       -> free <status>                          cuMemFree_v2
+//     asyncfree <pointer>  -> asyncfree <status>                     cuMemFreeAsync on the legacy stream
+//     reset <ordinal>      -> reset <status>                         cuDevicePrimaryCtxReset
 //     load                 -> load <status>                          cuModuleLoadData + cuModuleGetFunction("busy_1000us")
 //     launch <n>           -> launch <status> <milliseconds>         n launches of the kernel, then cuCtxSynchronize
 //     copy <pointer>       -> copy <status> <milliseconds>           cuMemcpyHtoD_v2 of 4 bytes

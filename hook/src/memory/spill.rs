@@ -24,7 +24,8 @@
 //!   synchronisations of a process with pools and before a refusal: never on the path of an
 //!   allocation or free that works.
 //! - **Stream-ordered frees.** `cuMemFreeAsync` of a spilled pointer is not the pool's to free:
-//!   an event is recorded on the stream and the memory freed once the stream has passed it.
+//!   an event is recorded on the stream and the memory freed once the stream has passed it; on a
+//!   stream being captured it is refused.
 //!
 //! VMM allocations (`cuMemCreate`: JAX's and XLA's allocator, PyTorch's expandable segments) that
 //! the device cannot back are made in host memory instead ([`create_on_host`]): the application
