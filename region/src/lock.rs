@@ -19,8 +19,7 @@
 //!
 //! `F_OFD_SETLKW` waits without a deadline (only a signal interrupts it, and a library must not
 //! install signal handlers), so a waiter retries `F_OFD_SETLK`, sleeping between tries on a futex
-//! word of the file, at most [`SLEEP_AT_MOST`] at a time while few wait (longer while many do:
-//! [`TRIES_PER_SECOND`]):
+//! word of the file, at most [`SLEEP_AT_MOST`] at a time:
 //!
 //! - Waiters sleep on [`LockWords::wake`] and count themselves in [`LockWords::sleepers`]; a
 //!   release that sees sleepers bumps `wake` and wakes one, the one that has slept longest (the
@@ -36,14 +35,13 @@
 //!   favoured process that dies (the kernel drops its file locks) or a token a writer made up
 //!   holds nobody back.
 //!
-//! The words of [`LockWords`] are only hints. A writer can make a sleeper miss its wake-up and
-//! sleep out its sleep, at most [`SLEEP_AMONG_MANY`] (a lower `sleepers`: no wake-up), cost
-//! releases a useless wake-up and sleepers longer sleeps, up to [`SLEEP_AMONG_MANY`] too (a higher
-//! one: each useless wake-up takes one off), make waiters spin until the deadline (changing
-//! `wake` without end), cost one `F_OFD_GETLK` (a `favoured` token nobody holds), or make the
-//! next holder recompute the totals (a nonzero `holder`); every wait stays bounded by
-//! [`LOCK_TIMEOUT`]. Holding the file locks themselves takes opening the file, which any process
-//! that can write it can do: that makes everyone wait for the deadline, as holding any lock would.
+//! The words of [`LockWords`] are only hints. A writer can make a sleeper sleep [`SLEEP_AT_MOST`]
+//! (a lower `sleepers`: no wake-up), cost releases a useless wake-up (a higher one: each useless
+//! wake-up takes one off), make waiters spin until the deadline (changing `wake` without end),
+//! cost one `F_OFD_GETLK` (a `favoured` token nobody holds), or make the next holder recompute the
+//! totals (a nonzero `holder`); every wait stays bounded by [`LOCK_TIMEOUT`]. Holding the file
+//! locks themselves takes opening the file, which any process that can write it can do: that
+//! makes everyone wait for the deadline, as holding any lock would.
 //!
 //! **Fork.** A child shares the parent's descriptions, and with them the parent's lock: it must
 //! never lock through them, and must not keep them open either (a parent killed while holding
@@ -69,19 +67,8 @@ use crate::sys;
 use crate::{LOCK_TIMEOUT, MAX_LOCK_WAIT};
 
 /// The longest sleep between two tries of the file lock (a release wakes a sleeper at once; a
-/// holder's death, or a wake-up a writer's values made go astray, does not), while few wait.
+/// holder's death, or a wake-up a writer's values made go astray, does not).
 const SLEEP_AT_MOST: Duration = Duration::from_millis(5);
-/// Sleeps between tries lengthen with the number of sleepers, so that the waiting processes
-/// together try at most this often: a thousand processes starting at once would otherwise spend
-/// the CPUs on their tries and starve the holder. The favoured process keeps [`SLEEP_AT_MOST`].
-const TRIES_PER_SECOND: u32 = 2_000;
-/// The longest sleep of a waiter among many: how late a dead holder is noticed at worst.
-const SLEEP_AMONG_MANY: Duration = Duration::from_millis(100);
-
-/// A sleep between two tries of a waiter that is not favoured, `sleepers` waiting in all.
-fn sleep_between_tries(sleepers: u32) -> Duration {
-    (Duration::from_secs(1).saturating_mul(sleepers) / TRIES_PER_SECOND).clamp(SLEEP_AT_MOST, SLEEP_AMONG_MANY)
-}
 static TAKE_LOCK: sys::ByteLock = sys::ByteLock::write(FILE_LOCK_OFFSET);
 static RELEASE_LOCK: sys::ByteLock = sys::ByteLock::release(FILE_LOCK_OFFSET);
 static TAKE_FAVOUR: sys::ByteLock = sys::ByteLock::write(FAVOUR_LOCK_OFFSET);
@@ -344,12 +331,7 @@ fn wait_for_file(side: &ProcessSide, words: &LockWords, clock: &mut Clock) -> Re
                 }
             }
         }
-        let sleep = if favour_held {
-            SLEEP_AT_MOST
-        } else {
-            sleep_between_tries(words.sleepers.load(Ordering::Relaxed))
-        };
-        sys::futex_wait(word, seen, sleep.min(left));
+        sys::futex_wait(word, seen, SLEEP_AT_MOST.min(left));
         slept = true;
         uncount();
     };
