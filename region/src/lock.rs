@@ -19,7 +19,8 @@
 //!
 //! `F_OFD_SETLKW` waits without a deadline (only a signal interrupts it, and a library must not
 //! install signal handlers), so a waiter retries `F_OFD_SETLK`, sleeping between tries on a futex
-//! word of the file, at most [`SLEEP_AT_MOST`] at a time:
+//! word of the file, at most [`SLEEP_AT_MOST`] at a time (longer while another process holds the
+//! favour and many wait, up to [`DEFERRED_SLEEP_AT_MOST`]):
 //!
 //! - Waiters sleep on [`LockWords::wake`] and count themselves in [`LockWords::sleepers`]; a
 //!   release that sees sleepers bumps `wake` and wakes one, the one that has slept longest (the
@@ -36,8 +37,9 @@
 //!   holds nobody back.
 //!
 //! The words of [`LockWords`] are only hints. A writer can make a sleeper sleep [`SLEEP_AT_MOST`]
-//! (a lower `sleepers`: no wake-up), cost releases a useless wake-up (a higher one: each useless
-//! wake-up takes one off), make waiters spin until the deadline (changing `wake` without end),
+//! (a lower `sleepers`: no wake-up), cost releases a useless wake-up and deferring sleepers
+//! longer sleeps, up to [`DEFERRED_SLEEP_AT_MOST`] (a higher one: each useless wake-up takes one
+//! off), make waiters spin until the deadline (changing `wake` without end),
 //! cost one `F_OFD_GETLK` (a `favoured` token nobody holds), or make the next holder recompute the
 //! totals (a nonzero `holder`); every wait stays bounded by [`LOCK_TIMEOUT`]. Holding the file
 //! locks themselves takes opening the file, which any process that can write it can do: that
@@ -69,6 +71,21 @@ use crate::{LOCK_TIMEOUT, MAX_LOCK_WAIT};
 /// The longest sleep between two tries of the file lock (a release wakes a sleeper at once; a
 /// holder's death, or a wake-up a writer's values made go astray, does not).
 const SLEEP_AT_MOST: Duration = Duration::from_millis(5);
+/// While another process holds the favour, the others only wait for a release to wake them in
+/// turn or for the favoured process to die (which wakes nobody), so they sleep longer the more of
+/// them wait: together they wake at most this often. Otherwise a thousand processes starting at
+/// once spend the CPUs on their wake-ups and starve the holder.
+const DEFERRED_WAKES_PER_SECOND: u32 = 20_000;
+/// The longest sleep of a process deferring to the favoured one: how late the favoured process's
+/// death is noticed at worst. The favoured process itself sleeps [`SLEEP_AT_MOST`], so a dead
+/// holder is noticed as soon as without a favour.
+const DEFERRED_SLEEP_AT_MOST: Duration = Duration::from_millis(50);
+
+/// The sleep of a process that defers to the favoured one, `sleepers` waiting in all.
+fn deferred_sleep(sleepers: u32) -> Duration {
+    (Duration::from_secs(1).saturating_mul(sleepers) / DEFERRED_WAKES_PER_SECOND)
+        .clamp(SLEEP_AT_MOST, DEFERRED_SLEEP_AT_MOST)
+}
 static TAKE_LOCK: sys::ByteLock = sys::ByteLock::write(FILE_LOCK_OFFSET);
 static RELEASE_LOCK: sys::ByteLock = sys::ByteLock::release(FILE_LOCK_OFFSET);
 static TAKE_FAVOUR: sys::ByteLock = sys::ByteLock::write(FAVOUR_LOCK_OFFSET);
@@ -331,7 +348,12 @@ fn wait_for_file(side: &ProcessSide, words: &LockWords, clock: &mut Clock) -> Re
                 }
             }
         }
-        sys::futex_wait(word, seen, SLEEP_AT_MOST.min(left));
+        let sleep = if defer {
+            deferred_sleep(words.sleepers.load(Ordering::Relaxed))
+        } else {
+            SLEEP_AT_MOST
+        };
+        sys::futex_wait(word, seen, sleep.min(left));
         slept = true;
         uncount();
     };
@@ -676,6 +698,14 @@ mod tests {
 
     // SAFETY: only accessed by the thread inside the gate (what the test checks).
     unsafe impl Sync for Guarded {}
+
+    #[test]
+    fn deferring_waiters_sleep_longer_only_among_many_and_never_past_the_bound() {
+        assert_eq!(deferred_sleep(0), SLEEP_AT_MOST);
+        assert_eq!(deferred_sleep(6), SLEEP_AT_MOST);
+        assert_eq!(deferred_sleep(500), Duration::from_millis(25));
+        assert_eq!(deferred_sleep(u32::MAX), DEFERRED_SLEEP_AT_MOST);
+    }
 
     #[test]
     fn the_gate_lets_one_thread_in_at_a_time() {
