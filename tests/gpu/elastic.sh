@@ -8,6 +8,9 @@
 #   out-of-memory error expected);
 # - cupy, jax: the same with tests/gpu/elastic_cupy.py (1 GiB arrays, each step reads and writes
 #   all of them) and tests/gpu/elastic_jax.py (JAX with its defaults, sized to 70% of the limit);
+# - jax-grow: the JAX job beside the other process with XLA_PYTHON_CLIENT_PREALLOCATE=false (XLA
+#   allocates as it needs instead of one pool of three quarters of the device, which the device
+#   cannot back and which is then host memory whole);
 # - cold: a CuPy job that allocates 2x FREE_GIB and touches 0.8x FREE_GIB a step, under the
 #   library with the cold arrays allocated first and with the hot ones first, and as unified memory
 #   (no library, cold first): no advice, and preferring the device while mapped wherever it is;
@@ -23,7 +26,7 @@ report="$out/elastic.txt"; : > "$report"
 free_gib="${FREE_GIB:-8}"
 steps="${STEPS:-6}"
 factors="${FACTORS:-1.25 1.5 2}"
-parts="${PARTS:-torch cupy jax cold hot moves}"
+parts="${PARTS:-torch cupy jax jax-grow cold hot moves}"
 library="$root/.device/libvgpu.so"; smi="$root/.device/vgpu-smi"
 export PYTHONUNBUFFERED=1
 log() { echo "$@" | tee -a "$report"; }
@@ -83,6 +86,8 @@ for factor in $factors; do
   part torch && job "shared x$factor" "$(limit_of "$factor")" true "" "$train" "$(gib_of "$factor" -2)" "$steps"
   part cupy && job "shared x$factor" "$(limit_of "$factor")" true "" "$cupy" device "$(gib_of "$factor" -1)" 0 "$steps"
   part jax && job "shared x$factor" "$(limit_of "$factor")" true "" "$jax" "$(gib_of "$(jax_share "$factor")" 0)" "$steps"
+  part jax-grow && XLA_PYTHON_CLIENT_PREALLOCATE=false job "shared x$factor, XLA_PYTHON_CLIENT_PREALLOCATE=false" \
+    "$(limit_of "$factor")" true "" "$jax" "$(gib_of "$(jax_share "$factor")" 0)" "$steps"
 done
 part torch && job "shared x1.5, no variable" "$(limit_of 1.5)" unset "" "$train" "$(gib_of 1.5 -2)" "$steps"
 part cupy && job "shared x1.5, no variable" "$(limit_of 1.5)" unset "" "$cupy" device "$(gib_of 1.5 -1)" 0 "$steps"
