@@ -33,11 +33,12 @@
 //!   takes the favour while the lock is held. So the lock passes from process to process in the
 //!   order they came to sleep, however often one would take it again, much as a mutex that hands
 //!   itself over. The favour is checked with `F_OFD_GETLK`, not trusted from the word, so a
-//!   favoured process that dies (the kernel drops its file locks) or a token a writer made up
-//!   holds nobody back.
+//!   token a writer made up holds nobody back, nor does a favoured process that dies (the kernel
+//!   drops its file locks) for longer than the waiters' sleeps: up to [`DEFERRED_SLEEP_AT_MOST`]
+//!   among many, unless a release wakes one of them first.
 //!
-//! The words of [`LockWords`] are only hints. A writer can make a sleeper sleep [`SLEEP_AT_MOST`]
-//! (a lower `sleepers`: no wake-up), cost releases a useless wake-up and deferring sleepers
+//! The words of [`LockWords`] are only hints. A writer can make a sleeper sleep [`SLEEP_AT_MOST`],
+//! or [`DEFERRED_SLEEP_AT_MOST`] while a favour is held (a lower `sleepers`: no wake-up), cost releases a useless wake-up and deferring sleepers
 //! longer sleeps, up to [`DEFERRED_SLEEP_AT_MOST`] (a higher one: each useless wake-up takes one
 //! off), make waiters spin until the deadline (changing `wake` without end),
 //! cost one `F_OFD_GETLK` (a `favoured` token nobody holds), or make the next holder recompute the
@@ -77,8 +78,9 @@ const SLEEP_AT_MOST: Duration = Duration::from_millis(5);
 /// once spend the CPUs on their wake-ups and starve the holder.
 const DEFERRED_WAKES_PER_SECOND: u32 = 20_000;
 /// The longest sleep of a process deferring to the favoured one: how late the favoured process's
-/// death is noticed at worst. The favoured process itself sleeps [`SLEEP_AT_MOST`], so a dead
-/// holder is noticed as soon as without a favour.
+/// death is noticed at worst when nothing is released after it (a release that finds the favoured
+/// process not asleep wakes a deferring one too). The favoured process itself sleeps
+/// [`SLEEP_AT_MOST`], so another holder's death is noticed as soon as without a favour.
 const DEFERRED_SLEEP_AT_MOST: Duration = Duration::from_millis(50);
 
 /// The sleep of a process that defers to the favoured one, `sleepers` waiting in all.
@@ -262,7 +264,12 @@ impl Drop for Held<'_> {
 fn wake_next(words: &LockWords) {
     if words.favoured.load(Ordering::Acquire) != 0 {
         words.favoured_wake.fetch_add(1, Ordering::AcqRel);
-        sys::futex_wake(&words.favoured_wake, 1);
+        if sys::futex_wake(&words.favoured_wake, 1) == 0 {
+            // The favoured process is not asleep: it is on its way to try, or it died holding the
+            // favour, which the processes deferring to it would otherwise notice only when their
+            // longer sleeps end. One of them comes to look.
+            wake_sleeper(words);
+        }
     } else {
         wake_sleeper(words);
     }
