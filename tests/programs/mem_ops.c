@@ -45,6 +45,12 @@
 //                                                                 asks for: GPUDirect RDMA, POSIX fd and fabric
 //                                                                 handles
 //     vmmrelease <handle>  -> vmmrelease <status>                 cuMemRelease
+//     vmmmap <handle>      -> vmmmap <status> <pointer>           an address range of the handle's size
+//                                                                 reserved, the handle mapped there and
+//                                                                 read-write access given to the device
+//     vmmunmap <pointer>   -> vmmunmap <status>                   cuMemUnmap of that mapping, then
+//                                                                 cuMemAddressFree of its range
+//     vmmretain <pointer>  -> vmmretain <status> <handle>         cuMemRetainAllocationHandle
 //     mode                 -> mode <status> <mode>                this thread's capture interaction mode
 //                                                                 (cuThreadExchangeStreamCaptureMode, twice)
 //     exit <code>          -> (calls exit(code))
@@ -71,6 +77,28 @@ static CUstream capture_stream(void) {
     static CUstream stream = NULL;
     if (stream == NULL && cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) stream = NULL;
     return stream;
+}
+
+// Sizes of the handles `vmm` made and of the ranges `vmmmap` mapped, for the commands that take
+// only a handle or a pointer.
+#define VMM_SLOTS 64
+static struct { unsigned long long key; size_t size; } vmm_sizes[VMM_SLOTS];
+
+static void vmm_remember(unsigned long long key, size_t size) {
+    for (int i = 0; i < VMM_SLOTS; i++) {
+        if (vmm_sizes[i].key == 0 || vmm_sizes[i].key == key) {
+            vmm_sizes[i].key = key;
+            vmm_sizes[i].size = size;
+            return;
+        }
+    }
+}
+
+static size_t vmm_size(unsigned long long key) {
+    for (int i = 0; i < VMM_SLOTS; i++) {
+        if (vmm_sizes[i].key == key) return vmm_sizes[i].size;
+    }
+    return 0;
 }
 
 struct other_async {
@@ -116,7 +144,34 @@ int main(void) {
             CUresult status = cuCtxGetDevice(&device);
             prop.location.id = device;
             if (status == CUDA_SUCCESS) status = cuMemCreate(&handle, (size_t)number, &prop, 0);
+            if (status == CUDA_SUCCESS) vmm_remember((unsigned long long)handle, (size_t)number);
             printf("%s %d %llu\n", command, (int)status, (unsigned long long)handle);
+        } else if (strcmp(command, "vmmmap") == 0) {
+            size_t size = vmm_size(number);
+            CUdevice device = 0;
+            CUdeviceptr p = 0;
+            CUresult status = cuCtxGetDevice(&device);
+            if (status == CUDA_SUCCESS) status = cuMemAddressReserve(&p, size, 0, 0, 0);
+            if (status == CUDA_SUCCESS) status = cuMemMap(p, size, 0, (CUmemGenericAllocationHandle)number, 0);
+            if (status == CUDA_SUCCESS) {
+                CUmemAccessDesc access;
+                memset(&access, 0, sizeof access);
+                access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+                access.location.id = device;
+                access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+                status = cuMemSetAccess(p, size, &access, 1);
+            }
+            if (status == CUDA_SUCCESS) vmm_remember((unsigned long long)p, size);
+            printf("vmmmap %d %llu\n", (int)status, (unsigned long long)p);
+        } else if (strcmp(command, "vmmunmap") == 0) {
+            size_t size = vmm_size(number);
+            CUresult status = cuMemUnmap((CUdeviceptr)number, size);
+            if (status == CUDA_SUCCESS) status = cuMemAddressFree((CUdeviceptr)number, size);
+            printf("vmmunmap %d\n", (int)status);
+        } else if (strcmp(command, "vmmretain") == 0) {
+            CUmemGenericAllocationHandle handle = 0;
+            CUresult status = cuMemRetainAllocationHandle(&handle, (void *)(uintptr_t)number);
+            printf("vmmretain %d %llu\n", (int)status, (unsigned long long)handle);
         } else if (strcmp(command, "vmmrelease") == 0) {
             printf("vmmrelease %d\n", (int)cuMemRelease((CUmemGenericAllocationHandle)number));
         } else if (strcmp(command, "asyncalloc") == 0) {

@@ -9,6 +9,7 @@
 #define _GNU_SOURCE
 #include <cuda.h>
 #include <dlfcn.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -273,6 +274,21 @@ static void vmm(void) {
     step("cuMemRelease", cuMemRelease(handle));
     prop.location.id = 0;
 #endif
+    // Mapped memory lives until its handle's last reference (the create's and a retain's) and its
+    // last mapping are gone, whichever goes last: the unmap, or freeing the address range.
+    CUdeviceptr va = 0;
+    CUmemGenericAllocationHandle retained = 0;
+    if (cuMemAddressReserve(&va, VMM_BYTES, 0, 0, 0) != CUDA_SUCCESS) va = 0;
+    step("cuMemCreate", cuMemCreate(&handle, VMM_BYTES, &prop, 0));
+    step("cuMemMap", cuMemMap(va, VMM_BYTES, 0, handle, 0));
+    step("cuMemRetainAllocationHandle", cuMemRetainAllocationHandle(&retained, (void *)(uintptr_t)va));
+    step("cuMemRelease", cuMemRelease(retained));
+    step("cuMemRelease", cuMemRelease(handle));
+    step("cuMemUnmap", cuMemUnmap(va, VMM_BYTES));
+    step("cuMemCreate", cuMemCreate(&handle, VMM_BYTES, &prop, 0));
+    step("cuMemMap", cuMemMap(va, VMM_BYTES, 0, handle, 0));
+    step("cuMemRelease", cuMemRelease(handle));
+    step("cuMemAddressFree", cuMemAddressFree(va, VMM_BYTES));
     // Host memory is not device memory: nothing charged.
     prop.location.type = CU_MEM_LOCATION_TYPE_HOST;
     step("cuMemCreate", cuMemCreate(&handle, VMM_BYTES, &prop, 0));

@@ -10,6 +10,7 @@ use vgpu_region::{ChargeError, MAX_DEVICES, MemoryKind, Region, RegionError, Slo
 
 use super::ledger::{Charge, Ledger};
 use super::spill::Spills;
+use super::vmm::Lifetimes;
 use crate::session::{self, DeviceEntry, Session};
 use crate::sys::cuda::{CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, CUdevice, CUresult};
 
@@ -36,6 +37,8 @@ struct Own {
     retrying: AtomicBool,
     /// Allocations served from host memory (`CUDA_OVERSUBSCRIBE`).
     spills: Spills,
+    /// VMM allocations retained or mapped.
+    vmm: Lifetimes,
 }
 
 /// This process's part: the one of the current fork epoch (see [`session::epoch`]).
@@ -51,6 +54,7 @@ impl Own {
             has_pending: AtomicBool::new(false),
             retrying: AtomicBool::new(false),
             spills: Spills::default(),
+            vmm: Lifetimes::default(),
         }))
     }
 
@@ -212,6 +216,10 @@ impl Accounting {
     /// This process's allocations served from host memory.
     pub fn spills(&self) -> &'static Spills {
         &self.own.spills
+    }
+
+    pub fn vmm(&self) -> &'static Lifetimes {
+        &self.own.vmm
     }
 
     /// This process's slot in the region (none once detached).

@@ -106,6 +106,7 @@ fn owner_of(family: Family) -> u64 {
         | Family::Context
         | Family::Graph
         | Family::Pool
+        | Family::ReleasedMapped
         | Family::GraphPool => 0,
     }
 }

@@ -212,6 +212,13 @@ pub fn create(
 
 /// `cuMemRelease`.
 pub fn release(call: impl FnOnce() -> CUresult, handle: CUmemGenericAllocationHandle) -> CUresult {
+    let call = match super::accounting::accounting() {
+        Some(accounting) => match super::vmm::release_held(accounting, handle, call) {
+            Ok(result) => return result,
+            Err(call) => call,
+        },
+        None => call,
+    };
     released_or(Family::PhysicalHandle, handle, call, spill::release_handle)
 }
 

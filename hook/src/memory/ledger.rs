@@ -55,6 +55,9 @@ pub enum Family {
     Graph,
     /// A stream-ordered memory pool's reserved memory, by pool.
     Pool,
+    /// VMM memory whose handle was released while mapped, by an id of its own
+    /// (`super::vmm`): released with its last mapping.
+    ReleasedMapped,
     /// What a device keeps for this process's graphs beyond what live graphs' allocation nodes
     /// are charged, by device ordinal.
     GraphPool,
@@ -288,6 +291,10 @@ impl Ledger {
     }
 
     /// Removes and returns the key's charges, if any.
+    pub fn contains(&self, family: Family, key: u64) -> bool {
+        self.charges().contains_key(&(family, key))
+    }
+
     pub fn take_charges(&self, family: Family, key: u64) -> Option<(Charges, u64)> {
         let mut charges = self.charges();
         let entry = charges.remove(&(family, key))?;

@@ -1,7 +1,7 @@
 //! Device memory accounting: every allocation path charged to the container's shared region
 //! before the driver is called, every free released, and memory queries answered for the virtual
 //! device. `cuda-api.toml` routes the entry points to the handlers of [`data`], [`pools`],
-//! [`contexts`] and [`queries`], built on [`charge`], [`pool_sync`] and [`measure`].
+//! [`contexts`], [`vmm`] and [`queries`], built on [`charge`], [`pool_sync`] and [`measure`].
 
 mod accounting;
 mod charge;
@@ -18,6 +18,7 @@ mod restore;
 mod sizes;
 mod spill;
 mod units;
+mod vmm;
 
 pub use accounting::{Accounting, accounting, limit_configured, no_pools};
 pub use contexts::*;
@@ -29,3 +30,4 @@ pub use pools::*;
 pub use queries::*;
 pub use restore::tick as restore_tick;
 pub use spill::{enabled as elastic, tick as elastic_tick};
+pub use vmm::{address_free, map, retain, unmap};

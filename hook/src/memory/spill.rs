@@ -40,7 +40,7 @@ use parking_lot::Mutex;
 
 use super::accounting::Accounting;
 use super::charge::{current_context, released_after, released_with};
-use super::ledger::Family;
+use super::ledger::{Charges, Family};
 use super::location::located;
 use crate::capture::in_relaxed_capture_mode;
 use crate::hooks::real;
@@ -308,11 +308,14 @@ fn host_numa_node(device: CUdevice) -> i32 {
 #[cold]
 #[inline(never)]
 pub(super) fn release_handle(_: Accounting, handle: u64, call: impl FnOnce() -> CUresult) -> CUresult {
-    released_after(Family::SpillHandle, handle, call, |accounting, charges| {
-        for charge in charges.iter() {
-            record_host_backed(accounting, charge.region_index, charge.bytes, false);
-        }
-    })
+    released_after(Family::SpillHandle, handle, call, forget_host_backed)
+}
+
+/// Forgets the host-backed bytes of a freed allocation made in host memory.
+pub(super) fn forget_host_backed(accounting: Accounting, charges: &Charges) {
+    for charge in charges.iter() {
+        record_host_backed(accounting, charge.region_index, charge.bytes, false);
+    }
 }
 
 /// `cuMemFree` of a pointer not charged as a plain one: a spill is freed, its charge released and

@@ -1,8 +1,10 @@
 //! Virtual memory management. `cuMemCreate` charges device-located handles their size rounded
 //! up to `FAKE_CUDA_GRANULARITY` (the real driver rejects sizes that are not a multiple of it;
-//! host-located ones charge nothing) until `cuMemRelease` (the
-//! real driver keeps the memory until the last mapping goes too; here release is immediate).
-//! Address reservations, mappings and access are bookkeeping only.
+//! host-located ones charge nothing). As the driver documents, the memory stays until its handle's
+//! last reference is released (`cuMemRelease`, one for the create and one for each
+//! `cuMemRetainAllocationHandle`) and its last mapping is unmapped (`cuMemUnmap`,
+//! `cuMemAddressFree`), in either order. Address reservations, mappings and access are
+//! bookkeeping only.
 
 use std::ffi::c_ulonglong;
 
@@ -15,6 +17,39 @@ pub struct Physical {
     pub ordinal: i32,
     /// The device charged; `None` for host-located memory.
     pub phys: Option<usize>,
+    /// References to the handle not yet released; at 0 the handle is gone, and the memory with it
+    /// once nothing maps it.
+    pub references: u32,
+}
+
+/// Frees the memory of `handle` if no reference and no mapping holds it any longer.
+fn free_if_unheld(state: &mut state::State, handle: u64) {
+    let held = state
+        .physical
+        .get(&handle)
+        .is_some_and(|physical| physical.references > 0)
+        || state.mappings.values().any(|&(_, mapped)| mapped == handle);
+    if held {
+        return;
+    }
+    if let Some(physical) = state.physical.remove(&handle) {
+        match physical.phys {
+            Some(phys) => state.uncharge(phys, physical.size),
+            None => state.record_host(physical.size, false),
+        }
+    }
+}
+
+/// Removes the mappings that start in `ptr..end`, and frees what only they held.
+fn unmap_range(state: &mut state::State, ptr: u64, end: u64) -> usize {
+    let inside: Vec<u64> = state.mappings.range(ptr..end).map(|(start, _)| *start).collect();
+    let count = inside.len();
+    for start in inside {
+        if let Some((_, handle)) = state.mappings.remove(&start) {
+            free_if_unheld(state, handle);
+        }
+    }
+    count
 }
 
 /// Bytes `cuMemCreate(size)` charges: the size rounded up to the granularity.
@@ -98,6 +133,7 @@ pub unsafe extern "C" fn cuMemCreate(
                 size: bytes,
                 ordinal,
                 phys,
+                references: 1,
             },
         );
         // SAFETY: out-pointer from the caller, checked non-null.
@@ -109,11 +145,13 @@ pub unsafe extern "C" fn cuMemCreate(
 pub unsafe extern "C" fn cuMemRelease(handle: CUmemGenericAllocationHandle) -> CUresult {
     cu(|| {
         let mut state = initialised()?;
-        let physical = state.physical.remove(&handle).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        match physical.phys {
-            Some(phys) => state.uncharge(phys, physical.size),
-            None => state.record_host(physical.size, false),
-        }
+        let physical = state
+            .physical
+            .get_mut(&handle)
+            .filter(|physical| physical.references > 0)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        physical.references -= 1;
+        free_if_unheld(&mut state, handle);
         Ok(())
     })
 }
@@ -151,11 +189,7 @@ pub unsafe extern "C" fn cuMemAddressFree(ptr: CUdeviceptr, size: usize) -> CUre
         }
         state.reservations.remove(&ptr);
         state.reserved_va.give_back(ptr);
-        let end = ptr + size as u64;
-        let inside: Vec<u64> = state.mappings.range(ptr..end).map(|(start, _)| *start).collect();
-        for start in inside {
-            state.mappings.remove(&start);
-        }
+        unmap_range(&mut state, ptr, ptr + size as u64);
         Ok(())
     })
 }
@@ -177,7 +211,11 @@ pub unsafe extern "C" fn cuMemMap(
             .range(..=ptr)
             .next_back()
             .ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        let physical = state.physical.get(&handle).ok_or(CUDA_ERROR_INVALID_HANDLE)?;
+        let physical = state
+            .physical
+            .get(&handle)
+            .filter(|physical| physical.references > 0)
+            .ok_or(CUDA_ERROR_INVALID_HANDLE)?;
         let fits_handle = (offset as u64).checked_add(size).is_some_and(|e| e <= physical.size);
         if size == 0 || end > base + reserved || !fits_handle {
             return Err(CUDA_ERROR_INVALID_VALUE);
@@ -200,14 +238,36 @@ pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
     cu(|| {
         let mut state = initialised()?;
         let end = ptr.checked_add(size as u64).ok_or(CUDA_ERROR_INVALID_VALUE)?;
-        let inside: Vec<u64> = state.mappings.range(ptr..end).map(|(start, _)| *start).collect();
-        if inside.is_empty() {
+        if unmap_range(&mut state, ptr, end) == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
-        for start in inside {
-            state.mappings.remove(&start);
-        }
         Ok(())
+    })
+}
+
+/// The handle of the memory mapped at `addr`, with one more reference to release.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemRetainAllocationHandle(
+    handle: *mut CUmemGenericAllocationHandle,
+    addr: *mut std::ffi::c_void,
+) -> CUresult {
+    cu(|| {
+        if handle.is_null() {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        let mut state = initialised()?;
+        let addr = addr as u64;
+        let mapped = state
+            .mappings
+            .range(..=addr)
+            .next_back()
+            .filter(|(start, (len, _))| addr < *start + len)
+            .map(|(_, &(_, mapped))| mapped)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        let physical = state.physical.get_mut(&mapped).ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        physical.references += 1;
+        // SAFETY: out-pointer from the caller, checked non-null.
+        unsafe { put(handle, mapped) }
     })
 }
 

@@ -244,6 +244,42 @@ fn a_vmm_allocation_the_device_cannot_back_is_made_in_host_memory() {
     }
 }
 
+/// A VMM allocation made in host memory lives, as device memory does, until its handle is
+/// released and its last mapping is gone: released while mapped, it stays charged and host-backed
+/// until the unmap.
+#[test]
+fn a_vmm_allocation_in_host_memory_released_while_mapped_stays_until_unmapped() {
+    let dir = ScratchDir::new("elastic-vmm-mapped");
+    let truth = dir.truth();
+    let _other = other_container(&dir);
+    let mut process = container(&dir, Some("true"));
+    assert_eq!(status(&process.ask(&format!("alloc {ON_DEVICE}"))), CUDA_SUCCESS);
+    let created = process.ask(&format!("vmm {SPILLED}"));
+    assert_eq!(status(&created), CUDA_SUCCESS, "{created}");
+    let mapped = process.ask(&format!("vmmmap {}", pointer(&created)));
+    assert_eq!(status(&mapped), CUDA_SUCCESS, "{mapped}");
+    assert_eq!(
+        status(&process.ask(&format!("vmmrelease {}", pointer(&created)))),
+        CUDA_SUCCESS
+    );
+    assert_eq!(
+        held(&dir, process.pid()),
+        (ON_DEVICE + SPILLED, SPILLED),
+        "(data, host-backed) while mapped"
+    );
+    assert_eq!(
+        truth.host_resident(),
+        SPILLED,
+        "host memory the fake holds while mapped"
+    );
+    assert_eq!(
+        status(&process.ask(&format!("vmmunmap {}", pointer(&mapped)))),
+        CUDA_SUCCESS
+    );
+    assert_eq!(held(&dir, process.pid()), (ON_DEVICE, 0), "after the unmap");
+    assert_eq!(truth.host_resident(), 0, "after the unmap");
+}
+
 #[test]
 fn without_oversubscribe_the_devices_refusal_stands() {
     for value in [None, Some("false"), Some("0")] {

@@ -139,6 +139,10 @@ const COVERED_BY: &[(&str, &str)] = &[
     ("cuMemPoolTrimTo", "cuMemAllocFromPoolAsync"),
     ("cuMemPoolDestroy", "cuMemAllocFromPoolAsync"),
     ("cuMemRelease", "cuMemCreate"),
+    ("cuMemMap", "cuMemCreate"),
+    ("cuMemUnmap", "cuMemCreate"),
+    ("cuMemAddressFree", "cuMemCreate"),
+    ("cuMemRetainAllocationHandle", "cuMemCreate"),
     ("cuArrayDestroy", "cuArrayCreate_v2"),
     ("cuMipmappedArrayDestroy", "cuMipmappedArrayCreate"),
     ("cuGraphDestroy", "cuGraphAddMemAllocNode"),
@@ -245,9 +249,9 @@ fn cases() -> Vec<Case> {
             ],
         );
     }
-    // VMM: device-located handles charge their size until released (a 13.5 locality domain is
-    // its device's memory); host-located ones nothing; releasing a handle nobody created is the
-    // driver's answer.
+    // VMM: device-located handles charge their size until released and unmapped, whichever is
+    // last (a 13.5 locality domain is its device's memory); host-located ones nothing; releasing
+    // a handle nobody created is the driver's answer.
     let mut vmm = vec![
         ready,
         at("cuMemCreate", CUDA_SUCCESS, C, 6 * MIB, C + 6 * MIB),
@@ -259,7 +263,18 @@ fn cases() -> Vec<Case> {
             at("cuMemRelease", CUDA_SUCCESS, C, 0, C),
         ]);
     }
+    let held = 6 * MIB;
     vmm.extend([
+        at("cuMemCreate", CUDA_SUCCESS, C, held, C + held),
+        at("cuMemMap", CUDA_SUCCESS, C, held, C + held),
+        at("cuMemRetainAllocationHandle", CUDA_SUCCESS, C, held, C + held),
+        at("cuMemRelease", CUDA_SUCCESS, C, held, C + held),
+        at("cuMemRelease", CUDA_SUCCESS, C, held, C + held),
+        at("cuMemUnmap", CUDA_SUCCESS, C, 0, C),
+        at("cuMemCreate", CUDA_SUCCESS, C, held, C + held),
+        at("cuMemMap", CUDA_SUCCESS, C, held, C + held),
+        at("cuMemRelease", CUDA_SUCCESS, C, held, C + held),
+        at("cuMemAddressFree", CUDA_SUCCESS, C, 0, C),
         at("cuMemCreate", CUDA_SUCCESS, C, 0, C),
         at("cuMemRelease", CUDA_SUCCESS, C, 0, C),
         at("cuMemRelease", CUDA_ERROR_INVALID_VALUE, C, 0, C),
@@ -2346,5 +2361,74 @@ fn a_process_killed_inside_an_allocation_does_not_slow_later_context_measurement
     assert!(
         took[5] < Duration::from_millis(50),
         "context creations took {took:?}: each waited for the dead process's in-flight mark"
+    );
+}
+
+/// VMM memory lives until its handle's last reference is released and its last mapping is
+/// unmapped, in either order (the CUDA samples release the handle right after mapping it; NCCL
+/// retains a handle from a pointer and releases it while the memory is in use): it stays charged
+/// as long as the device holds it, so neither order lets memory past the limit.
+#[test]
+fn vmm_memory_released_while_mapped_stays_charged_until_unmapped() {
+    let dir = ScratchDir::new("memory-vmm-mapped");
+    let mut session = capture_session(&dir);
+    let created = session.ask(&format!("vmm {}", 600 * MIB));
+    assert_eq!(status(&created), CUDA_SUCCESS, "{created}");
+    let mapped = session.ask(&format!("vmmmap {}", number(&created, 2)));
+    assert_eq!(status(&mapped), CUDA_SUCCESS, "{mapped}");
+    assert_eq!(
+        session.ask(&format!("vmmrelease {}", number(&created, 2))),
+        "vmmrelease 0"
+    );
+    assert_eq!(
+        device_used(&snapshot(&dir.region()), 0),
+        CONTEXT + 600 * MIB,
+        "the memory is still mapped, so still on the device"
+    );
+    let over = session.ask(&format!("vmm {}", 600 * MIB));
+    assert_eq!(status(&over), CUDA_ERROR_OUT_OF_MEMORY, "past the 1 GiB limit: {over}");
+    assert_eq!(session.ask(&format!("vmmunmap {}", number(&mapped, 2))), "vmmunmap 0");
+    assert_eq!(device_used(&snapshot(&dir.region()), 0), CONTEXT, "unmapped: freed");
+    assert_eq!(device_used(&snapshot(&dir.region()), 0), dir.truth().device(0).used());
+    let again = session.ask(&format!("vmm {}", 600 * MIB));
+    assert_eq!(status(&again), CUDA_SUCCESS, "{again}");
+}
+
+#[test]
+fn a_retained_vmm_handle_released_keeps_the_memorys_charge_until_its_last_reference_goes() {
+    let dir = ScratchDir::new("memory-vmm-retain");
+    let mut session = capture_session(&dir);
+    let created = session.ask(&format!("vmm {}", 600 * MIB));
+    assert_eq!(status(&created), CUDA_SUCCESS, "{created}");
+    let handle = number(&created, 2);
+    let mapped = session.ask(&format!("vmmmap {handle}"));
+    assert_eq!(status(&mapped), CUDA_SUCCESS, "{mapped}");
+    let retained = session.ask(&format!("vmmretain {}", number(&mapped, 2) + MIB));
+    assert_eq!(retained, format!("vmmretain 0 {handle}"));
+    assert_eq!(session.ask(&format!("vmmrelease {handle}")), "vmmrelease 0");
+    assert_eq!(
+        device_used(&snapshot(&dir.region()), 0),
+        CONTEXT + 600 * MIB,
+        "the create's reference is still held"
+    );
+    let over = session.ask(&format!("vmm {}", 600 * MIB));
+    assert_eq!(status(&over), CUDA_ERROR_OUT_OF_MEMORY, "past the 1 GiB limit: {over}");
+    assert_eq!(session.ask(&format!("vmmunmap {}", number(&mapped, 2))), "vmmunmap 0");
+    assert_eq!(
+        device_used(&snapshot(&dir.region()), 0),
+        CONTEXT + 600 * MIB,
+        "unmapped, but a reference is still held"
+    );
+    assert_eq!(session.ask(&format!("vmmrelease {handle}")), "vmmrelease 0");
+    assert_eq!(
+        device_used(&snapshot(&dir.region()), 0),
+        CONTEXT,
+        "the last reference went"
+    );
+    assert_eq!(device_used(&snapshot(&dir.region()), 0), dir.truth().device(0).used());
+    assert_eq!(
+        status(&session.ask(&format!("vmmrelease {handle}"))),
+        CUDA_ERROR_INVALID_VALUE,
+        "a handle released once too often is the driver's error"
     );
 }
