@@ -1,4 +1,5 @@
-//! Starting the tests' child processes, on the host or under an emulator.
+//! Starting the tests' child processes, on the host or under an emulator; and turns for the tests
+//! that measure waits ([`turn`]).
 //!
 //! Natively, `Command::spawn` returns after the child's `execve`. Under qemu-user (the aarch64
 //! suite, `scripts/cross-test.sh`) it returns at once: qemu runs glibc's `posix_spawn`
@@ -9,6 +10,8 @@
 //! Such a child still has the test process's command line (qemu's own words first), which tells
 //! it apart from one that passed its exec, even into another program (a wrapper's exec), and
 //! hangs there: a failure of its own, which [`hung_state`] describes.
+
+pub mod turn;
 
 use std::io::{self, Read};
 use std::path::PathBuf;
@@ -351,9 +354,11 @@ mod tests {
         let mut child = spawn_started(Command::new("sleep").arg("5")).expect("start sleep");
         settled_command_line(child.id());
         let mut state = hung_state(child.id());
-        // Just started, it may not have reached its sleep yet.
+        // Just started, it may not have reached its sleep yet; on a busy machine it may be read
+        // between its wake-up and its next sleep.
+        let asleep = |state: &str| state.contains("nanosleep") && state.contains("\"sleep\" state S");
         let deadline = Instant::now() + Duration::from_secs(5);
-        while !state.contains("nanosleep") && Instant::now() < deadline {
+        while !asleep(&state) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
             state = hung_state(child.id());
         }
