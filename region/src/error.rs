@@ -219,7 +219,7 @@ pub enum RegionError {
     /// Nobody took the region's lock for 1 s while this process waited: the process holding it is
     /// stuck (stopped, or looping with the lock held).
     LockTimeout { path: PathBuf },
-    /// The region's lock kept changing hands for 10 s without reaching this process (very many
+    /// The region's lock kept changing hands for [`crate::MAX_LOCK_WAIT`] without reaching this process (very many
     /// processes or threads waiting, or a writer that forges the lock's counter).
     LockBusy { path: PathBuf },
     /// Locking failed: `fcntl` refused the file lock (a filesystem without open-file-description
@@ -289,9 +289,10 @@ impl fmt::Display for RegionError {
             ),
             Self::LockBusy { path } => write!(
                 f,
-                "shared region {}: its lock was not reached within 10 s (it kept going to other processes or \
+                "shared region {}: its lock was not reached within {} s (it kept going to other processes or \
                  threads: too many wait for it)",
-                ShownPath(path)
+                ShownPath(path),
+                crate::MAX_LOCK_WAIT.as_secs()
             ),
             Self::LockFailed { path, source } => {
                 write!(f, "shared region {}: locking failed: {source}", ShownPath(path))

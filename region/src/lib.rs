@@ -92,8 +92,10 @@ pub use sys::monotonic_ns;
 /// How long any lock on the region is waited for while nobody takes it (its holder is stuck)
 /// before giving up.
 pub const LOCK_TIMEOUT: Duration = Duration::from_secs(1);
-/// How long the region's lock is waited for in all while it keeps changing hands.
-pub const MAX_LOCK_WAIT: Duration = Duration::from_secs(10);
+/// How long the region's lock is waited for in all while it keeps changing hands: the back of a
+/// queue of a thousand processes starting at once (each takes the lock a few times) on two busy
+/// CPUs, with room to spare, and a bound on a writer that forges the lock's progress.
+pub const MAX_LOCK_WAIT: Duration = Duration::from_secs(30);
 /// Dead slots are reaped during charges at most this often (and always before a refusal).
 pub const REAP_INTERVAL: Duration = Duration::from_millis(100);
 /// Live slots whose process a quick reap also looks up in `/proc` (start time, zombie), in turn.

@@ -235,6 +235,7 @@ fn racing_processes_never_exceed_the_limit_and_reaping_returns_everything() {
 
 #[test]
 fn a_kill_storm_never_blocks_survivors_and_leaves_exact_totals() {
+    let _turn = vgpu_test_spawn::turn::one_at_a_time();
     const WORKERS: usize = 6;
     const KILLS: usize = 200;
     let limit = 64 * MIB;
@@ -357,6 +358,7 @@ fn a_stopped_lock_holder_makes_calls_fail_after_a_second_not_hang() {
 /// waiter to give up), the slots are the only bound, and processes past them are told so.
 #[test]
 fn a_thousand_processes_started_at_once_all_attach() {
+    let _turn = vgpu_test_spawn::turn::one_at_a_time();
     // Under an emulator (scripts/cross-test.sh) each process costs tens of megabytes.
     let started_at_once = if std::env::var_os("VGPU_TEST_RUNNER").is_some() {
         100

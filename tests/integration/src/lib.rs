@@ -19,7 +19,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
+use std::sync::{Mutex, OnceLock, PoisonError};
 
 #[path = "../../fake-driver/src/truth.rs"]
 pub mod truth;
@@ -660,36 +660,7 @@ impl ScratchDir {
     }
 }
 
-/// For the tests that measure waits, times or shares: one at a time, so that they do not share the
-/// CPUs with each other, in one binary (a mutex) and across the binaries `scripts/run-tests.py`
-/// runs side by side (a lock on a file of the target folder, which the kernel drops with a process
-/// that dies holding it).
-pub fn one_at_a_time() -> Turn {
-    static TURN: Mutex<()> = Mutex::new(());
-    let guard = TURN.lock().unwrap_or_else(PoisonError::into_inner);
-    let path = target_dir().join("test-turn.lock");
-    let file = std::fs::create_dir_all(target_dir())
-        .and_then(|()| {
-            std::fs::OpenOptions::new()
-                .create(true)
-                .truncate(false)
-                .write(true)
-                .open(&path)
-        })
-        .and_then(|file| file.lock().map(|()| file));
-    // Without the file (a read-only target folder), the binaries' turns are not shared; the
-    // binary's own still are.
-    Turn {
-        _file: file.ok(),
-        _guard: guard,
-    }
-}
-
-/// A test's turn ([`one_at_a_time`]); ends when dropped.
-pub struct Turn {
-    _file: Option<std::fs::File>,
-    _guard: MutexGuard<'static, ()>,
-}
+pub use vgpu_test_spawn::turn::{Turn, one_at_a_time};
 
 impl Drop for ScratchDir {
     fn drop(&mut self) {
