@@ -7,7 +7,9 @@ here the binaries run two at a time, each through a `cargo test` of its own (car
 only while it checks the build, and runs the binary as it always does). The compute limiter's
 binaries (`FIRST_TOGETHER`), which hold GPU-time shares against the wall clock, run first, together
 and with nothing else; their tests mostly wait for the programs they start, so `compute`'s run
-several at once (`TEST_THREADS`). Within a binary the tests that measure waits or shares take turns
+several at once (`TEST_THREADS`). Then the binaries that start a storm of processes (`ALONE`) run
+by themselves, one test at a time: a thousand processes starting at once on two CPUs leave a lock
+holder off the CPU for over a second when anything else runs beside them. Within a binary the tests that measure waits or shares take turns
 (`one_at_a_time` in tests/integration), across binaries too (a file lock).
 
     scripts/run-tests.py [cargo test arguments...]   (default: --workspace)
@@ -29,8 +31,10 @@ ROOT = Path(__file__).resolve().parent.parent
 # The integration tests that hold shares of GPU time against the wall clock: first, together, with
 # nothing else beside them.
 FIRST_TOGETHER = {"compute", "compute_jobs", "board_profile"}
+# After those, one at a time with nothing beside them, each with one test thread.
+ALONE = ["processes"]
 # Test threads of binaries whose tests mostly wait (cargo's default is one per CPU).
-TEST_THREADS = {"compute": 6}
+TEST_THREADS = {"compute": 6, **{name: 1 for name in ALONE}}
 AT_ONCE = 2
 # The longest of the others start first, so that the two lanes end close together.
 FIRST = ["unit tests", "hami", "gpu_suite", "monitor", "memory", "region_attacks", "foundation"]
@@ -105,9 +109,12 @@ def main() -> int:
         thread.start()
     for thread in together:
         thread.join()
+    for binary in binaries:
+        if binary["name"] in ALONE:
+            record(binary)
     rank = {name: index for index, name in enumerate(FIRST)}
     queue = sorted(
-        (b for b in binaries if b["name"] not in FIRST_TOGETHER),
+        (b for b in binaries if b["name"] not in FIRST_TOGETHER and b["name"] not in ALONE),
         key=lambda binary: rank.get(binary["name"], len(FIRST)),
     )
     queue_lock = threading.Lock()
