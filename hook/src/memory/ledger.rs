@@ -290,11 +290,19 @@ impl Ledger {
         self.pool_pointers().remove(&(Family::Pointer, pointer))
     }
 
-    /// Removes and returns the key's charges, if any.
+    /// Whether the key has charges.
     pub fn contains(&self, family: Family, key: u64) -> bool {
         self.charges().contains_key(&(family, key))
     }
 
+    /// The device (region index) of the key's first charge, if it has any.
+    pub fn first_region_index(&self, family: Family, key: u64) -> Option<usize> {
+        self.charges()
+            .get(&(family, key))
+            .and_then(|entry| entry.charges.iter().next().map(|charge| charge.region_index))
+    }
+
+    /// Removes and returns the key's charges, if any.
     pub fn take_charges(&self, family: Family, key: u64) -> Option<(Charges, u64)> {
         let mut charges = self.charges();
         let entry = charges.remove(&(family, key))?;

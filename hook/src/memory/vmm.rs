@@ -1,52 +1,100 @@
 //! VMM memory's life beyond its handle. The driver frees a `cuMemCreate` allocation once its
 //! handle's last reference is released (`cuMemRelease`: one reference for the create and one for
-//! each `cuMemRetainAllocationHandle`) and its last mapping is gone (`cuMemUnmap`,
-//! `cuMemAddressFree`), in either order: the CUDA samples release the handle right after mapping
-//! it, and NCCL retains a handle from a pointer and releases it while the memory is in use. The
-//! charge follows the memory:
+//! each `cuMemRetainAllocationHandle`) and its last mapping is gone (`cuMemUnmap`; freeing the
+//! address range with `cuMemAddressFree`, which the library takes as unmapping what is left there),
+//! in either order: the CUDA samples release the handle right after mapping it, and NCCL retains a
+//! handle from a pointer and releases it while the memory is in use. The charge follows the memory:
 //!
 //! - a release of a handle that was retained only drops a reference;
 //! - a release of a handle's last reference while it is mapped moves its charge from the handle
-//!   (whose value the driver may give to a new allocation) to an id of its own
-//!   ([`Family::ReleasedMapped`]), released with the last of its mappings.
+//!   (whose value the driver may give to a new allocation) to the allocation's id
+//!   ([`Family::ReleasedMapped`]), released with the last of its mappings; a retain from one of
+//!   those mappings gives it a handle again, and the charge goes back to the handle.
 //!
-//! Only charged handles are followed (the ledger's [`Family::PhysicalHandle`] and
-//! [`Family::SpillHandle`]); a handle imported from another process is charged there.
+//! Only handles charged here are followed (the ledger's [`Family::PhysicalHandle`] and
+//! [`Family::SpillHandle`]). A handle imported from another process
+//! (`cuMemImportFromShareableHandle`) is not charged here, and the exporter's charge goes when the
+//! exporter has released and unmapped it, even while the importer still maps the memory. Mappings
+//! into sparse arrays (`cuMemMapArrayAsync`) are not followed: a handle released while mapped
+//! there is uncharged at its release.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 
 use super::accounting::{Accounting, accounting};
 use super::ledger::{Charges, Family};
 use super::spill;
 use crate::sys::cuda::*;
 
-/// What keeps a charged allocation alive besides its handle's first reference.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Holder {
-    /// The handle, by its ledger family and value.
-    Handle(Family, u64),
-    /// The allocation whose handle was released while mapped, by its [`Family::ReleasedMapped`]
-    /// id.
-    Released(u64),
+/// A followed allocation: what holds it besides its handle's first reference.
+struct Allocation {
+    /// The ledger family its charge was made under.
+    family: Family,
+    /// Its handle while it has one; `None` once released while mapped (its charge is then under
+    /// [`Family::ReleasedMapped`] and this allocation's id).
+    handle: Option<u64>,
+    /// References taken by `cuMemRetainAllocationHandle` and not yet released.
+    retained: u32,
+    /// Mappings of it.
+    mappings: u32,
 }
 
 #[derive(Default)]
 struct State {
-    /// References taken by `cuMemRetainAllocationHandle` and not yet released, per handle.
-    retained: HashMap<(Family, u64), u32>,
-    /// Mappings of charged allocations: start address -> (bytes, the allocation).
-    mappings: BTreeMap<u64, (u64, Holder)>,
-    /// Per released allocation, the family its handle was charged under.
-    released: HashMap<u64, Family>,
+    allocations: HashMap<u64, Allocation>,
+    /// Followed allocations by their live handle (family, value).
+    by_handle: HashMap<(Family, u64), u64>,
+    /// Mappings of followed allocations: start address -> (bytes, allocation id).
+    mappings: BTreeMap<u64, (u64, u64)>,
     next_id: u64,
 }
 
 impl State {
-    fn mapped(&self, holder: Holder) -> bool {
-        self.mappings.values().any(|&(_, mapped)| mapped == holder)
+    /// The id of the allocation behind a handle charged here, following it from now on.
+    fn follow(&mut self, accounting: Accounting, handle: u64) -> Option<u64> {
+        let family = [Family::PhysicalHandle, Family::SpillHandle]
+            .into_iter()
+            .find(|&family| accounting.ledger().contains(family, handle))?;
+        if let Some(&id) = self.by_handle.get(&(family, handle)) {
+            return Some(id);
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        self.allocations.insert(
+            id,
+            Allocation {
+                family,
+                handle: Some(handle),
+                retained: 0,
+                mappings: 0,
+            },
+        );
+        self.by_handle.insert((family, handle), id);
+        Some(id)
+    }
+
+    /// The allocation mapped at `address`, if a followed one is.
+    fn mapped_at(&self, address: u64) -> Option<u64> {
+        self.mappings
+            .range(..=address)
+            .next_back()
+            .filter(|(start, (bytes, _))| address - **start < *bytes)
+            .map(|(_, &(_, id))| id)
+    }
+
+    /// Stops following an allocation nothing holds beyond its handle.
+    fn forget_if_unheld(&mut self, id: u64) {
+        if let Some(allocation) = self.allocations.get(&id)
+            && allocation.retained == 0
+            && allocation.mappings == 0
+        {
+            if let Some(handle) = allocation.handle {
+                self.by_handle.remove(&(allocation.family, handle));
+            }
+            self.allocations.remove(&id);
+        }
     }
 }
 
@@ -54,18 +102,19 @@ impl State {
 #[derive(Default)]
 pub struct Lifetimes {
     state: Mutex<State>,
-    /// Whether `state` may hold anything (a release's one load when VMM is not used).
+    /// Whether `state` may hold anything (one load for a release or unmap when nothing is
+    /// followed).
     any: AtomicBool,
 }
 
-/// The ledger family a handle is charged under, if it is.
-fn charged_family(accounting: Accounting, handle: u64) -> Option<Family> {
-    [Family::PhysicalHandle, Family::SpillHandle]
-        .into_iter()
-        .find(|&family| accounting.ledger().contains(family, handle))
+impl Lifetimes {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.any.store(true, Ordering::Release);
+        self.state.lock()
+    }
 }
 
-/// `cuMemMap`: a mapping of a charged handle keeps its memory charged until it is unmapped.
+/// `cuMemMap`: a mapping of a handle charged here keeps its memory charged until it is unmapped.
 pub fn map(
     call: impl FnOnce() -> CUresult,
     ptr: CUdeviceptr,
@@ -76,16 +125,14 @@ pub fn map(
     if result != CUDA_SUCCESS {
         return result;
     }
-    if let Some(accounting) = accounting()
-        && let Some(family) = charged_family(accounting, handle)
-    {
-        let lifetimes = accounting.vmm();
-        lifetimes.any.store(true, Ordering::Release);
-        lifetimes
-            .state
-            .lock()
-            .mappings
-            .insert(ptr, (size as u64, Holder::Handle(family, handle)));
+    if let Some(accounting) = accounting() {
+        let mut state = accounting.vmm().lock();
+        if let Some(id) = state.follow(accounting, handle) {
+            state.mappings.insert(ptr, (size as u64, id));
+            if let Some(allocation) = state.allocations.get_mut(&id) {
+                allocation.mappings += 1;
+            }
+        }
     }
     result
 }
@@ -102,30 +149,59 @@ pub fn address_free(call: impl FnOnce() -> CUresult, ptr: CUdeviceptr, size: usi
 }
 
 fn unmapped(call: impl FnOnce() -> CUresult, ptr: CUdeviceptr, size: usize) -> CUresult {
+    let Some(accounting) = accounting() else { return call() };
+    let lifetimes = accounting.vmm();
+    if !lifetimes.any.load(Ordering::Acquire) {
+        return call();
+    }
+    let end = ptr.saturating_add(size as u64);
+    // The devices whose memory this unmap frees are marked while the driver frees it, as a free's
+    // are (a context measured meanwhile must not count it).
+    let freeing: Vec<usize> = {
+        let state = lifetimes.lock();
+        let mut in_range: HashMap<u64, u32> = HashMap::new();
+        for (_, &(_, id)) in state.mappings.range(ptr..end) {
+            *in_range.entry(id).or_default() += 1;
+        }
+        in_range
+            .into_iter()
+            .filter(|&(id, count)| {
+                state
+                    .allocations
+                    .get(&id)
+                    .is_some_and(|allocation| allocation.handle.is_none() && allocation.mappings <= count)
+            })
+            .filter_map(|(id, _)| accounting.ledger().first_region_index(Family::ReleasedMapped, id))
+            .collect()
+    };
+    let _in_flight: Vec<_> = freeing.into_iter().map(|index| accounting.in_flight(index)).collect();
     let result = call();
     if result != CUDA_SUCCESS {
         return result;
     }
-    let Some(accounting) = accounting() else { return result };
-    let lifetimes = accounting.vmm();
-    if !lifetimes.any.load(Ordering::Acquire) {
-        return result;
-    }
     let freed: Vec<(Family, Charges)> = {
-        let mut state = lifetimes.state.lock();
-        let end = ptr.saturating_add(size as u64);
+        let mut state = lifetimes.lock();
         let inside: Vec<u64> = state.mappings.range(ptr..end).map(|(start, _)| *start).collect();
         let mut freed = Vec::new();
         for start in inside {
-            let Some((_, holder)) = state.mappings.remove(&start) else {
+            let Some((_, id)) = state.mappings.remove(&start) else {
                 continue;
             };
-            if let Holder::Released(id) = holder
-                && !state.mapped(holder)
-                && let Some(family) = state.released.remove(&id)
-                && let Some((charges, _)) = accounting.ledger().take_charges(Family::ReleasedMapped, id)
-            {
-                freed.push((family, charges));
+            let Some(allocation) = state.allocations.get_mut(&id) else {
+                continue;
+            };
+            allocation.mappings = allocation.mappings.saturating_sub(1);
+            if allocation.mappings > 0 {
+                continue;
+            }
+            if allocation.handle.is_none() {
+                let family = allocation.family;
+                state.allocations.remove(&id);
+                if let Some((charges, _)) = accounting.ledger().take_charges(Family::ReleasedMapped, id) {
+                    freed.push((family, charges));
+                }
+            } else {
+                state.forget_if_unheld(id);
             }
         }
         freed
@@ -136,9 +212,14 @@ fn unmapped(call: impl FnOnce() -> CUresult, ptr: CUdeviceptr, size: usize) -> C
     result
 }
 
-/// `cuMemRetainAllocationHandle`: one more reference to a charged handle, which its release only
-/// drops.
-pub fn retain(call: impl FnOnce() -> CUresult, handle: *mut CUmemGenericAllocationHandle) -> CUresult {
+/// `cuMemRetainAllocationHandle`: one more reference to the handle of the memory mapped at
+/// `addr`, which its release only drops; for memory whose handle was released while mapped, the
+/// handle again, and its charge with it.
+pub fn retain(
+    call: impl FnOnce() -> CUresult,
+    handle: *mut CUmemGenericAllocationHandle,
+    addr: *mut std::ffi::c_void,
+) -> CUresult {
     let result = call();
     if result != CUDA_SUCCESS || handle.is_null() {
         return result;
@@ -146,19 +227,30 @@ pub fn retain(call: impl FnOnce() -> CUresult, handle: *mut CUmemGenericAllocati
     // SAFETY: the driver wrote the handle on success; the out-pointer is the application's,
     // checked non-null.
     let value = unsafe { handle.read() };
-    if let Some(accounting) = accounting()
-        && let Some(family) = charged_family(accounting, value)
-    {
-        let lifetimes = accounting.vmm();
-        lifetimes.any.store(true, Ordering::Release);
-        *lifetimes.state.lock().retained.entry((family, value)).or_default() += 1;
+    let Some(accounting) = accounting() else { return result };
+    let mut state = accounting.vmm().lock();
+    let Some(id) = state.mapped_at(addr as u64) else {
+        return result;
+    };
+    let Some(allocation) = state.allocations.get_mut(&id) else {
+        return result;
+    };
+    if allocation.handle.is_some() {
+        allocation.retained += 1;
+        return result;
+    }
+    let family = allocation.family;
+    allocation.handle = Some(value);
+    state.by_handle.insert((family, value), id);
+    if let Some((charges, owner)) = accounting.ledger().take_charges(Family::ReleasedMapped, id) {
+        accounting.ledger().put_back(family, value, charges, owner);
     }
     result
 }
 
-/// `cuMemRelease` of a handle that a retain or a mapping still holds: `Some` with the driver's
-/// answer when that was so (the charge stays, or moves to the mappings), `None` for a release
-/// that frees the memory, which the caller handles as before.
+/// `cuMemRelease` of a handle that a retain or a mapping still holds: `Ok` with the driver's
+/// answer when that was so (the charge stays, or moves to the allocation's mappings), `Err` with
+/// the call back for a release that frees the memory, which the caller handles as any release.
 pub(super) fn release_held<C: FnOnce() -> CUresult>(
     accounting: Accounting,
     handle: u64,
@@ -168,38 +260,49 @@ pub(super) fn release_held<C: FnOnce() -> CUresult>(
     if !lifetimes.any.load(Ordering::Acquire) {
         return Err(call);
     }
-    let mut state = lifetimes.state.lock();
-    let Some(family) = charged_family(accounting, handle) else {
-        return Err(call);
-    };
-    let key = (family, handle);
-    if let Some(references) = state.retained.get_mut(&key) {
-        let result = call();
-        if result == CUDA_SUCCESS {
-            *references -= 1;
-            if *references == 0 {
-                state.retained.remove(&key);
-            }
+    let (id, family, retained) = {
+        let mut state = lifetimes.lock();
+        let found = [Family::PhysicalHandle, Family::SpillHandle]
+            .into_iter()
+            .find_map(|family| state.by_handle.get(&(family, handle)).map(|&id| (id, family)));
+        let Some((id, family)) = found else { return Err(call) };
+        let Some(allocation) = state.allocations.get(&id) else {
+            return Err(call);
+        };
+        if allocation.retained == 0 && allocation.mappings == 0 {
+            state.forget_if_unheld(id);
+            return Err(call);
         }
+        (id, family, allocation.retained > 0)
+    };
+    // The driver is called outside the lock: nothing it calls back (a profiler's callback) can
+    // then wait on it.
+    let result = call();
+    if result != CUDA_SUCCESS {
         return Ok(result);
     }
-    let holder = Holder::Handle(family, handle);
-    if !state.mapped(holder) {
-        return Err(call);
-    }
-    let result = call();
-    if result == CUDA_SUCCESS
-        && let Some((charges, owner)) = accounting.ledger().take_charges(family, handle)
+    let mut freed = None;
     {
-        let id = state.next_id;
-        state.next_id += 1;
-        accounting.ledger().put_back(Family::ReleasedMapped, id, charges, owner);
-        state.released.insert(id, family);
-        for (_, mapped) in state.mappings.values_mut() {
-            if *mapped == holder {
-                *mapped = Holder::Released(id);
+        let mut state = lifetimes.lock();
+        let Some(allocation) = state.allocations.get_mut(&id) else {
+            return Ok(result);
+        };
+        if retained {
+            allocation.retained = allocation.retained.saturating_sub(1);
+        } else if allocation.mappings > 0 {
+            allocation.handle = None;
+            state.by_handle.remove(&(family, handle));
+            if let Some((charges, owner)) = accounting.ledger().take_charges(family, handle) {
+                accounting.ledger().put_back(Family::ReleasedMapped, id, charges, owner);
             }
+        } else {
+            // Unmapped while the driver released it: the memory is gone now.
+            state.forget_if_unheld(id);
+            freed = accounting.ledger().take_charges(family, handle);
         }
+    }
+    if let Some((charges, _)) = freed {
+        release_charges(accounting, family, &charges);
     }
     Ok(result)
 }

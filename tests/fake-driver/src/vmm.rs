@@ -2,9 +2,9 @@
 //! up to `FAKE_CUDA_GRANULARITY` (the real driver rejects sizes that are not a multiple of it;
 //! host-located ones charge nothing). As the driver documents, the memory stays until its handle's
 //! last reference is released (`cuMemRelease`, one for the create and one for each
-//! `cuMemRetainAllocationHandle`) and its last mapping is unmapped (`cuMemUnmap`,
-//! `cuMemAddressFree`), in either order. Address reservations, mappings and access are
-//! bookkeeping only.
+//! `cuMemRetainAllocationHandle`) and its last mapping is unmapped (`cuMemUnmap`), in either
+//! order; `cuMemAddressFree` of a range still mapped unmaps it here (the documentation does not
+//! say). Address reservations, mappings and access are bookkeeping only.
 
 use std::ffi::c_ulonglong;
 

@@ -2432,3 +2432,39 @@ fn a_retained_vmm_handle_released_keeps_the_memorys_charge_until_its_last_refere
         "a handle released once too often is the driver's error"
     );
 }
+
+/// Memory whose handle was released while mapped can be given a handle again (a retain from one
+/// of its mappings) and mapped a second time, as a growing VMM pool moves its memory to a larger
+/// range: it stays charged until its last mapping goes.
+#[test]
+fn vmm_memory_retained_again_after_its_release_and_mapped_twice_stays_charged_until_the_last_unmap() {
+    let dir = ScratchDir::new("memory-vmm-remap");
+    let mut session = capture_session(&dir);
+    let created = session.ask(&format!("vmm {}", 600 * MIB));
+    assert_eq!(status(&created), CUDA_SUCCESS, "{created}");
+    let handle = number(&created, 2);
+    let first = session.ask(&format!("vmmmap {handle}"));
+    assert_eq!(status(&first), CUDA_SUCCESS, "{first}");
+    assert_eq!(session.ask(&format!("vmmrelease {handle}")), "vmmrelease 0");
+    let retained = session.ask(&format!("vmmretain {}", number(&first, 2)));
+    assert_eq!(status(&retained), CUDA_SUCCESS, "{retained}");
+    let handle = number(&retained, 2);
+    let second = session.ask(&format!("vmmmap {handle}"));
+    assert_eq!(status(&second), CUDA_SUCCESS, "{second}");
+    assert_eq!(session.ask(&format!("vmmrelease {handle}")), "vmmrelease 0");
+    assert_eq!(session.ask(&format!("vmmunmap {}", number(&first, 2))), "vmmunmap 0");
+    assert_eq!(
+        device_used(&snapshot(&dir.region()), 0),
+        CONTEXT + 600 * MIB,
+        "still mapped at its second range"
+    );
+    let over = session.ask(&format!("vmm {}", 600 * MIB));
+    assert_eq!(status(&over), CUDA_ERROR_OUT_OF_MEMORY, "past the 1 GiB limit: {over}");
+    assert_eq!(session.ask(&format!("vmmunmap {}", number(&second, 2))), "vmmunmap 0");
+    assert_eq!(
+        device_used(&snapshot(&dir.region()), 0),
+        CONTEXT,
+        "the last mapping went"
+    );
+    assert_eq!(device_used(&snapshot(&dir.region()), 0), dir.truth().device(0).used());
+}
