@@ -10,7 +10,8 @@ and with nothing else; their tests mostly wait for the programs they start, so `
 several at once (`TEST_THREADS`). Then the binaries that start a storm of processes (`ALONE`) run
 by themselves, one test at a time: a thousand processes starting at once on two CPUs leave a lock
 holder off the CPU for over a second when anything else runs beside them. Within a binary the tests that measure waits or shares take turns
-(`one_at_a_time` in tests/integration), across binaries too (a file lock).
+(`one_at_a_time` in tests/spawn, for the integration and region tests), across binaries too (a
+file lock).
 
     scripts/run-tests.py [cargo test arguments...]   (default: --workspace)
 

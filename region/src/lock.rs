@@ -38,11 +38,13 @@
 //!   among many, unless a release wakes one of them first.
 //!
 //! The words of [`LockWords`] are only hints. A writer can make a sleeper sleep [`SLEEP_AT_MOST`],
-//! or [`DEFERRED_SLEEP_AT_MOST`] while a favour is held (a lower `sleepers`: no wake-up), cost releases a useless wake-up and deferring sleepers
-//! longer sleeps, up to [`DEFERRED_SLEEP_AT_MOST`] (a higher one: each useless wake-up takes one
-//! off), make waiters spin until the deadline (changing `wake` without end),
-//! cost one `F_OFD_GETLK` (a `favoured` token nobody holds), or make the next holder recompute the
-//! totals (a nonzero `holder`); every wait stays bounded by [`LOCK_TIMEOUT`]. Holding the file
+//! or [`DEFERRED_SLEEP_AT_MOST`] while a favour is held (a lower `sleepers`: no wake-up), cost
+//! releases a useless wake-up and deferring sleepers longer sleeps, up to
+//! [`DEFERRED_SLEEP_AT_MOST`] (a higher one: each useless wake-up takes one off), make waiters spin
+//! until the deadline (changing `wake` without end), cost one `F_OFD_GETLK` (a `favoured` token
+//! nobody holds), make the next holder recompute the totals (a nonzero `holder`), or make a waiter
+//! behind a stuck holder wait [`MAX_LOCK_WAIT`] instead of [`LOCK_TIMEOUT`] (bumping
+//! `acquisitions` without end); every wait stays bounded by [`MAX_LOCK_WAIT`]. Holding the file
 //! locks themselves takes opening the file, which any process that can write it can do: that
 //! makes everyone wait for the deadline, as holding any lock would.
 //!

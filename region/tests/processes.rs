@@ -308,6 +308,7 @@ fn a_kill_storm_never_blocks_survivors_and_leaves_exact_totals() {
 
 #[test]
 fn a_lock_holder_killed_mid_update_blocks_nobody_and_its_damage_is_undone() {
+    let _turn = vgpu_test_spawn::turn::one_at_a_time();
     let dir = ScratchDir::new("owner-dead");
     let region = Region::open(&dir.region_path(), &one_device()).unwrap();
     let slot = region.attach(own_pid()).unwrap();
@@ -328,6 +329,7 @@ fn a_lock_holder_killed_mid_update_blocks_nobody_and_its_damage_is_undone() {
 
 #[test]
 fn a_stopped_lock_holder_makes_calls_fail_after_a_second_not_hang() {
+    let _turn = vgpu_test_spawn::turn::one_at_a_time();
     let dir = ScratchDir::new("owner-stopped");
     let region = Region::open(&dir.region_path(), &one_device()).unwrap();
     let slot = region.attach(own_pid()).unwrap();
@@ -505,6 +507,7 @@ fn when_every_slot_is_live_attach_fails_cleanly() {
 
 #[test]
 fn a_process_killed_inside_a_data_call_takes_its_mark_with_it() {
+    let _turn = vgpu_test_spawn::turn::one_at_a_time();
     let dir = ScratchDir::new("mid-call");
     let region = Region::open(&dir.region_path(), &one_device()).unwrap();
     let mut caller = Worker::spawn("mid_call", &dir.region_path(), &[]);

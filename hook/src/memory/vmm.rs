@@ -21,12 +21,15 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use parking_lot::{Mutex, MutexGuard};
+use parking_lot::Mutex;
 
 use super::accounting::{Accounting, accounting};
 use super::ledger::{Charges, Family};
 use super::spill;
 use crate::sys::cuda::*;
+
+/// The ledger families of the handles charged here.
+const HANDLE_FAMILIES: [Family; 2] = [Family::PhysicalHandle, Family::SpillHandle];
 
 /// A followed allocation: what holds it besides its handle's first reference.
 struct Allocation {
@@ -54,7 +57,7 @@ struct State {
 impl State {
     /// The id of the allocation behind a handle charged here, following it from now on.
     fn follow(&mut self, accounting: Accounting, handle: u64) -> Option<u64> {
-        let family = [Family::PhysicalHandle, Family::SpillHandle]
+        let family = HANDLE_FAMILIES
             .into_iter()
             .find(|&family| accounting.ledger().contains(family, handle))?;
         if let Some(&id) = self.by_handle.get(&(family, handle)) {
@@ -102,16 +105,9 @@ impl State {
 #[derive(Default)]
 pub struct Lifetimes {
     state: Mutex<State>,
-    /// Whether `state` may hold anything (one load for a release or unmap when nothing is
-    /// followed).
+    /// Whether anything was ever followed (one load for a release or unmap in a process that
+    /// never mapped a handle charged here).
     any: AtomicBool,
-}
-
-impl Lifetimes {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.any.store(true, Ordering::Release);
-        self.state.lock()
-    }
 }
 
 /// `cuMemMap`: a mapping of a handle charged here keeps its memory charged until it is unmapped.
@@ -126,8 +122,10 @@ pub fn map(
         return result;
     }
     if let Some(accounting) = accounting() {
-        let mut state = accounting.vmm().lock();
+        let lifetimes = accounting.vmm();
+        let mut state = lifetimes.state.lock();
         if let Some(id) = state.follow(accounting, handle) {
+            lifetimes.any.store(true, Ordering::Release);
             state.mappings.insert(ptr, (size as u64, id));
             if let Some(allocation) = state.allocations.get_mut(&id) {
                 allocation.mappings += 1;
@@ -158,7 +156,7 @@ fn unmapped(call: impl FnOnce() -> CUresult, ptr: CUdeviceptr, size: usize) -> C
     // The devices whose memory this unmap frees are marked while the driver frees it, as a free's
     // are (a context measured meanwhile must not count it).
     let freeing: Vec<usize> = {
-        let state = lifetimes.lock();
+        let state = lifetimes.state.lock();
         let mut in_range: HashMap<u64, u32> = HashMap::new();
         for (_, &(_, id)) in state.mappings.range(ptr..end) {
             *in_range.entry(id).or_default() += 1;
@@ -180,7 +178,7 @@ fn unmapped(call: impl FnOnce() -> CUresult, ptr: CUdeviceptr, size: usize) -> C
         return result;
     }
     let freed: Vec<(Family, Charges)> = {
-        let mut state = lifetimes.lock();
+        let mut state = lifetimes.state.lock();
         let inside: Vec<u64> = state.mappings.range(ptr..end).map(|(start, _)| *start).collect();
         let mut freed = Vec::new();
         for start in inside {
@@ -228,7 +226,7 @@ pub fn retain(
     // checked non-null.
     let value = unsafe { handle.read() };
     let Some(accounting) = accounting() else { return result };
-    let mut state = accounting.vmm().lock();
+    let mut state = accounting.vmm().state.lock();
     let Some(id) = state.mapped_at(addr as u64) else {
         return result;
     };
@@ -260,9 +258,9 @@ pub(super) fn release_held<C: FnOnce() -> CUresult>(
     if !lifetimes.any.load(Ordering::Acquire) {
         return Err(call);
     }
-    let (id, family, retained) = {
-        let mut state = lifetimes.lock();
-        let found = [Family::PhysicalHandle, Family::SpillHandle]
+    let (id, family) = {
+        let mut state = lifetimes.state.lock();
+        let found = HANDLE_FAMILIES
             .into_iter()
             .find_map(|family| state.by_handle.get(&(family, handle)).map(|&id| (id, family)));
         let Some((id, family)) = found else { return Err(call) };
@@ -273,7 +271,7 @@ pub(super) fn release_held<C: FnOnce() -> CUresult>(
             state.forget_if_unheld(id);
             return Err(call);
         }
-        (id, family, allocation.retained > 0)
+        (id, family)
     };
     // The driver is called outside the lock: nothing it calls back (a profiler's callback) can
     // then wait on it.
@@ -281,24 +279,26 @@ pub(super) fn release_held<C: FnOnce() -> CUresult>(
     if result != CUDA_SUCCESS {
         return Ok(result);
     }
+    // What holds the allocation now decides, not what held it before the call: another thread
+    // may have unmapped it or released a reference meanwhile.
     let mut freed = None;
     {
-        let mut state = lifetimes.lock();
-        let Some(allocation) = state.allocations.get_mut(&id) else {
-            return Ok(result);
-        };
-        if retained {
-            allocation.retained = allocation.retained.saturating_sub(1);
-        } else if allocation.mappings > 0 {
-            allocation.handle = None;
-            state.by_handle.remove(&(family, handle));
-            if let Some((charges, owner)) = accounting.ledger().take_charges(family, handle) {
-                accounting.ledger().put_back(Family::ReleasedMapped, id, charges, owner);
+        let mut state = lifetimes.state.lock();
+        match state.allocations.get_mut(&id) {
+            Some(allocation) if allocation.retained > 0 => allocation.retained -= 1,
+            Some(allocation) if allocation.mappings > 0 => {
+                allocation.handle = None;
+                state.by_handle.remove(&(family, handle));
+                if let Some((charges, owner)) = accounting.ledger().take_charges(family, handle) {
+                    accounting.ledger().put_back(Family::ReleasedMapped, id, charges, owner);
+                }
             }
-        } else {
-            // Unmapped while the driver released it: the memory is gone now.
-            state.forget_if_unheld(id);
-            freed = accounting.ledger().take_charges(family, handle);
+            _ => {
+                // Unmapped, or its other references released, while the driver released this
+                // one: the memory went with this release.
+                state.forget_if_unheld(id);
+                freed = accounting.ledger().take_charges(family, handle);
+            }
         }
     }
     if let Some((charges, _)) = freed {
