@@ -2468,3 +2468,24 @@ fn vmm_memory_retained_again_after_its_release_and_mapped_twice_stays_charged_un
     );
     assert_eq!(device_used(&snapshot(&dir.region()), 0), dir.truth().device(0).used());
 }
+
+/// Two threads free each VMM allocation at once (a release racing the unmap, or a retained
+/// reference's release racing the create's): whichever call comes last, the charge goes with the
+/// memory, so after three thousand rounds the region holds the context alone, as the device does.
+#[test]
+fn vmm_memory_freed_by_two_threads_at_once_leaves_no_charge_behind() {
+    let dir = ScratchDir::new("memory-vmm-race");
+    let mut session = setup(Run::new(&program("vmm_race")).hooked(), &dir)
+        .env("FAKE_CUDA_MEMORY", "4g")
+        .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
+        .args(["3000"])
+        .spawn(Duration::from_secs(120));
+    assert_eq!(session.read_line().unwrap_or_default(), "done rounds=3000 errors=0");
+    assert_eq!(
+        device_used(&snapshot(&dir.region()), 0),
+        CONTEXT,
+        "the region after the rounds"
+    );
+    assert_eq!(dir.truth().device(0).used(), CONTEXT, "the device after the rounds");
+    session.send("quit");
+}
