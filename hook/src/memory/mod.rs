@@ -30,4 +30,4 @@ pub use pools::*;
 pub use queries::*;
 pub use restore::tick as restore_tick;
 pub use spill::{enabled as elastic, tick as elastic_tick};
-pub use vmm::{address_free, map, retain, unmap};
+pub use vmm::{map, retain, unmap};

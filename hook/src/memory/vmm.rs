@@ -135,18 +135,10 @@ pub fn map(
     result
 }
 
-/// `cuMemUnmap`: the mappings in the range go; an allocation whose handle was released goes with
-/// its last mapping, and its charge with it.
+/// `cuMemUnmap`, and `cuMemAddressFree` for whatever is still mapped in its range: the mappings in
+/// the range go; an allocation whose handle was released goes with its last mapping, and its
+/// charge with it.
 pub fn unmap(call: impl FnOnce() -> CUresult, ptr: CUdeviceptr, size: usize) -> CUresult {
-    unmapped(call, ptr, size)
-}
-
-/// `cuMemAddressFree`: as [`unmap`] for whatever is still mapped in the range.
-pub fn address_free(call: impl FnOnce() -> CUresult, ptr: CUdeviceptr, size: usize) -> CUresult {
-    unmapped(call, ptr, size)
-}
-
-fn unmapped(call: impl FnOnce() -> CUresult, ptr: CUdeviceptr, size: usize) -> CUresult {
     let Some(accounting) = accounting() else { return call() };
     let lifetimes = accounting.vmm();
     if !lifetimes.any.load(Ordering::Acquire) {
