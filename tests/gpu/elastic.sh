@@ -11,6 +11,9 @@
 # - jax-grow: the JAX job beside the other process with XLA_PYTHON_CLIENT_PREALLOCATE=false (XLA
 #   allocates as it needs instead of one pool of three quarters of the device, which the device
 #   cannot back and which is then host memory whole);
+# - vmm: one VMM allocation of 1.5x FREE_GIB made, mapped, written whole and read back through the
+#   driver API as XLA makes its pool (tests/gpu/vmm_split.py), under a limit of 2x with and
+#   without CUDA_OVERSUBSCRIBE (the library splits it where the device ends), and on the card alone;
 # - cold: a CuPy job that allocates 2x FREE_GIB and touches 0.8x FREE_GIB a step, under the
 #   library with the cold arrays allocated first and with the hot ones first, and as unified memory
 #   (no library, cold first): no advice, and preferring the device while mapped wherever it is;
@@ -26,7 +29,7 @@ report="$out/elastic.txt"; : > "$report"
 free_gib="${FREE_GIB:-8}"
 steps="${STEPS:-6}"
 factors="${FACTORS:-1.25 1.5 2}"
-parts="${PARTS:-torch cupy jax jax-grow cold hot moves}"
+parts="${PARTS:-torch cupy jax jax-grow vmm cold hot moves}"
 library="$root/.device/libvgpu.so"; smi="$root/.device/vgpu-smi"
 export PYTHONUNBUFFERED=1
 log() { echo "$@" | tee -a "$report"; }
@@ -68,12 +71,14 @@ job() {
   rm -rf "$work"
 }
 train=tests/gpu/elastic_train.py; cupy=tests/gpu/elastic_cupy.py; jax=tests/gpu/elastic_jax.py
+vmm=tests/gpu/vmm_split.py
 # The card alone: each job's reference.
 for factor in $factors; do
   part torch && job "alone x$factor" none unset "" "$train" "$(gib_of "$factor" -2)" "$steps"
   part cupy && job "alone x$factor" none unset "" "$cupy" device "$(gib_of "$factor" -1)" 0 "$steps"
   part jax && job "alone x$factor" none unset "" "$jax" "$(gib_of "$(jax_share "$factor")" 0)" "$steps"
 done
+part vmm && job "alone" none unset "" "$vmm" "$(gib_of 1.5 0)" "$steps"
 part cold && job "cold alone" none unset "" "$cupy" device "$(gib_of 0.8 0)" "$(gib_of 1.2 0)" "$steps"
 part hot && job "hot alone" none unset "" "$cupy" device "$(gib_of 1.5 0)" 0 "$steps"
 total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
@@ -89,6 +94,8 @@ for factor in $factors; do
   part jax-grow && XLA_PYTHON_CLIENT_PREALLOCATE=false job "shared x$factor, XLA_PYTHON_CLIENT_PREALLOCATE=false" \
     "$(limit_of "$factor")" true "" "$jax" "$(gib_of "$(jax_share "$factor")" 0)" "$steps"
 done
+part vmm && job "shared x2" "$(limit_of 2)" true "" "$vmm" "$(gib_of 1.5 0)" "$steps"
+part vmm && job "shared x2, no variable" "$(limit_of 2)" unset "" "$vmm" "$(gib_of 1.5 0)" "$steps"
 part torch && job "shared x1.5, no variable" "$(limit_of 1.5)" unset "" "$train" "$(gib_of 1.5 -2)" "$steps"
 part cupy && job "shared x1.5, no variable" "$(limit_of 1.5)" unset "" "$cupy" device "$(gib_of 1.5 -1)" 0 "$steps"
 part jax && job "shared x1.5, no variable" "$(limit_of 1.5)" unset "" "$jax" "$(gib_of "$(jax_share 1.5)" 0)" "$steps"

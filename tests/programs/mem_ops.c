@@ -51,6 +51,8 @@
 //     vmmunmap <pointer>   -> vmmunmap <status>                   cuMemUnmap of that mapping, then
 //                                                                 cuMemAddressFree of its range
 //     vmmretain <pointer>  -> vmmretain <status> <handle>         cuMemRetainAllocationHandle
+//     vmmmapfirst <handle> -> vmmmapfirst <status> <pointer>      as vmmmap, the handle's first granule alone
+//     vmmexport <handle>   -> vmmexport <status>                  cuMemExportToShareableHandle, a POSIX fd
 //     mode                 -> mode <status> <mode>                this thread's capture interaction mode
 //                                                                 (cuThreadExchangeStreamCaptureMode, twice)
 //     exit <code>          -> (calls exit(code))
@@ -163,6 +165,28 @@ int main(void) {
             }
             if (status == CUDA_SUCCESS) vmm_remember((unsigned long long)p, size);
             printf("vmmmap %d %llu\n", (int)status, (unsigned long long)p);
+        } else if (strcmp(command, "vmmmapfirst") == 0) {
+            CUdevice device = 0;
+            CUdeviceptr p = 0;
+            size_t granule = 0;
+            CUmemAllocationProp prop;
+            memset(&prop, 0, sizeof prop);
+            prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+            prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+            CUresult status = cuCtxGetDevice(&device);
+            prop.location.id = device;
+            if (status == CUDA_SUCCESS)
+                status = cuMemGetAllocationGranularity(&granule, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+            if (status == CUDA_SUCCESS) status = cuMemAddressReserve(&p, granule, 0, 0, 0);
+            if (status == CUDA_SUCCESS) status = cuMemMap(p, granule, 0, (CUmemGenericAllocationHandle)number, 0);
+            if (status == CUDA_SUCCESS) vmm_remember((unsigned long long)p, granule);
+            printf("vmmmapfirst %d %llu\n", (int)status, (unsigned long long)p);
+        } else if (strcmp(command, "vmmexport") == 0) {
+            int fd = -1;
+            CUresult status = cuMemExportToShareableHandle(&fd, (CUmemGenericAllocationHandle)number,
+                                                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+            if (status == CUDA_SUCCESS) close(fd);
+            printf("vmmexport %d\n", (int)status);
         } else if (strcmp(command, "vmmunmap") == 0) {
             size_t size = vmm_size(number);
             CUresult status = cuMemUnmap((CUdeviceptr)number, size);

@@ -10,6 +10,7 @@ use vgpu_region::{ChargeError, MAX_DEVICES, MemoryKind, Region, RegionError, Slo
 
 use super::ledger::{Charge, Ledger};
 use super::spill::Spills;
+use super::split::Splits;
 use super::vmm::Lifetimes;
 use crate::session::{self, DeviceEntry, Session};
 use crate::sys::cuda::{CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, CUdevice, CUresult};
@@ -37,6 +38,8 @@ struct Own {
     retrying: AtomicBool,
     /// Allocations served from host memory (`CUDA_OVERSUBSCRIBE`).
     spills: Spills,
+    /// VMM allocations split between the device and host memory (`CUDA_OVERSUBSCRIBE`).
+    splits: Splits,
     /// VMM allocations retained or mapped.
     vmm: Lifetimes,
 }
@@ -54,6 +57,7 @@ impl Own {
             has_pending: AtomicBool::new(false),
             retrying: AtomicBool::new(false),
             spills: Spills::default(),
+            splits: Splits::default(),
             vmm: Lifetimes::default(),
         }))
     }
@@ -216,6 +220,11 @@ impl Accounting {
     /// This process's allocations served from host memory.
     pub fn spills(&self) -> &'static Spills {
         &self.own.spills
+    }
+
+    /// This process's VMM allocations split between the device and host memory.
+    pub fn splits(&self) -> &'static Splits {
+        &self.own.splits
     }
 
     pub fn vmm(&self) -> &'static Lifetimes {

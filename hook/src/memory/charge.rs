@@ -103,6 +103,7 @@ fn owner_of(family: Family) -> u64 {
         }
         Family::PhysicalHandle
         | Family::SpillHandle
+        | Family::SplitHandle
         | Family::Context
         | Family::Graph
         | Family::Pool

@@ -44,6 +44,9 @@ pub enum Family {
     /// (`super::spill`): a release looks for them only when the handle is not a
     /// [`Family::PhysicalHandle`].
     SpillHandle,
+    /// The head's handle of a VMM allocation elastic memory split between the device and host
+    /// memory (`super::split`), charged whole.
+    SplitHandle,
     /// `CUmemGenericAllocationHandle` of `cuMemCreate`.
     PhysicalHandle,
     Array,

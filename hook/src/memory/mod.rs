@@ -17,6 +17,7 @@ mod queries;
 mod restore;
 mod sizes;
 mod spill;
+mod split;
 mod units;
 mod vmm;
 
@@ -30,4 +31,5 @@ pub use pools::*;
 pub use queries::*;
 pub use restore::tick as restore_tick;
 pub use spill::{enabled as elastic, tick as elastic_tick};
+pub use split::export;
 pub use vmm::{map, retain, unmap};

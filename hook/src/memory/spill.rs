@@ -28,9 +28,9 @@
 //!   stream being captured it is refused.
 //!
 //! VMM allocations (`cuMemCreate`: JAX's and XLA's allocator, PyTorch's expandable segments) that
-//! the device cannot back are made in host memory instead ([`create_on_host`]): the application
-//! maps them and gives the device access as it would device memory; they stay in host memory for
-//! as long as they live. Where neither stands in, the driver's refusal stands: arrays, allocations
+//! the device cannot back are split where the device ends ([`super::split`]), or made in host
+//! memory whole where it has no room ([`create_on_host`]): the application maps them and gives the
+//! device access as it would device memory; their host memory stays for as long as they live. Where neither stands in, the driver's refusal stands: arrays, allocations
 //! recorded into a stream capture, and the legacy 32-bit `cuMemAlloc`.
 
 use std::collections::BTreeMap;
@@ -198,10 +198,12 @@ fn place(spills: &Spills, ordinal: CUdevice, bytes: u64) -> Option<(u64, u64)> {
 }
 
 /// `cuMemCreate` of `bytes` on `device` that the limit allowed and the driver refused
-/// (`status`): when that is out of memory and elastic memory is on, the same physical allocation
-/// located in host memory (the host NUMA node nearest the device), which the application maps and
-/// gives the device access to as it would device memory, recorded as host-backed under
-/// [`Family::SpillHandle`]. It never moves back (its mappings are the application's).
+/// (`status`): when that is out of memory and elastic memory is on, its head on the device as far
+/// as there is room and its tail in host memory ([`super::split`], under [`Family::SplitHandle`]),
+/// or where the device has no room for a granule, the same physical allocation located in host
+/// memory (the host NUMA node nearest the device), which the application maps and gives the
+/// device access to as it would device memory, under [`Family::SpillHandle`]. Either never moves
+/// back (its mappings are the application's).
 #[cold]
 #[inline(never)]
 pub(super) fn create_on_host(
@@ -215,27 +217,17 @@ pub(super) fn create_on_host(
     if status != CUDA_ERROR_OUT_OF_MEMORY || !enabled() {
         return refused;
     }
-    let (Some(accounting), Some(create)) = (super::accounting::accounting(), real::cuMemCreate()) else {
+    let Some(accounting) = super::accounting::accounting() else {
         return refused;
     };
     let Some(region_index) = accounting.device(device).map(|entry| entry.region_index) else {
         return refused;
     };
-    let node = host_numa_node(device);
-    let mut created = status;
-    let mut dropped = None;
-    for (on_host, without) in host_properties(prop, node) {
-        // SAFETY: the application's out-pointer (checked non-null by the caller) and a copy of its
-        // properties with another location.
-        created = in_relaxed_capture_mode(|| unsafe { create(handle, bytes as usize, &on_host, 0) });
-        dropped = without;
-        if !matches!(
-            created,
-            CUDA_ERROR_INVALID_VALUE | CUDA_ERROR_NOT_SUPPORTED | CUDA_ERROR_NOT_PERMITTED
-        ) {
-            break;
-        }
+    if let Some(tail_bytes) = super::split::create(accounting, handle, bytes, prop, device, region_index) {
+        record_host_backed(accounting, region_index, tail_bytes, true);
+        return (CUDA_SUCCESS, Family::SplitHandle);
     }
+    let created = create_in_host_memory(handle, bytes, prop, device);
     if created != CUDA_SUCCESS {
         static SAID: AtomicBool = AtomicBool::new(false);
         if !SAID.swap(true, Ordering::Relaxed) {
@@ -245,15 +237,6 @@ pub(super) fn create_on_host(
             );
         }
         return refused;
-    }
-    if let Some(without) = dropped {
-        static SAID: AtomicBool = AtomicBool::new(false);
-        if !SAID.swap(true, Ordering::Relaxed) {
-            tracing::warn!(
-                "host memory for VMM allocations of device {device} is made {without}, which the driver refuses \
-                 for host memory: exporting such an allocation fails"
-            );
-        }
     }
     record_host_backed(accounting, region_index, bytes, true);
     static SAID: AtomicBool = AtomicBool::new(false);
@@ -267,13 +250,55 @@ pub(super) fn create_on_host(
     (CUDA_SUCCESS, Family::SpillHandle)
 }
 
+/// `cuMemCreate` of `bytes` in host memory (the host NUMA node nearest `device`) with as much of
+/// the application's `prop` as the driver takes there, the handle written to `handle`.
+pub(super) fn create_in_host_memory(
+    handle: *mut CUmemGenericAllocationHandle,
+    bytes: u64,
+    prop: &CUmemAllocationProp,
+    device: CUdevice,
+) -> CUresult {
+    let Some(create) = real::cuMemCreate() else {
+        return CUDA_ERROR_NOT_SUPPORTED;
+    };
+    let mut created = CUDA_ERROR_NOT_SUPPORTED;
+    let mut dropped = None;
+    for (on_host, without) in host_properties(prop, host_numa_node(device)) {
+        // SAFETY: an out-pointer the caller checked non-null, and a copy of the application's
+        // properties with another location.
+        created = in_relaxed_capture_mode(|| unsafe { create(handle, bytes as usize, &on_host, 0) });
+        dropped = without;
+        if !matches!(
+            created,
+            CUDA_ERROR_INVALID_VALUE | CUDA_ERROR_NOT_SUPPORTED | CUDA_ERROR_NOT_PERMITTED
+        ) {
+            break;
+        }
+    }
+    if created == CUDA_SUCCESS
+        && let Some(without) = dropped
+    {
+        static SAID: AtomicBool = AtomicBool::new(false);
+        if !SAID.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                "host memory for VMM allocations of device {device} is made {without}, which the driver refuses \
+                 for host memory: exporting such an allocation fails"
+            );
+        }
+    }
+    created
+}
+
 /// The properties a VMM allocation is made with in host memory, tried in turn until the driver
 /// takes one, each with what it leaves out of the application's: first the application's own on
 /// the host NUMA node `node`; then without what only device memory has (GPUDirect RDMA,
 /// compression, usage flags) or needs a fabric (fabric handles); then without shareable handles;
 /// then on no particular node (where the system has no NUMA nodes for the driver), which admits
 /// no shareable handles either.
-fn host_properties(prop: &CUmemAllocationProp, node: i32) -> [(CUmemAllocationProp, Option<&'static str>); 4] {
+pub(super) fn host_properties(
+    prop: &CUmemAllocationProp,
+    node: i32,
+) -> [(CUmemAllocationProp, Option<&'static str>); 4] {
     let mut own = *prop;
     own.location = located(CU_MEM_LOCATION_TYPE_HOST_NUMA, node);
     let mut plain = own;
@@ -292,7 +317,7 @@ fn host_properties(prop: &CUmemAllocationProp, node: i32) -> [(CUmemAllocationPr
 }
 
 /// The host NUMA node nearest `device` (0 where the driver does not say).
-fn host_numa_node(device: CUdevice) -> i32 {
+pub(super) fn host_numa_node(device: CUdevice) -> i32 {
     let Some(get_attribute) = real::cuDeviceGetAttribute() else {
         return 0;
     };
@@ -302,12 +327,15 @@ fn host_numa_node(device: CUdevice) -> i32 {
     if status == CUDA_SUCCESS && node >= 0 { node } else { 0 }
 }
 
-/// `cuMemRelease` of a handle not charged as a plain one: a handle made in host memory by
-/// [`create_on_host`] is released, its charge and host-backed bytes with it; any other handle goes
-/// to the driver as it is.
+/// `cuMemRelease` of a handle not charged as a plain one: a split one drops a reference
+/// ([`super::split::release`]); a handle made in host memory by [`create_on_host`] is released,
+/// its charge and host-backed bytes with it; any other handle goes to the driver as it is.
 #[cold]
 #[inline(never)]
-pub(super) fn release_handle(_: Accounting, handle: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+pub(super) fn release_handle(accounting: Accounting, handle: u64, call: impl FnOnce() -> CUresult) -> CUresult {
+    if let Some(result) = super::split::release(accounting, handle) {
+        return result;
+    }
     released_after(Family::SpillHandle, handle, call, forget_host_backed)
 }
 
@@ -689,7 +717,7 @@ fn onto_device(spills: &Spills, pointer: u64, bytes: u64, room: u64, ordinal: CU
 }
 
 /// Free device memory on the current device beyond the headroom, as the driver sees it.
-fn device_room() -> Option<u64> {
+pub(super) fn device_room() -> Option<u64> {
     let get_info = real::cuMemGetInfo_v2()?;
     let (mut free, mut total) = (0usize, 0usize);
     // SAFETY: valid out-pointers to locals; the current context's device is the spills'.
@@ -700,7 +728,7 @@ fn device_room() -> Option<u64> {
     Some((free as u64).saturating_sub(headroom))
 }
 
-fn record_host_backed(accounting: Accounting, region_index: usize, bytes: u64, more: bool) {
+pub(super) fn record_host_backed(accounting: Accounting, region_index: usize, bytes: u64, more: bool) {
     if let Some(slot) = accounting.slot()
         && let Err(error) = accounting.region().record_host_backed(slot, region_index, bytes, more)
     {

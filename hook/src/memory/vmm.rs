@@ -12,7 +12,9 @@
 //!   those mappings gives it a handle again, and the charge goes back to the handle.
 //!
 //! Only handles charged here are followed (the ledger's [`Family::PhysicalHandle`] and
-//! [`Family::SpillHandle`]). A handle imported from another process
+//! [`Family::SpillHandle`]); a split allocation's handle ([`Family::SplitHandle`]) is followed by
+//! [`split`], which `cuMemMap` (when the driver refuses it), `cuMemUnmap` and
+//! `cuMemRetainAllocationHandle` call on from here. A handle imported from another process
 //! (`cuMemImportFromShareableHandle`) is not charged here, and the exporter's charge goes when the
 //! exporter has released and unmapped it, even while the importer still maps the memory. Mappings
 //! into sparse arrays (`cuMemMapArrayAsync`) are not followed: a handle released while mapped
@@ -25,7 +27,7 @@ use parking_lot::Mutex;
 
 use super::accounting::{Accounting, accounting};
 use super::ledger::{Charges, Family};
-use super::spill;
+use super::{spill, split};
 use crate::sys::cuda::*;
 
 /// The ledger families of the handles charged here.
@@ -105,31 +107,46 @@ impl State {
 #[derive(Default)]
 pub struct Lifetimes {
     state: Mutex<State>,
-    /// Whether anything was ever followed (one load for a release or unmap in a process that
-    /// never mapped a handle charged here).
+    /// Whether anything was ever followed here or a split allocation mapped (one load for a
+    /// release or unmap in a process that never mapped a handle charged here).
     any: AtomicBool,
 }
 
-/// `cuMemMap`: a mapping of a handle charged here keeps its memory charged until it is unmapped.
+impl Lifetimes {
+    /// Unmaps are looked at from now on (a split allocation was mapped).
+    pub(super) fn watch_unmaps(&self) {
+        self.any.store(true, Ordering::Release);
+    }
+}
+
+/// `cuMemMap`: a mapping of a handle charged here keeps its memory charged until it is unmapped;
+/// a split handle's range that the driver refuses is mapped part by part ([`split`]).
 pub fn map(
     call: impl FnOnce() -> CUresult,
     ptr: CUdeviceptr,
     size: usize,
+    offset: usize,
     handle: CUmemGenericAllocationHandle,
+    flags: u64,
 ) -> CUresult {
     let result = call();
+    let Some(accounting) = accounting() else { return result };
     if result != CUDA_SUCCESS {
-        return result;
+        return split::map_refused(accounting, result, ptr, size, offset, handle, flags);
     }
-    if let Some(accounting) = accounting() {
-        let lifetimes = accounting.vmm();
-        let mut state = lifetimes.state.lock();
-        if let Some(id) = state.follow(accounting, handle) {
+    let lifetimes = accounting.vmm();
+    let mut state = lifetimes.state.lock();
+    match state.follow(accounting, handle) {
+        Some(id) => {
             lifetimes.any.store(true, Ordering::Release);
             state.mappings.insert(ptr, (size as u64, id));
             if let Some(allocation) = state.allocations.get_mut(&id) {
                 allocation.mappings += 1;
             }
+        }
+        None => {
+            drop(state);
+            split::mapped(accounting, ptr, size, handle);
         }
     }
     result
@@ -199,6 +216,7 @@ pub fn unmap(call: impl FnOnce() -> CUresult, ptr: CUdeviceptr, size: usize) -> 
     for (family, charges) in freed {
         release_charges(accounting, family, &charges);
     }
+    split::unmapped(accounting, ptr, end);
     result
 }
 
@@ -220,6 +238,8 @@ pub fn retain(
     let Some(accounting) = accounting() else { return result };
     let mut state = accounting.vmm().state.lock();
     let Some(id) = state.mapped_at(addr as u64) else {
+        drop(state);
+        split::retained(accounting, handle, value, addr as u64);
         return result;
     };
     let Some(allocation) = state.allocations.get_mut(&id) else {

@@ -20,6 +20,8 @@ pub struct Physical {
     /// References to the handle not yet released; at 0 the handle is gone, and the memory with it
     /// once nothing maps it.
     pub references: u32,
+    /// The shareable handle types it was made with (`requestedHandleTypes`).
+    pub handle_types: u32,
 }
 
 /// Frees the memory of `handle` if no reference and no mapping holds it any longer.
@@ -134,6 +136,7 @@ pub unsafe extern "C" fn cuMemCreate(
                 ordinal,
                 phys,
                 references: 1,
+                handle_types: prop.requestedHandleTypes,
             },
         );
         // SAFETY: out-pointer from the caller, checked non-null.
@@ -268,6 +271,38 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(
         physical.references += 1;
         // SAFETY: out-pointer from the caller, checked non-null.
         unsafe { put(handle, mapped) }
+    })
+}
+
+/// A shareable handle of a type the allocation was made with: a file descriptor of `/dev/null`
+/// stands for it (the fake imports nothing).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn cuMemExportToShareableHandle(
+    shareable: *mut std::ffi::c_void,
+    handle: CUmemGenericAllocationHandle,
+    handle_type: CUmemAllocationHandleType,
+    flags: c_ulonglong,
+) -> CUresult {
+    cu(|| {
+        let state = initialised()?;
+        let physical = state
+            .physical
+            .get(&handle)
+            .filter(|physical| physical.references > 0)
+            .ok_or(CUDA_ERROR_INVALID_VALUE)?;
+        if shareable.is_null() || flags != 0 || handle_type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        if physical.handle_types & handle_type == 0 {
+            return Err(CUDA_ERROR_INVALID_VALUE);
+        }
+        // SAFETY: a NUL-terminated path.
+        let fd = unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+        if fd < 0 {
+            return Err(CUDA_ERROR_OPERATING_SYSTEM);
+        }
+        // SAFETY: out-pointer from the caller, checked non-null; a POSIX handle is an int.
+        unsafe { put(shareable.cast::<i32>(), fd) }
     })
 }
 

@@ -32,7 +32,9 @@ const SPILLED: u64 = 200 * MIB;
 const LIMIT: &str = "600m";
 
 const CUDA_SUCCESS: i32 = 0;
+const CUDA_ERROR_INVALID_VALUE: i32 = 1;
 const CUDA_ERROR_OUT_OF_MEMORY: i32 = 2;
+const CUDA_ERROR_NOT_SUPPORTED: i32 = 801;
 const CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: i32 = 900;
 
 fn setup(run: Run, dir: &ScratchDir) -> Run {
@@ -277,6 +279,92 @@ fn a_vmm_allocation_in_host_memory_released_while_mapped_stays_until_unmapped() 
         CUDA_SUCCESS
     );
     assert_eq!(held(&dir, process.pid()), (ON_DEVICE, 0), "after the unmap");
+    assert_eq!(truth.host_resident(), 0, "after the unmap");
+}
+
+/// A VMM allocation larger than the device's room (XLA's pool): its head, as much as the device
+/// holds beyond the headroom (a sixteenth of the fake's 1 GiB), on the device and only its tail in
+/// host memory, under one handle that maps, retains (at either part) and releases as one
+/// allocation, which lives until its last reference is released and its mapping is gone.
+#[test]
+fn a_vmm_allocation_larger_than_the_devices_room_is_split_where_the_device_ends() {
+    const BIG: u64 = 300 * MIB;
+    const HEAD: u64 = LEFT_FREE - CONTEXT - DEVICE / 16;
+    let dir = ScratchDir::new("elastic-vmm-split");
+    let truth = dir.truth();
+    let _other = other_container(&dir);
+    let mut process = container(&dir, Some("true"));
+    let used_before = truth.device(0).used();
+    let created = process.ask(&format!("vmm {BIG}"));
+    assert_eq!(status(&created), CUDA_SUCCESS, "{created}");
+    let handle = pointer(&created);
+    assert_eq!(held(&dir, process.pid()), (BIG, BIG - HEAD), "(data, host-backed)");
+    assert_eq!(truth.host_resident(), BIG - HEAD, "the tail in host memory");
+    assert_eq!(truth.device(0).used(), used_before + HEAD, "the head on the device");
+
+    let mapped = process.ask(&format!("vmmmap {handle}"));
+    assert_eq!(status(&mapped), CUDA_SUCCESS, "{mapped}");
+    let at = pointer(&mapped);
+    for address in [at, at + HEAD, at + BIG - 1] {
+        let retained = process.ask(&format!("vmmretain {address}"));
+        assert_eq!(retained, format!("vmmretain 0 {handle}"), "a retain at {address:#x}");
+    }
+    for _ in 0..4 {
+        assert_eq!(status(&process.ask(&format!("vmmrelease {handle}"))), CUDA_SUCCESS);
+    }
+    assert_eq!(
+        held(&dir, process.pid()),
+        (BIG, BIG - HEAD),
+        "released while mapped: (data, host-backed)"
+    );
+    assert_eq!(truth.host_resident(), BIG - HEAD, "released while mapped");
+    assert_eq!(
+        status(&process.ask(&format!("vmmrelease {handle}"))),
+        CUDA_ERROR_INVALID_VALUE,
+        "a release past the last reference"
+    );
+    assert_eq!(status(&process.ask(&format!("vmmunmap {at}"))), CUDA_SUCCESS);
+    assert_eq!(held(&dir, process.pid()), (0, 0), "after the unmap");
+    assert_eq!(truth.host_resident(), 0, "after the unmap");
+    assert_eq!(truth.device(0).used(), used_before, "after the unmap");
+}
+
+/// A split VMM allocation is not exported (a shareable handle stands for one allocation), while
+/// one the device backs whole is; a mapping of its head alone, which the driver makes itself,
+/// holds it as any mapping does.
+#[test]
+fn a_split_vmm_allocation_is_not_exported_and_its_head_alone_maps() {
+    const BIG: u64 = 300 * MIB;
+    const HEAD: u64 = LEFT_FREE - CONTEXT - DEVICE / 16;
+    let dir = ScratchDir::new("elastic-vmm-export");
+    let truth = dir.truth();
+    let _other = other_container(&dir);
+    let mut process = container(&dir, Some("true"));
+    let whole = pointer(&process.ask(&format!("vmmxla {}", 20 * MIB)));
+    assert_eq!(status(&process.ask(&format!("vmmexport {whole}"))), CUDA_SUCCESS);
+    assert_eq!(status(&process.ask(&format!("vmmrelease {whole}"))), CUDA_SUCCESS);
+
+    let created = process.ask(&format!("vmmxla {BIG}"));
+    assert_eq!(status(&created), CUDA_SUCCESS, "{created}");
+    let handle = pointer(&created);
+    assert_eq!(held(&dir, process.pid()), (BIG, BIG - HEAD), "(data, host-backed)");
+    assert_eq!(
+        status(&process.ask(&format!("vmmexport {handle}"))),
+        CUDA_ERROR_NOT_SUPPORTED
+    );
+    let mapped = process.ask(&format!("vmmmapfirst {handle}"));
+    assert_eq!(status(&mapped), CUDA_SUCCESS, "{mapped}");
+    assert_eq!(status(&process.ask(&format!("vmmrelease {handle}"))), CUDA_SUCCESS);
+    assert_eq!(
+        held(&dir, process.pid()),
+        (BIG, BIG - HEAD),
+        "released while its head is mapped"
+    );
+    assert_eq!(
+        status(&process.ask(&format!("vmmunmap {}", pointer(&mapped)))),
+        CUDA_SUCCESS
+    );
+    assert_eq!(held(&dir, process.pid()), (0, 0), "after the unmap");
     assert_eq!(truth.host_resident(), 0, "after the unmap");
 }
 
