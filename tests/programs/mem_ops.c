@@ -52,6 +52,11 @@
 //                                                                 cuMemAddressFree of its range
 //     vmmretain <pointer>  -> vmmretain <status> <handle>         cuMemRetainAllocationHandle
 //     vmmmapfirst <handle> -> vmmmapfirst <status> <pointer>      as vmmmap, the handle's first granule alone
+//     vmmoffset <bytes>    -> vmmoffset 0                         the next vmmmap maps the handle from this
+//                                                                 offset to its end (past its end: one
+//                                                                 granule there)
+//     vmmfree <pointer>    -> vmmfree <status>                    cuMemAddressFree of a vmmmap's range, with
+//                                                                 no unmap before it
 //     vmmexport <handle>   -> vmmexport <status>                  cuMemExportToShareableHandle, a POSIX fd
 //     mode                 -> mode <status> <mode>                this thread's capture interaction mode
 //                                                                 (cuThreadExchangeStreamCaptureMode, twice)
@@ -82,9 +87,10 @@ static CUstream capture_stream(void) {
 }
 
 // Sizes of the handles `vmm` made and of the ranges `vmmmap` mapped, for the commands that take
-// only a handle or a pointer.
+// only a handle or a pointer; the offset the next `vmmmap` maps from.
 #define VMM_SLOTS 64
 static struct { unsigned long long key; size_t size; } vmm_sizes[VMM_SLOTS];
+static size_t vmm_offset;
 
 static void vmm_remember(unsigned long long key, size_t size) {
     for (int i = 0; i < VMM_SLOTS; i++) {
@@ -148,13 +154,21 @@ int main(void) {
             if (status == CUDA_SUCCESS) status = cuMemCreate(&handle, (size_t)number, &prop, 0);
             if (status == CUDA_SUCCESS) vmm_remember((unsigned long long)handle, (size_t)number);
             printf("%s %d %llu\n", command, (int)status, (unsigned long long)handle);
+        } else if (strcmp(command, "vmmoffset") == 0) {
+            vmm_offset = (size_t)number;
+            printf("vmmoffset 0\n");
+        } else if (strcmp(command, "vmmfree") == 0) {
+            printf("vmmfree %d\n", (int)cuMemAddressFree((CUdeviceptr)number, vmm_size(number)));
         } else if (strcmp(command, "vmmmap") == 0) {
-            size_t size = vmm_size(number);
+            size_t whole = vmm_size(number);
+            size_t offset = vmm_offset;
+            size_t size = offset < whole ? whole - offset : 2u << 20;
             CUdevice device = 0;
             CUdeviceptr p = 0;
+            vmm_offset = 0;
             CUresult status = cuCtxGetDevice(&device);
             if (status == CUDA_SUCCESS) status = cuMemAddressReserve(&p, size, 0, 0, 0);
-            if (status == CUDA_SUCCESS) status = cuMemMap(p, size, 0, (CUmemGenericAllocationHandle)number, 0);
+            if (status == CUDA_SUCCESS) status = cuMemMap(p, size, offset, (CUmemGenericAllocationHandle)number, 0);
             if (status == CUDA_SUCCESS) {
                 CUmemAccessDesc access;
                 memset(&access, 0, sizeof access);

@@ -6,6 +6,9 @@
 // - one thread calls cuMemRelease while another calls cuMemUnmap;
 // - one thread retains the handle from the mapping and releases that reference while another
 //   releases the create's, then the range is unmapped;
+// - with the handle released, one thread unmaps the range while another maps a second allocation
+//   at the same address as soon as the driver lets it, and releases that one's handle; then the
+//   range is unmapped again;
 // each pair released together by a barrier; then the range is freed. Prints
 //     done rounds=<n> errors=<n>
 // (errors: calls that failed), then waits for a line or end of file on stdin before exiting, so
@@ -24,8 +27,10 @@ struct round {
     pthread_barrier_t start;
     CUcontext context;
     CUmemGenericAllocationHandle handle;
+    // The second allocation, mapped where the first was (the third way).
+    CUmemGenericAllocationHandle second;
     CUdeviceptr va;
-    int retain;
+    int way;
     CUresult status;
 };
 
@@ -35,10 +40,17 @@ static void *other_thread(void *arg) {
     pthread_barrier_wait(&round->start);
     if (status != CUDA_SUCCESS) {
         round->status = status;
-    } else if (round->retain) {
+    } else if (round->way == 1) {
         CUmemGenericAllocationHandle retained = 0;
         status = cuMemRetainAllocationHandle(&retained, (void *)(uintptr_t)round->va);
         round->status = status == CUDA_SUCCESS ? cuMemRelease(retained) : status;
+    } else if (round->way == 2) {
+        // Until the other thread's unmap lets the address go (bounded: a lost race is an error).
+        status = CUDA_ERROR_INVALID_VALUE;
+        for (long tries = 0; tries < 100000000L && status != CUDA_SUCCESS; tries++) {
+            status = cuMemMap(round->va, BYTES, 0, round->second, 0);
+        }
+        round->status = status == CUDA_SUCCESS ? cuMemRelease(round->second) : status;
     } else {
         round->status = cuMemUnmap(round->va, BYTES);
     }
@@ -71,10 +83,15 @@ int main(int argc, char **argv) {
         struct round round;
         memset(&round, 0, sizeof round);
         round.context = context;
-        round.retain = i % 2;
+        round.way = i % 3;
         if (cuMemCreate(&round.handle, BYTES, &prop, 0) != CUDA_SUCCESS ||
             cuMemAddressReserve(&round.va, BYTES, 0, 0, 0) != CUDA_SUCCESS ||
             cuMemMap(round.va, BYTES, 0, round.handle, 0) != CUDA_SUCCESS) {
+            errors++;
+            continue;
+        }
+        if (round.way == 2 &&
+            (cuMemRelease(round.handle) != CUDA_SUCCESS || cuMemCreate(&round.second, BYTES, &prop, 0) != CUDA_SUCCESS)) {
             errors++;
             continue;
         }
@@ -85,11 +102,15 @@ int main(int argc, char **argv) {
             return 1;
         }
         pthread_barrier_wait(&round.start);
-        if (cuMemRelease(round.handle) != CUDA_SUCCESS) errors++;
+        if (round.way == 2) {
+            if (cuMemUnmap(round.va, BYTES) != CUDA_SUCCESS) errors++;
+        } else if (cuMemRelease(round.handle) != CUDA_SUCCESS) {
+            errors++;
+        }
         pthread_join(thread, NULL);
         pthread_barrier_destroy(&round.start);
         if (round.status != CUDA_SUCCESS) errors++;
-        if (round.retain && cuMemUnmap(round.va, BYTES) != CUDA_SUCCESS) errors++;
+        if (round.way != 0 && cuMemUnmap(round.va, BYTES) != CUDA_SUCCESS) errors++;
         if (cuMemAddressFree(round.va, BYTES) != CUDA_SUCCESS) errors++;
     }
     printf("done rounds=%d errors=%d\n", rounds, errors);

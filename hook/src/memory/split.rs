@@ -52,11 +52,22 @@ impl Split {
     }
 }
 
+/// An application's mapping of a split allocation.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Mapping {
+    bytes: u64,
+    head: u64,
+    /// This mapping's own number: an unmap forgets the mappings it saw before calling the driver,
+    /// not one another thread made at the same address once the driver had unmapped it.
+    serial: u64,
+}
+
 #[derive(Default)]
 struct State {
     by_head: HashMap<u64, Split>,
-    /// The application's mappings of split allocations: start -> (bytes, head).
-    mapped: BTreeMap<u64, (u64, u64)>,
+    /// The application's mappings of split allocations, by start address.
+    mapped: BTreeMap<u64, Mapping>,
+    next_serial: u64,
 }
 
 impl State {
@@ -65,8 +76,8 @@ impl State {
         self.mapped
             .range(..=address)
             .next_back()
-            .filter(|(start, (bytes, _))| address - **start < *bytes)
-            .map(|(_, &(_, head))| head)
+            .filter(|(start, mapping)| address - **start < mapping.bytes)
+            .map(|(_, mapping)| mapping.head)
     }
 }
 
@@ -78,14 +89,17 @@ pub struct Splits {
     any: AtomicBool,
 }
 
-/// The parts of a split: the head's bytes, with the device's granule and the host's.
+/// The head's bytes of a split of `bytes` with `room` on the device, in whole device granules,
+/// leaving a tail of at least one. Only where the host's granule divides the device's: the
+/// application maps at addresses and offsets aligned to the device's granule, and the tail's
+/// mapping then starts aligned to the host's.
 fn parts(bytes: u64, room: u64, device_granule: u64, host_granule: u64) -> Option<u64> {
-    let granule = device_granule.max(host_granule);
-    if device_granule == 0 || host_granule == 0 || bytes < 2 * granule {
+    if device_granule == 0 || host_granule == 0 || !device_granule.is_multiple_of(host_granule) {
         return None;
     }
-    let head = room.min(bytes - granule) / granule * granule;
-    (head > 0 && (bytes - head).is_multiple_of(host_granule)).then_some(head)
+    let tail = bytes.saturating_sub(room).max(device_granule);
+    let head = bytes.checked_sub(tail)? / device_granule * device_granule;
+    (head > 0).then_some(head)
 }
 
 /// The driver's minimum granularity for allocations of `prop` (0 when it does not say).
@@ -97,6 +111,16 @@ fn granularity(prop: &CUmemAllocationProp) -> u64 {
     // SAFETY: a valid out-pointer to a local and properties of the library's own.
     let status = unsafe { get(&mut granule, prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) };
     if status == CUDA_SUCCESS { granule as u64 } else { 0 }
+}
+
+/// The host's granule for a tail made with any of the properties [`spill::create_in_host_memory`]
+/// may fall back to: the largest the driver answers (0 when it answers none).
+fn host_granularity(prop: &CUmemAllocationProp, device: CUdevice) -> u64 {
+    spill::host_properties(prop, spill::host_numa_node(device))
+        .iter()
+        .map(|(on_host, _)| granularity(on_host))
+        .max()
+        .unwrap_or(0)
 }
 
 /// `cuMemCreate` of `bytes` on `device`, the current context's, that the limit allowed and the
@@ -115,8 +139,12 @@ pub(super) fn create(
         return None;
     }
     let create = real::cuMemCreate()?;
-    let host_prop = spill::host_properties(prop, spill::host_numa_node(device))[0].0;
-    let head_bytes = parts(bytes, spill::device_room()?, granularity(prop), granularity(&host_prop))?;
+    let head_bytes = parts(
+        bytes,
+        spill::device_room()?,
+        granularity(prop),
+        host_granularity(prop, device),
+    )?;
     let mut head: CUmemGenericAllocationHandle = 0;
     // SAFETY: a valid out-pointer to a local and the application's properties.
     let status = in_relaxed_capture_mode(|| unsafe { create(&mut head, head_bytes as usize, prop, 0) });
@@ -216,29 +244,52 @@ pub(super) fn mapped(accounting: Accounting, ptr: CUdeviceptr, size: usize, hand
 
 fn note_mapping(accounting: Accounting, ptr: u64, size: u64, head: u64) {
     let mut state = accounting.splits().state.lock();
+    let serial = state.next_serial;
     if let Some(split) = state.by_head.get_mut(&head) {
-        split.mappings += 1;
-        state.mapped.insert(ptr, (size, head));
+        split.mappings = split.mappings.saturating_add(1);
+        state.next_serial += 1;
+        state.mapped.insert(
+            ptr,
+            Mapping {
+                bytes: size,
+                head,
+                serial,
+            },
+        );
         accounting.vmm().watch_unmaps();
     }
 }
 
-/// After a `cuMemUnmap` (or `cuMemAddressFree`) of `ptr..end` that worked: the split
-/// allocations' mappings there go, and an allocation the application no longer holds is freed
-/// with its last mapping.
-pub(super) fn unmapped(accounting: Accounting, ptr: u64, end: u64) {
+/// Before a `cuMemUnmap` (or `cuMemAddressFree`) of `ptr..end`: the split allocations' mappings
+/// the driver is asked to unmap.
+#[inline]
+pub(super) fn mappings_in(accounting: Accounting, ptr: u64, end: u64) -> Vec<(u64, Mapping)> {
     let splits = accounting.splits();
     if !splits.any.load(Ordering::Acquire) {
+        return Vec::new();
+    }
+    let state = splits.state.lock();
+    state
+        .mapped
+        .range(ptr..end)
+        .map(|(&start, &mapping)| (start, mapping))
+        .collect()
+}
+
+/// After that unmap worked: those mappings go, and an allocation the application no longer holds
+/// is freed with its last mapping.
+pub(super) fn unmapped(accounting: Accounting, unmapped: Vec<(u64, Mapping)>) {
+    if unmapped.is_empty() {
         return;
     }
     let freed: Vec<(u64, Split)> = {
-        let mut state = splits.state.lock();
-        let inside: Vec<u64> = state.mapped.range(ptr..end).map(|(start, _)| *start).collect();
+        let mut state = accounting.splits().state.lock();
         let mut freed = Vec::new();
-        for start in inside {
-            let Some((_, head)) = state.mapped.remove(&start) else {
-                continue;
-            };
+        for (start, mapping) in unmapped {
+            if state.mapped.get(&start).is_some_and(|now| now.serial == mapping.serial) {
+                state.mapped.remove(&start);
+            }
+            let head = mapping.head;
             let Some(split) = state.by_head.get_mut(&head) else {
                 continue;
             };
@@ -295,7 +346,7 @@ pub(super) fn retained(accounting: Accounting, handle: *mut CUmemGenericAllocati
         let Some(split) = state.by_head.get_mut(&head) else {
             return;
         };
-        split.references += 1;
+        split.references = split.references.saturating_add(1);
         head
     };
     release_part(value);
@@ -326,15 +377,16 @@ pub fn export(call: impl FnOnce() -> CUresult, handle: CUmemGenericAllocationHan
 /// Releases the library's references to a split allocation's parts (the driver frees them, as
 /// nothing maps them any longer), its charge and its host-backed bytes.
 fn free(accounting: Accounting, head: u64, split: Split) {
+    // The charge is taken before the parts go: the driver may give the head's handle value to a
+    // new allocation as soon as it is released, charged under the same key.
+    let charges = accounting.ledger().take_charges(Family::SplitHandle, head);
     {
         let _in_flight = accounting.in_flight(split.region_index);
         release_part(head);
         release_part(split.tail);
     }
-    if let Some((charges, _)) = accounting.ledger().take_charges(Family::SplitHandle, head) {
-        for charge in charges.iter() {
-            accounting.release(*charge);
-        }
+    for charge in charges.iter().flat_map(|(charges, _)| charges.iter()) {
+        accounting.release(*charge);
     }
     spill::record_host_backed(accounting, split.region_index, split.tail_bytes(), false);
 }
@@ -361,12 +413,17 @@ mod tests {
         let cases = [
             ((100 * MIB, 41 * MIB, 2 * MIB, 2 * MIB), Some(40 * MIB)),
             ((100 * MIB, 500 * MIB, 2 * MIB, 2 * MIB), Some(98 * MIB)),
+            ((100 * MIB, 100 * MIB, 2 * MIB, 2 * MIB), Some(98 * MIB)),
             ((100 * MIB, MIB, 2 * MIB, 2 * MIB), None),
             ((2 * MIB, 100 * MIB, 2 * MIB, 2 * MIB), None),
-            ((100 * MIB, 41 * MIB, 2 * MIB, 4 * MIB), Some(40 * MIB)),
-            ((102 * MIB, 41 * MIB, 2 * MIB, 4 * MIB), None),
+            ((100 * MIB, 41 * MIB, 4 * MIB, 2 * MIB), Some(40 * MIB)),
+            ((100 * MIB, 41 * MIB, 2 * MIB, 4 * MIB), None),
             ((100 * MIB, 41 * MIB, 0, 0), None),
             ((100 * MIB, 41 * MIB, 2 * MIB, 0), None),
+            (
+                (u64::MAX, u64::MAX, 2 * MIB, 2 * MIB),
+                Some((u64::MAX - 2 * MIB) / (2 * MIB) * (2 * MIB)),
+            ),
         ];
         for ((bytes, room, device, host), head) in cases {
             assert_eq!(parts(bytes, room, device, host), head, "{bytes} {room} {device} {host}");

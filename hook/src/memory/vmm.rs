@@ -46,13 +46,24 @@ struct Allocation {
     mappings: u32,
 }
 
+/// A mapping of a followed allocation.
+#[derive(Clone, Copy)]
+struct Mapping {
+    bytes: u64,
+    /// The allocation's id.
+    id: u64,
+    /// This mapping's own number: an unmap forgets the mappings it saw before calling the driver,
+    /// not one another thread made at the same address once the driver had unmapped it.
+    serial: u64,
+}
+
 #[derive(Default)]
 struct State {
     allocations: HashMap<u64, Allocation>,
     /// Followed allocations by their live handle (family, value).
     by_handle: HashMap<(Family, u64), u64>,
-    /// Mappings of followed allocations: start address -> (bytes, allocation id).
-    mappings: BTreeMap<u64, (u64, u64)>,
+    /// Mappings of followed allocations, by start address.
+    mappings: BTreeMap<u64, Mapping>,
     next_id: u64,
 }
 
@@ -85,8 +96,8 @@ impl State {
         self.mappings
             .range(..=address)
             .next_back()
-            .filter(|(start, (bytes, _))| address - **start < *bytes)
-            .map(|(_, &(_, id))| id)
+            .filter(|(start, mapping)| address - **start < mapping.bytes)
+            .map(|(_, mapping)| mapping.id)
     }
 
     /// Stops following an allocation nothing holds beyond its handle.
@@ -139,9 +150,16 @@ pub fn map(
     match state.follow(accounting, handle) {
         Some(id) => {
             lifetimes.any.store(true, Ordering::Release);
-            state.mappings.insert(ptr, (size as u64, id));
+            let serial = state.next_id;
+            state.next_id += 1;
+            let mapping = Mapping {
+                bytes: size as u64,
+                id,
+                serial,
+            };
+            state.mappings.insert(ptr, mapping);
             if let Some(allocation) = state.allocations.get_mut(&id) {
-                allocation.mappings += 1;
+                allocation.mappings = allocation.mappings.saturating_add(1);
             }
         }
         None => {
@@ -162,15 +180,17 @@ pub fn unmap(call: impl FnOnce() -> CUresult, ptr: CUdeviceptr, size: usize) -> 
         return call();
     }
     let end = ptr.saturating_add(size as u64);
-    // The devices whose memory this unmap frees are marked while the driver frees it, as a free's
-    // are (a context measured meanwhile must not count it).
-    let freeing: Vec<usize> = {
+    // The mappings the driver is asked to unmap, and the devices whose memory this unmap frees,
+    // marked while the driver frees it, as a free's are (a context measured meanwhile must not
+    // count it).
+    let (unmapping, freeing): (Vec<(u64, Mapping)>, Vec<usize>) = {
         let state = lifetimes.state.lock();
+        let unmapping: Vec<(u64, Mapping)> = state.mappings.range(ptr..end).map(|(&start, &m)| (start, m)).collect();
         let mut in_range: HashMap<u64, u32> = HashMap::new();
-        for (_, &(_, id)) in state.mappings.range(ptr..end) {
-            *in_range.entry(id).or_default() += 1;
+        for (_, mapping) in &unmapping {
+            *in_range.entry(mapping.id).or_default() += 1;
         }
-        in_range
+        let freeing = in_range
             .into_iter()
             .filter(|&(id, count)| {
                 state
@@ -179,8 +199,10 @@ pub fn unmap(call: impl FnOnce() -> CUresult, ptr: CUdeviceptr, size: usize) -> 
                     .is_some_and(|allocation| allocation.handle.is_none() && allocation.mappings <= count)
             })
             .filter_map(|(id, _)| accounting.ledger().first_region_index(Family::ReleasedMapped, id))
-            .collect()
+            .collect();
+        (unmapping, freeing)
     };
+    let split_unmapping = split::mappings_in(accounting, ptr, end);
     let _in_flight: Vec<_> = freeing.into_iter().map(|index| accounting.in_flight(index)).collect();
     let result = call();
     if result != CUDA_SUCCESS {
@@ -188,12 +210,16 @@ pub fn unmap(call: impl FnOnce() -> CUresult, ptr: CUdeviceptr, size: usize) -> 
     }
     let freed: Vec<(Family, Charges)> = {
         let mut state = lifetimes.state.lock();
-        let inside: Vec<u64> = state.mappings.range(ptr..end).map(|(start, _)| *start).collect();
         let mut freed = Vec::new();
-        for start in inside {
-            let Some((_, id)) = state.mappings.remove(&start) else {
-                continue;
-            };
+        for (start, mapping) in unmapping {
+            if state
+                .mappings
+                .get(&start)
+                .is_some_and(|now| now.serial == mapping.serial)
+            {
+                state.mappings.remove(&start);
+            }
+            let id = mapping.id;
             let Some(allocation) = state.allocations.get_mut(&id) else {
                 continue;
             };
@@ -216,7 +242,7 @@ pub fn unmap(call: impl FnOnce() -> CUresult, ptr: CUdeviceptr, size: usize) -> 
     for (family, charges) in freed {
         release_charges(accounting, family, &charges);
     }
-    split::unmapped(accounting, ptr, end);
+    split::unmapped(accounting, split_unmapping);
     result
 }
 
@@ -246,7 +272,7 @@ pub fn retain(
         return result;
     };
     if allocation.handle.is_some() {
-        allocation.retained += 1;
+        allocation.retained = allocation.retained.saturating_add(1);
         return result;
     }
     let family = allocation.family;

@@ -33,6 +33,10 @@ pub struct Config {
     /// Host time (µs) each `cuMemAlloc_v2` takes before it allocates (`FAKE_CUDA_ALLOC_US`), so a
     /// test can kill a process in the middle of one.
     pub alloc_us: u64,
+    /// Host time (µs) each `cuMemUnmap` takes after it unmapped, before it returns
+    /// (`FAKE_CUDA_UNMAP_RETURN_US`), so a test can land another thread's call between the driver's
+    /// unmap and the library's bookkeeping of it.
+    pub unmap_return_us: u64,
     /// GPU time (ns) of every recorded event (`FAKE_CUDA_EVENT_NS`): it completes that long after
     /// the work before it, and the work after it waits for it, as on a real GPU, where an event
     /// between two kernels is idle time. Not busy time. 0: events take no time.
@@ -87,6 +91,9 @@ impl Config {
         let alloc_us = var("FAKE_CUDA_ALLOC_US")
             .and_then(|v| v.trim().parse::<u64>().ok())
             .map_or(0, |us| us.min(MAX_MODULE_LOAD_US));
+        let unmap_return_us = var("FAKE_CUDA_UNMAP_RETURN_US")
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map_or(0, |us| us.min(MAX_MODULE_LOAD_US));
         let event_ns = var("FAKE_CUDA_EVENT_NS")
             .and_then(|v| v.trim().parse::<u64>().ok())
             .map_or(0, |ns| ns.min(MAX_EVENT_NS));
@@ -103,6 +110,7 @@ impl Config {
             module_load_us,
             context_us,
             alloc_us,
+            unmap_return_us,
             event_ns,
             launch_gap_ns,
         }

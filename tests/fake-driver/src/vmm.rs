@@ -238,14 +238,19 @@ pub unsafe extern "C" fn cuMemMap(
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn cuMemUnmap(ptr: CUdeviceptr, size: usize) -> CUresult {
-    cu(|| {
+    let result = cu(|| {
         let mut state = initialised()?;
         let end = ptr.checked_add(size as u64).ok_or(CUDA_ERROR_INVALID_VALUE)?;
         if unmap_range(&mut state, ptr, end) == 0 {
             return Err(CUDA_ERROR_INVALID_VALUE);
         }
         Ok(())
-    })
+    });
+    let delay = state::config().unmap_return_us;
+    if result == CUDA_SUCCESS && delay > 0 {
+        std::thread::sleep(std::time::Duration::from_micros(delay));
+    }
+    result
 }
 
 /// The handle of the memory mapped at `addr`, with one more reference to release.

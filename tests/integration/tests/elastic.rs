@@ -329,6 +329,65 @@ fn a_vmm_allocation_larger_than_the_devices_room_is_split_where_the_device_ends(
     assert_eq!(truth.device(0).used(), used_before, "after the unmap");
 }
 
+/// A split VMM allocation maps from any offset (a range starting in its head and reaching its tail,
+/// a range in its tail alone, both at once) and answers a retain in its tail with its handle;
+/// freeing an address range without unmapping it first unmaps it; the allocation goes with its
+/// last mapping. Released before any mapping, it goes at once; and a range past the end of a handle
+/// the device backs whole is refused as the driver refuses it.
+#[test]
+fn a_split_vmm_allocation_maps_from_any_offset_and_goes_with_its_last_mapping() {
+    const BIG: u64 = 300 * MIB;
+    const HEAD: u64 = LEFT_FREE - CONTEXT - DEVICE / 16;
+    let dir = ScratchDir::new("elastic-vmm-offsets");
+    let truth = dir.truth();
+    let _other = other_container(&dir);
+    let mut process = container(&dir, Some("true"));
+    let used_before = truth.device(0).used();
+
+    let whole = pointer(&process.ask(&format!("vmm {}", 20 * MIB)));
+    assert_eq!(process.ask(&format!("vmmoffset {}", 20 * MIB)), "vmmoffset 0");
+    assert_eq!(
+        status(&process.ask(&format!("vmmmap {whole}"))),
+        CUDA_ERROR_INVALID_VALUE,
+        "a range past the end of a handle the device backs whole"
+    );
+    assert_eq!(status(&process.ask(&format!("vmmrelease {whole}"))), CUDA_SUCCESS);
+
+    let released = pointer(&process.ask(&format!("vmm {BIG}")));
+    assert_eq!(held(&dir, process.pid()), (BIG, BIG - HEAD), "(data, host-backed)");
+    assert_eq!(status(&process.ask(&format!("vmmrelease {released}"))), CUDA_SUCCESS);
+    assert_eq!(held(&dir, process.pid()), (0, 0), "released before any mapping");
+    assert_eq!(truth.host_resident(), 0, "released before any mapping");
+    assert_eq!(truth.device(0).used(), used_before, "released before any mapping");
+
+    let handle = pointer(&process.ask(&format!("vmm {BIG}")));
+    let mut mapped = Vec::new();
+    for offset in [HEAD / 2, HEAD + 10 * MIB] {
+        assert_eq!(process.ask(&format!("vmmoffset {offset}")), "vmmoffset 0");
+        let answer = process.ask(&format!("vmmmap {handle}"));
+        assert_eq!(status(&answer), CUDA_SUCCESS, "mapped from {offset}: {answer}");
+        mapped.push(pointer(&answer));
+    }
+    assert_eq!(
+        process.ask(&format!("vmmretain {}", mapped[1])),
+        format!("vmmretain 0 {handle}"),
+        "a retain in the tail"
+    );
+    for _ in 0..2 {
+        assert_eq!(status(&process.ask(&format!("vmmrelease {handle}"))), CUDA_SUCCESS);
+    }
+    assert_eq!(status(&process.ask(&format!("vmmfree {}", mapped[0]))), CUDA_SUCCESS);
+    assert_eq!(
+        held(&dir, process.pid()),
+        (BIG, BIG - HEAD),
+        "released, one range freed, the other mapped"
+    );
+    assert_eq!(status(&process.ask(&format!("vmmunmap {}", mapped[1]))), CUDA_SUCCESS);
+    assert_eq!(held(&dir, process.pid()), (0, 0), "after the last unmap");
+    assert_eq!(truth.host_resident(), 0, "after the last unmap");
+    assert_eq!(truth.device(0).used(), used_before, "after the last unmap");
+}
+
 /// A split VMM allocation is not exported (a shareable handle stands for one allocation), while
 /// one the device backs whole is; a mapping of its head alone, which the driver makes itself,
 /// holds it as any mapping does.

@@ -2470,13 +2470,16 @@ fn vmm_memory_retained_again_after_its_release_and_mapped_twice_stays_charged_un
 }
 
 /// Two threads free each VMM allocation at once (a release racing the unmap, or a retained
-/// reference's release racing the create's): whichever call comes last, the charge goes with the
-/// memory, so after three thousand rounds the region holds the context alone, as the device does.
+/// reference's release racing the create's, or an unmap racing a map of another allocation at the
+/// address it frees, which the fake's unmap lets in before it returns): whichever call comes last,
+/// the charge goes with the memory, so after three thousand rounds the region holds the context
+/// alone, as the device does.
 #[test]
 fn vmm_memory_freed_by_two_threads_at_once_leaves_no_charge_behind() {
     let dir = ScratchDir::new("memory-vmm-race");
     let mut session = setup(Run::new(&program("vmm_race")).hooked(), &dir)
         .env("FAKE_CUDA_MEMORY", "4g")
+        .env("FAKE_CUDA_UNMAP_RETURN_US", "200")
         .env("CUDA_DEVICE_MEMORY_LIMIT", "1g")
         .args(["3000"])
         .spawn(Duration::from_secs(120));
