@@ -198,22 +198,42 @@ pub(super) fn map_refused(
     if !splits.any.load(Ordering::Acquire) {
         return status;
     }
-    let Some(split) = splits.state.lock().by_head.get(&handle).copied() else {
-        return status;
-    };
     let (start, size) = (offset as u64, size as u64);
-    let Some(end) = start.checked_add(size).filter(|&end| end <= split.bytes) else {
-        return status;
+    let split = {
+        let mut state = splits.state.lock();
+        let Some(split) = state.by_head.get_mut(&handle) else {
+            return status;
+        };
+        let reaches_tail = start
+            .checked_add(size)
+            .is_some_and(|end| end <= split.bytes && end > split.head_bytes);
+        if split.references == 0 || !reaches_tail {
+            return status;
+        }
+        // Counted as mapped while the driver maps it: a release meanwhile leaves the parts alone.
+        split.mappings = split.mappings.saturating_add(1);
+        *split
     };
-    if split.references == 0 || end <= split.head_bytes {
-        return status;
+    let result = map_parts(ptr, start, size, handle, &split, flags);
+    if result == CUDA_SUCCESS {
+        note_mapping(accounting, ptr, size, handle, false);
+    } else {
+        forget_mapping(accounting, handle);
     }
-    let Some(map) = real::cuMemMap() else { return status };
-    // The driver is called outside the lock: nothing it calls back can then wait on it.
+    result
+}
+
+/// Maps `start..start + size` of a split allocation at `ptr`: its head's part, then its tail's
+/// (the head's undone when the tail's fails).
+fn map_parts(ptr: u64, start: u64, size: u64, head: u64, split: &Split, flags: u64) -> CUresult {
+    let (Some(map), Some(unmap)) = (real::cuMemMap(), real::cuMemUnmap()) else {
+        return CUDA_ERROR_NOT_SUPPORTED;
+    };
+    let end = start + size;
     let head_mapped = start < split.head_bytes;
     if head_mapped {
         // SAFETY: the application's range, within the head's part of the allocation.
-        let mapped = unsafe { map(ptr, (split.head_bytes - start) as usize, start as usize, handle, flags) };
+        let mapped = unsafe { map(ptr, (split.head_bytes - start) as usize, start as usize, head, flags) };
         if mapped != CUDA_SUCCESS {
             return mapped;
         }
@@ -223,30 +243,29 @@ pub(super) fn map_refused(
     let tail_size = end - start.max(split.head_bytes);
     // SAFETY: the rest of the application's range, within the tail's part of the allocation.
     let mapped = unsafe { map(tail_at, tail_size as usize, tail_from as usize, split.tail, flags) };
-    if mapped != CUDA_SUCCESS {
-        if head_mapped && let Some(unmap) = real::cuMemUnmap() {
-            // SAFETY: the head's mapping made just above.
-            unsafe { unmap(ptr, (split.head_bytes - start) as usize) };
-        }
-        return mapped;
+    if mapped != CUDA_SUCCESS && head_mapped {
+        // SAFETY: the head's mapping made just above.
+        unsafe { unmap(ptr, (split.head_bytes - start) as usize) };
     }
-    note_mapping(accounting, ptr, size, handle);
-    CUDA_SUCCESS
+    mapped
 }
 
 /// A mapping the driver made of `handle` that is not followed as a charged handle: counted when
 /// the handle is a split one (a range within its head, which the driver maps itself).
 pub(super) fn mapped(accounting: Accounting, ptr: CUdeviceptr, size: usize, handle: CUmemGenericAllocationHandle) {
     if accounting.splits().any.load(Ordering::Acquire) {
-        note_mapping(accounting, ptr, size as u64, handle);
+        note_mapping(accounting, ptr, size as u64, handle, true);
     }
 }
 
-fn note_mapping(accounting: Accounting, ptr: u64, size: u64, head: u64) {
+/// Records a mapping of a split allocation (`count`: and counts it, unless counted already).
+fn note_mapping(accounting: Accounting, ptr: u64, size: u64, head: u64, count: bool) {
     let mut state = accounting.splits().state.lock();
     let serial = state.next_serial;
     if let Some(split) = state.by_head.get_mut(&head) {
-        split.mappings = split.mappings.saturating_add(1);
+        if count {
+            split.mappings = split.mappings.saturating_add(1);
+        }
         state.next_serial += 1;
         state.mapped.insert(
             ptr,
@@ -257,6 +276,25 @@ fn note_mapping(accounting: Accounting, ptr: u64, size: u64, head: u64) {
             },
         );
         accounting.vmm().watch_unmaps();
+    }
+}
+
+/// A mapping counted before the driver refused it: uncounted, and the allocation freed when
+/// nothing else holds it.
+fn forget_mapping(accounting: Accounting, head: u64) {
+    let freed = {
+        let mut state = accounting.splits().state.lock();
+        let Some(split) = state.by_head.get_mut(&head) else {
+            return;
+        };
+        split.mappings = split.mappings.saturating_sub(1);
+        if split.mappings > 0 || split.references > 0 {
+            return;
+        }
+        state.by_head.remove(&head)
+    };
+    if let Some(split) = freed {
+        free(accounting, head, split);
     }
 }
 
