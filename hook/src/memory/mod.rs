@@ -10,6 +10,7 @@ mod data;
 mod graphs;
 mod ledger;
 mod location;
+mod mappings;
 mod measure;
 mod pool_sync;
 mod pools;

@@ -20,13 +20,14 @@
 //!   refused with a warning (the allocation works in its own process). Mappings into sparse arrays
 //!   and multicast bindings reach the head only; the driver refuses the tail's offsets there.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::Mutex;
 
 use super::accounting::Accounting;
 use super::ledger::Family;
+use super::mappings::{Mapping, Mappings};
 use super::spill;
 use crate::capture::in_relaxed_capture_mode;
 use crate::hooks::real;
@@ -52,33 +53,11 @@ impl Split {
     }
 }
 
-/// An application's mapping of a split allocation.
-#[derive(Clone, Copy, Debug)]
-pub(super) struct Mapping {
-    bytes: u64,
-    head: u64,
-    /// This mapping's own number: an unmap forgets the mappings it saw before calling the driver,
-    /// not one another thread made at the same address once the driver had unmapped it.
-    serial: u64,
-}
-
 #[derive(Default)]
 struct State {
     by_head: HashMap<u64, Split>,
-    /// The application's mappings of split allocations, by start address.
-    mapped: BTreeMap<u64, Mapping>,
-    next_serial: u64,
-}
-
-impl State {
-    /// The split allocation mapped at `address`, if one is.
-    fn mapped_at(&self, address: u64) -> Option<u64> {
-        self.mapped
-            .range(..=address)
-            .next_back()
-            .filter(|(start, mapping)| address - **start < mapping.bytes)
-            .map(|(_, mapping)| mapping.head)
-    }
+    /// The application's mappings of split allocations, of their heads.
+    mapped: Mappings,
 }
 
 /// This process's split VMM allocations.
@@ -261,20 +240,11 @@ pub(super) fn mapped(accounting: Accounting, ptr: CUdeviceptr, size: usize, hand
 /// Records a mapping of a split allocation (`count`: and counts it, unless counted already).
 fn note_mapping(accounting: Accounting, ptr: u64, size: u64, head: u64, count: bool) {
     let mut state = accounting.splits().state.lock();
-    let serial = state.next_serial;
     if let Some(split) = state.by_head.get_mut(&head) {
         if count {
             split.mappings = split.mappings.saturating_add(1);
         }
-        state.next_serial += 1;
-        state.mapped.insert(
-            ptr,
-            Mapping {
-                bytes: size,
-                head,
-                serial,
-            },
-        );
+        state.mapped.insert(ptr, size, head);
         accounting.vmm().watch_unmaps();
     }
 }
@@ -306,12 +276,7 @@ pub(super) fn mappings_in(accounting: Accounting, ptr: u64, end: u64) -> Vec<(u6
     if !splits.any.load(Ordering::Acquire) {
         return Vec::new();
     }
-    let state = splits.state.lock();
-    state
-        .mapped
-        .range(ptr..end)
-        .map(|(&start, &mapping)| (start, mapping))
-        .collect()
+    splits.state.lock().mapped.within(ptr, end)
 }
 
 /// After that unmap worked: those mappings go, and an allocation the application no longer holds
@@ -324,10 +289,8 @@ pub(super) fn unmapped(accounting: Accounting, unmapped: Vec<(u64, Mapping)>) {
         let mut state = accounting.splits().state.lock();
         let mut freed = Vec::new();
         for (start, mapping) in unmapped {
-            if state.mapped.get(&start).is_some_and(|now| now.serial == mapping.serial) {
-                state.mapped.remove(&start);
-            }
-            let head = mapping.head;
+            state.mapped.forget(start, &mapping);
+            let head = mapping.of;
             let Some(split) = state.by_head.get_mut(&head) else {
                 continue;
             };
@@ -380,7 +343,7 @@ pub(super) fn retained(accounting: Accounting, handle: *mut CUmemGenericAllocati
     }
     let head = {
         let mut state = splits.state.lock();
-        let Some(head) = state.mapped_at(addr) else { return };
+        let Some(head) = state.mapped.at(addr) else { return };
         let Some(split) = state.by_head.get_mut(&head) else {
             return;
         };

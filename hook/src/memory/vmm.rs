@@ -20,13 +20,14 @@
 //! into sparse arrays (`cuMemMapArrayAsync`) are not followed: a handle released while mapped
 //! there is uncharged at its release.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use parking_lot::Mutex;
 
 use super::accounting::{Accounting, accounting};
 use super::ledger::{Charges, Family};
+use super::mappings::{Mapping, Mappings};
 use super::{spill, split};
 use crate::sys::cuda::*;
 
@@ -46,24 +47,13 @@ struct Allocation {
     mappings: u32,
 }
 
-/// A mapping of a followed allocation.
-#[derive(Clone, Copy)]
-struct Mapping {
-    bytes: u64,
-    /// The allocation's id.
-    id: u64,
-    /// This mapping's own number: an unmap forgets the mappings it saw before calling the driver,
-    /// not one another thread made at the same address once the driver had unmapped it.
-    serial: u64,
-}
-
 #[derive(Default)]
 struct State {
     allocations: HashMap<u64, Allocation>,
     /// Followed allocations by their live handle (family, value).
     by_handle: HashMap<(Family, u64), u64>,
-    /// Mappings of followed allocations, by start address.
-    mappings: BTreeMap<u64, Mapping>,
+    /// Mappings of followed allocations, of their ids.
+    mappings: Mappings,
     next_id: u64,
 }
 
@@ -89,15 +79,6 @@ impl State {
         );
         self.by_handle.insert((family, handle), id);
         Some(id)
-    }
-
-    /// The allocation mapped at `address`, if a followed one is.
-    fn mapped_at(&self, address: u64) -> Option<u64> {
-        self.mappings
-            .range(..=address)
-            .next_back()
-            .filter(|(start, mapping)| address - **start < mapping.bytes)
-            .map(|(_, mapping)| mapping.id)
     }
 
     /// Stops following an allocation nothing holds beyond its handle.
@@ -150,14 +131,7 @@ pub fn map(
     match state.follow(accounting, handle) {
         Some(id) => {
             lifetimes.any.store(true, Ordering::Release);
-            let serial = state.next_id;
-            state.next_id += 1;
-            let mapping = Mapping {
-                bytes: size as u64,
-                id,
-                serial,
-            };
-            state.mappings.insert(ptr, mapping);
+            state.mappings.insert(ptr, size as u64, id);
             if let Some(allocation) = state.allocations.get_mut(&id) {
                 allocation.mappings = allocation.mappings.saturating_add(1);
             }
@@ -185,10 +159,10 @@ pub fn unmap(call: impl FnOnce() -> CUresult, ptr: CUdeviceptr, size: usize) -> 
     // count it).
     let (unmapping, freeing): (Vec<(u64, Mapping)>, Vec<usize>) = {
         let state = lifetimes.state.lock();
-        let unmapping: Vec<(u64, Mapping)> = state.mappings.range(ptr..end).map(|(&start, &m)| (start, m)).collect();
+        let unmapping = state.mappings.within(ptr, end);
         let mut in_range: HashMap<u64, u32> = HashMap::new();
         for (_, mapping) in &unmapping {
-            *in_range.entry(mapping.id).or_default() += 1;
+            *in_range.entry(mapping.of).or_default() += 1;
         }
         let freeing = in_range
             .into_iter()
@@ -212,14 +186,8 @@ pub fn unmap(call: impl FnOnce() -> CUresult, ptr: CUdeviceptr, size: usize) -> 
         let mut state = lifetimes.state.lock();
         let mut freed = Vec::new();
         for (start, mapping) in unmapping {
-            if state
-                .mappings
-                .get(&start)
-                .is_some_and(|now| now.serial == mapping.serial)
-            {
-                state.mappings.remove(&start);
-            }
-            let id = mapping.id;
+            state.mappings.forget(start, &mapping);
+            let id = mapping.of;
             let Some(allocation) = state.allocations.get_mut(&id) else {
                 continue;
             };
@@ -263,7 +231,7 @@ pub fn retain(
     let value = unsafe { handle.read() };
     let Some(accounting) = accounting() else { return result };
     let mut state = accounting.vmm().state.lock();
-    let Some(id) = state.mapped_at(addr as u64) else {
+    let Some(id) = state.mappings.at(addr as u64) else {
         drop(state);
         split::retained(accounting, handle, value, addr as u64);
         return result;
