@@ -109,6 +109,17 @@ static size_t vmm_size(unsigned long long key) {
     return 0;
 }
 
+// Pinned memory on the current context's device, as `vmm` and `vmmmapfirst` ask for it.
+static CUresult pinned_on_current_device(CUmemAllocationProp *prop) {
+    CUdevice device = 0;
+    memset(prop, 0, sizeof *prop);
+    prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    CUresult status = cuCtxGetDevice(&device);
+    prop->location.id = device;
+    return status;
+}
+
 struct other_async {
     CUcontext context;
     size_t bytes;
@@ -138,19 +149,14 @@ int main(void) {
         if (common_command(command, number)) {
             // answered
         } else if (strcmp(command, "vmm") == 0 || strcmp(command, "vmmxla") == 0) {
-            CUdevice device = 0;
             CUmemGenericAllocationHandle handle = 0;
             CUmemAllocationProp prop;
-            memset(&prop, 0, sizeof prop);
-            prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-            prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+            CUresult status = pinned_on_current_device(&prop);
             if (strcmp(command, "vmmxla") == 0) {
                 prop.allocFlags.gpuDirectRDMACapable = 1;
                 prop.requestedHandleTypes =
                     (CUmemAllocationHandleType)(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR | CU_MEM_HANDLE_TYPE_FABRIC);
             }
-            CUresult status = cuCtxGetDevice(&device);
-            prop.location.id = device;
             if (status == CUDA_SUCCESS) status = cuMemCreate(&handle, (size_t)number, &prop, 0);
             if (status == CUDA_SUCCESS) vmm_remember((unsigned long long)handle, (size_t)number);
             printf("%s %d %llu\n", command, (int)status, (unsigned long long)handle);
@@ -180,15 +186,10 @@ int main(void) {
             if (status == CUDA_SUCCESS) vmm_remember((unsigned long long)p, size);
             printf("vmmmap %d %llu\n", (int)status, (unsigned long long)p);
         } else if (strcmp(command, "vmmmapfirst") == 0) {
-            CUdevice device = 0;
             CUdeviceptr p = 0;
             size_t granule = 0;
             CUmemAllocationProp prop;
-            memset(&prop, 0, sizeof prop);
-            prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-            prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-            CUresult status = cuCtxGetDevice(&device);
-            prop.location.id = device;
+            CUresult status = pinned_on_current_device(&prop);
             if (status == CUDA_SUCCESS)
                 status = cuMemGetAllocationGranularity(&granule, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
             if (status == CUDA_SUCCESS) status = cuMemAddressReserve(&p, granule, 0, 0, 0);

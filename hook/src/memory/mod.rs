@@ -1,7 +1,8 @@
 //! Device memory accounting: every allocation path charged to the container's shared region
 //! before the driver is called, every free released, and memory queries answered for the virtual
 //! device. `cuda-api.toml` routes the entry points to the handlers of [`data`], [`pools`],
-//! [`contexts`], [`vmm`] and [`queries`], built on [`charge`], [`pool_sync`] and [`measure`].
+//! [`contexts`], [`vmm`], [`split`] and [`queries`], built on [`charge`], [`pool_sync`],
+//! [`mappings`] and [`measure`].
 
 mod accounting;
 mod charge;
