@@ -6,6 +6,9 @@
 # - torch: a bf16 AdamW training loop of about 1.25, 1.5 and 2 times FREE_GIB (FACTORS) under a
 #   limit of that size with CUDA_OVERSUBSCRIBE=true, and at 1.5 without it (PyTorch's
 #   out-of-memory error expected);
+# - torch-expandable: the training loop at 1.5 with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+#   (PyTorch's allocator maps VMM pages, which the library makes in host memory or splits when the
+#   device has no room), alone and beside the other process;
 # - cupy, jax: the same with tests/gpu/elastic_cupy.py (1 GiB arrays, each step reads and writes
 #   all of them) and tests/gpu/elastic_jax.py (JAX with its defaults, sized to 70% of the limit);
 # - jax-grow: the JAX job beside the other process with XLA_PYTHON_CLIENT_PREALLOCATE=false (XLA
@@ -29,7 +32,7 @@ report="$out/elastic.txt"; : > "$report"
 free_gib="${FREE_GIB:-8}"
 steps="${STEPS:-6}"
 factors="${FACTORS:-1.25 1.5 2}"
-parts="${PARTS:-torch cupy jax jax-grow vmm cold hot moves}"
+parts="${PARTS:-torch torch-expandable cupy jax jax-grow vmm cold hot moves}"
 library="$root/.device/libvgpu.so"; smi="$root/.device/vgpu-smi"
 export PYTHONUNBUFFERED=1
 log() { echo "$@" | tee -a "$report"; }
@@ -79,6 +82,8 @@ for factor in $factors; do
   part jax && job "alone x$factor" none unset "" "$jax" "$(gib_of "$(jax_share "$factor")" 0)" "$steps"
 done
 part vmm && job "alone" none unset "" "$vmm" "$(gib_of 1.5 0)" "$steps"
+part torch-expandable && PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True job "alone x1.5, expandable segments" \
+  none unset "" "$train" "$(gib_of 1.5 -2)" "$steps"
 part cold && job "cold alone" none unset "" "$cupy" device "$(gib_of 0.8 0)" "$(gib_of 1.2 0)" "$steps"
 part hot && job "hot alone" none unset "" "$cupy" device "$(gib_of 1.5 0)" 0 "$steps"
 total_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
@@ -95,6 +100,8 @@ for factor in $factors; do
     "$(limit_of "$factor")" true "" "$jax" "$(gib_of "$(jax_share "$factor")" 0)" "$steps"
 done
 part vmm && job "shared x2" "$(limit_of 2)" true "" "$vmm" "$(gib_of 1.5 0)" "$steps"
+part torch-expandable && PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True job "shared x1.5, expandable segments" \
+  "$(limit_of 1.5)" true "" "$train" "$(gib_of 1.5 -2)" "$steps"
 part vmm && job "shared x2, no variable" "$(limit_of 2)" unset "" "$vmm" "$(gib_of 1.5 0)" "$steps"
 part torch && job "shared x1.5, no variable" "$(limit_of 1.5)" unset "" "$train" "$(gib_of 1.5 -2)" "$steps"
 part cupy && job "shared x1.5, no variable" "$(limit_of 1.5)" unset "" "$cupy" device "$(gib_of 1.5 -1)" 0 "$steps"
