@@ -17,42 +17,22 @@ import os
 import sys
 import time
 
+from cuda_vmm import (  # beside this script
+    LOC_DEVICE,
+    LOC_HOST,
+    LOC_HOST_NUMA,
+    MINIMUM,
+    PINNED,
+    READ_WRITE,
+    AccessDesc,
+    Location,
+    Prop,
+    cuda,
+    u64,
+)
+
 GIB = float(sys.argv[1]) if len(sys.argv) > 1 else 4.0
 PASSES = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-
-cuda = ctypes.CDLL("libcuda.so.1")
-u64 = ctypes.c_uint64
-
-
-class Location(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class AllocFlags(ctypes.Structure):
-    _fields_ = [
-        ("compressionType", ctypes.c_ubyte),
-        ("gpuDirectRDMACapable", ctypes.c_ubyte),
-        ("usage", ctypes.c_ushort),
-        ("reserved", ctypes.c_ubyte * 4),
-    ]
-
-
-class Prop(ctypes.Structure):
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("requestedHandleTypes", ctypes.c_int),
-        ("location", Location),
-        ("win32HandleMetaData", ctypes.c_void_p),
-        ("allocFlags", AllocFlags),
-    ]
-
-
-class AccessDesc(ctypes.Structure):
-    _fields_ = [("location", Location), ("flags", ctypes.c_int)]
-
-
-PINNED, READ_WRITE, MINIMUM = 1, 3, 0
-LOC_DEVICE, LOC_HOST, LOC_HOST_NUMA = 1, 2, 3
 ATTR_HOST_NUMA_ID = 134
 ADVISE_SET_PREFERRED_LOCATION, ADVISE_SET_ACCESSED_BY = 3, 5
 MEM_ATTACH_GLOBAL = 1

@@ -13,41 +13,11 @@ import ctypes
 import sys
 import time
 
+from cuda_vmm import LOC_DEVICE as DEVICE  # beside this script
+from cuda_vmm import MINIMUM, PINNED, POSIX_FD, READ_WRITE, AccessDesc, Location, Prop, cuda, u64
+
 GIB = float(sys.argv[1])
 PASSES = int(sys.argv[2]) if len(sys.argv) > 2 else 4
-
-cuda = ctypes.CDLL("libcuda.so.1")
-u64 = ctypes.c_uint64
-
-
-class Location(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class AllocFlags(ctypes.Structure):
-    _fields_ = [
-        ("compressionType", ctypes.c_ubyte),
-        ("gpuDirectRDMACapable", ctypes.c_ubyte),
-        ("usage", ctypes.c_ushort),
-        ("reserved", ctypes.c_ubyte * 4),
-    ]
-
-
-class Prop(ctypes.Structure):
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("requestedHandleTypes", ctypes.c_int),
-        ("location", Location),
-        ("win32HandleMetaData", ctypes.c_void_p),
-        ("allocFlags", AllocFlags),
-    ]
-
-
-class AccessDesc(ctypes.Structure):
-    _fields_ = [("location", Location), ("flags", ctypes.c_int)]
-
-
-PINNED, DEVICE, POSIX_FD, READ_WRITE, MINIMUM = 1, 1, 1, 3, 0
 
 
 def check(name, status, expected=0):
